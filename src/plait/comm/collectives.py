@@ -1,0 +1,150 @@
+"""Autograd functions around collectives: each names its forward and its backward.
+
+These are the conjugate pairs of Megatron-style tensor parallelism:
+
+=====================  =====================  ==========================
+function               forward                backward
+=====================  =====================  ==========================
+copy_to_tp  (f)        identity               all-reduce
+reduce_from_tp (g)     all-reduce             identity
+scatter_to_tp          split along dim        all-gather along dim
+gather_from_tp         all-gather along dim   split along dim
+gather_from_sp         all-gather along seq   reduce-scatter along seq
+reduce_scatter_to_sp   reduce-scatter seq     all-gather along seq
+all_reduce_grad        identity               all-reduce over any group
+scale_grad             identity               multiply by a constant
+=====================  =====================  ==========================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.comm import primitives as P
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce the gradient over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        P.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        P.all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Forward: keep this rank's chunk along ``dim``. Backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return P.split_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return P.all_gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward: all-gather along ``dim``. Backward: keep this rank's chunk along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return P.all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return P.split_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """Forward: all-gather the sequence shards. Backward: reduce-scatter along the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return P.all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return P.reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Forward: reduce-scatter along the sequence. Backward: all-gather along the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return P.reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return P.all_gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Forward: identity. Backward: multiply the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if P.group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if P.group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x if P.group_size(group) == 1 else _ScatterToTP.apply(x, dim, group)
+
+
+def gather_from_tp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x if P.group_size(group) == 1 else _GatherFromTP.apply(x, dim, group)
+
+
+def gather_from_sp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x if P.group_size(group) == 1 else _GatherFromSP.apply(x, dim, group)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x if P.group_size(group) == 1 else _ReduceScatterToSP.apply(x, dim, group)
+
+
+def all_reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity whose backward sums the gradient over ``group`` (KV-shared groups, SP norms)."""
+    return copy_to_tp(x, group)
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)

@@ -1,0 +1,262 @@
+"""The parallel mesh: one explicit object that maps ranks to grid coordinates and owns every group.
+
+Ranks form a grid with axes ``(pp, dp, cp, tp)``. The default layout is row-major with TP
+fastest, so the ranks of one TP group are consecutive and, with the usual ``torchrun`` rank
+assignment, sit on one node where the fastest links are. A hardware-specific ring order is
+expressed by passing another :class:`RankLayout`.
+
+There is no module-global state: every function that needs a group receives the mesh (or the
+group itself). The mesh also builds the *KV-shared* groups used by KV replication: within a TP
+group of size ``T`` whose K/V projections run at degree ``T / m``, the ``m`` ranks holding the
+same K/V shard form one KV-shared group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch.distributed as dist
+
+from plait.comm.primitives import GroupInfo
+
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+KV_PLACEMENTS = ("interleaved", "adjacent")
+
+
+class MeshError(ValueError):
+    """A parallel layout that cannot be built (degrees that do not fit the world size, ...)."""
+
+
+class RankLayout(Protocol):
+    """Strategy that decides which global rank sits at each grid coordinate.
+
+    ``rank_of(coord, degrees)`` returns the global rank at ``coord`` (a dict axis -> index) for the
+    grid ``degrees`` (a dict axis -> size). It must be a bijection onto ``range(world)``.
+    """
+
+    def rank_of(self, coord: dict[str, int], degrees: dict[str, int]) -> int: ...
+
+
+@dataclass(frozen=True)
+class RowMajorLayout:
+    """Row-major over an axis order (default ``pp, dp, cp, tp``: the last axis varies fastest)."""
+
+    order: tuple[str, ...] = AXES
+
+    def rank_of(self, coord: dict[str, int], degrees: dict[str, int]) -> int:
+        rank = 0
+        for axis in self.order:
+            rank = rank * degrees[axis] + coord[axis]
+        return rank
+
+
+def kv_shard_of_tp_rank(tp_rank: int, tp: int, kv_replication: int, placement: str) -> tuple[int, int]:
+    """Return ``(kv_shard, replica)`` of a TP rank when K/V run at degree ``tp / kv_replication``.
+
+    ``interleaved``: the K/V shards repeat around the TP group (rank r holds shard ``r % (T/m)``),
+    which is what a replicated-then-sharded weight gives and needs a Q-head permutation on import.
+    ``adjacent``: the ``m`` replicas of a shard are neighbouring ranks (shard ``r // m``).
+    """
+    kv_degree = tp // kv_replication
+    if placement == "interleaved":
+        return tp_rank % kv_degree, tp_rank // kv_degree
+    if placement == "adjacent":
+        return tp_rank // kv_replication, tp_rank % kv_replication
+    raise MeshError(f"kv_placement={placement!r} is not valid; choose one of {KV_PLACEMENTS}")
+
+
+class ParallelMesh:
+    """Rank grid ``[pp, dp, cp, tp]`` with its process groups, built once.
+
+    Args:
+        world_size: total number of ranks; ``dp`` is derived from it when not given.
+        rank: this process's global rank.
+        tp, pp, dp, cp: parallel degrees.
+        kv_replication: ``m``, the number of TP ranks that hold the same K/V heads (1 = none).
+        kv_placement: ``"interleaved"`` or ``"adjacent"`` placement of the K/V replicas.
+        layout: the rank-layout strategy (default row-major, TP fastest).
+        create_groups: build ``torch.distributed`` groups (needs an initialised default group);
+            ``False`` gives a pure rank-arithmetic mesh, useful for planning and tests.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int = 0,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        cp: int = 1,
+        kv_replication: int = 1,
+        kv_placement: str = "interleaved",
+        layout: RankLayout | None = None,
+        create_groups: bool = True,
+    ) -> None:
+        _check_positive(world_size=world_size, tp=tp, pp=pp, cp=cp, kv_replication=kv_replication)
+        if dp is None:
+            denom = tp * pp * cp
+            if world_size % denom:
+                raise MeshError(
+                    f"world_size={world_size} is not divisible by tp*pp*cp={tp}*{pp}*{cp}={denom}; "
+                    f"choose degrees whose product divides {world_size}"
+                )
+            dp = world_size // denom
+        _check_positive(dp=dp)
+        if tp * pp * dp * cp != world_size:
+            raise MeshError(
+                f"tp*pp*dp*cp = {tp}*{pp}*{dp}*{cp} = {tp * pp * dp * cp} does not equal "
+                f"world_size={world_size}; the degrees must multiply to the world size"
+            )
+        if tp % kv_replication:
+            valid = [m for m in range(1, tp + 1) if tp % m == 0]
+            raise MeshError(
+                f"kv_replication={kv_replication} does not divide tp={tp}; valid values: {valid}"
+            )
+        if kv_placement not in KV_PLACEMENTS:
+            raise MeshError(f"kv_placement={kv_placement!r} is not valid; choose one of {KV_PLACEMENTS}")
+        if not 0 <= rank < world_size:
+            raise MeshError(f"rank={rank} is outside [0, world_size={world_size})")
+
+        self.world_size = world_size
+        self.rank = rank
+        self.degrees: dict[str, int] = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        self.kv_replication = kv_replication
+        self.kv_placement = kv_placement
+        self.layout: RankLayout = layout or RowMajorLayout()
+
+        self._rank_at: dict[tuple[int, ...], int] = {}
+        for coord in itertools.product(*(range(self.degrees[a]) for a in AXES)):
+            r = self.layout.rank_of(dict(zip(AXES, coord)), self.degrees)
+            self._rank_at[coord] = r
+        if sorted(self._rank_at.values()) != list(range(world_size)):
+            raise MeshError(f"rank layout {self.layout!r} is not a bijection onto range({world_size})")
+        self._coord_of = {r: c for c, r in self._rank_at.items()}
+
+        self._groups: dict[str, object] = {}
+        if create_groups:
+            self._build_groups()
+
+    # ----------------------------------------------------------------- rank arithmetic
+    @property
+    def tp(self) -> int:
+        return self.degrees["tp"]
+
+    @property
+    def pp(self) -> int:
+        return self.degrees["pp"]
+
+    @property
+    def dp(self) -> int:
+        return self.degrees["dp"]
+
+    @property
+    def cp(self) -> int:
+        return self.degrees["cp"]
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """Grid coordinates of ``rank`` (default: this rank) as ``{axis: index}``."""
+        return dict(zip(AXES, self._coord_of[self.rank if rank is None else rank]))
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords()["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords()["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords()["dp"]
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """All groups along ``axis`` (or ``"kv"`` for KV-shared groups), each a list of ranks."""
+        if axis == "kv":
+            return self._kv_group_ranks()
+        if axis not in AXES:
+            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv',)}")
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for fixed in itertools.product(*(range(self.degrees[a]) for a in others)):
+            base = dict(zip(others, fixed))
+            groups.append(
+                [self._rank_at[tuple({**base, axis: i}[a] for a in AXES)] for i in range(self.degrees[axis])]
+            )
+        return sorted(groups)
+
+    def _kv_group_ranks(self) -> list[list[int]]:
+        groups = []
+        for tp_group in self.group_ranks("tp"):
+            by_shard: dict[int, list[int]] = {}
+            for tp_rank, r in enumerate(tp_group):
+                shard, _ = kv_shard_of_tp_rank(tp_rank, self.tp, self.kv_replication, self.kv_placement)
+                by_shard.setdefault(shard, []).append(r)
+            groups.extend(by_shard.values())
+        return sorted(groups)
+
+    def my_group_ranks(self, axis: str) -> list[int]:
+        """The ranks of this rank's group along ``axis`` (``"kv"`` for its KV-shared group)."""
+        for g in self.group_ranks(axis):
+            if self.rank in g:
+                return g
+        raise AssertionError("every rank belongs to exactly one group per axis")
+
+    # ----------------------------------------------------------------- process groups
+    def _build_groups(self) -> None:
+        if not dist.is_initialized():
+            raise MeshError("create_groups=True needs torch.distributed to be initialised first")
+        if dist.get_world_size() != self.world_size:
+            raise MeshError(
+                f"world_size={self.world_size} does not match the initialised process group "
+                f"({dist.get_world_size()} ranks)"
+            )
+        # Every rank must create every group in the same order (a torch.distributed rule).
+        for axis in AXES + ("kv",):
+            mine = None
+            for ranks in self.group_ranks(axis):
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+            self._groups[axis] = mine
+
+    def group(self, axis: str):
+        """This rank's process group along ``axis`` (``"tp"``, ``"dp"``, ``"pp"``, ``"cp"``, ``"kv"``)."""
+        if not self._groups:
+            raise MeshError("this mesh was built with create_groups=False; it has no process groups")
+        return self._groups[axis]
+
+    def info(self, axis: str) -> GroupInfo:
+        """This rank's group along ``axis`` with its rank and size in it (group may be ``None``)."""
+        ranks = self.my_group_ranks(axis)
+        group = self._groups.get(axis) if len(ranks) > 1 else None
+        return GroupInfo(group, ranks.index(self.rank), len(ranks))
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def kv_group(self):
+        return self.group("kv")
+
+    def __repr__(self) -> str:
+        d = self.degrees
+        return (
+            f"ParallelMesh(world={self.world_size}, rank={self.rank}, pp={d['pp']}, dp={d['dp']}, "
+            f"cp={d['cp']}, tp={d['tp']}, kv_replication={self.kv_replication}, "
+            f"kv_placement={self.kv_placement!r})"
+        )
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise MeshError(f"{name}={value!r} must be a positive integer")
+
+
+def single_process_mesh() -> ParallelMesh:
+    """A 1-rank mesh without process groups, for the unsharded reference model."""
+    return ParallelMesh(1, 0, create_groups=False)

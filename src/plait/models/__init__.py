@@ -1,0 +1,1 @@
+"""Model definitions. Model files hold no distributed code; see ``<model>/parallelize.py``."""

@@ -1,0 +1,215 @@
+"""A Llama-family decoder written for clarity and speed, with no distributed code.
+
+Parameter names equal Hugging Face's ``LlamaForCausalLM`` names, so state dicts map one to one.
+Tensor parallelism is applied afterwards by :func:`plait.models.llama.parallelize.parallelize`,
+which swaps submodules for parallel ones; the forward functions here are written so that the
+swapped modules slot in (attention projects q/k/v through one method, the output head goes
+through a loss module that the parallel plan can replace).
+
+The model is traceable by ``torch.fx`` with :class:`LlamaDecoderLayer` as a leaf module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.models.llama.config import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, scaled by a learned weight (Llama's ``LlamaRMSNorm``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse rotary frequencies, including Llama 3's long-context frequency scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_type != "llama3":
+        return inv_freq
+    s = config.rope_scaling
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces the cos/sin tables for a sequence; the frequencies are a non-persistent buffer."""
+
+    def __init__(self, config: LlamaConfig, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the frequency table (after materialising a model built on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+
+    def forward(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate ``q`` and ``k`` of shape ``[batch, heads, seq, head_dim]``."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin) -> torch.Tensor:
+    """Rotary + causal grouped-query attention on ``[batch, seq, heads*head_dim]`` projections.
+
+    The head counts are read from the shapes (``head_dim`` from the rotary table), so the same
+    function serves the full model and a tensor-parallel shard holding a subset of the heads.
+    Returns ``[batch, seq, q_heads*head_dim]``.
+    """
+    b, s, _ = q.shape
+    hd = cos.shape[-1]
+    q = q.view(b, s, -1, hd).transpose(1, 2)
+    k = k.view(b, s, -1, hd).transpose(1, 2)
+    v = v.view(b, s, -1, hd).transpose(1, 2)
+    q, k = apply_rotary(q, k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        nq, nkv = config.num_attention_heads, config.num_key_value_heads
+        kw = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(h, nq * hd, bias=config.attention_bias, **kw)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=config.attention_bias, **kw)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=config.attention_bias, **kw)
+        self.o_proj = nn.Linear(nq * hd, h, bias=config.o_proj_bias, **kw)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        return self.o_proj(causal_attention(q, k, v, cos, sin))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        kw = {"device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(h, i, bias=bias, **kw)
+        self.up_proj = nn.Linear(h, i, bias=bias, **kw)
+        self.down_proj = nn.Linear(i, h, bias=bias, **kw)
+
+    def project_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_proj(x), self.up_proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.project_in(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.self_attn = LlamaAttention(config, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.mlp = LlamaMLP(config, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLMOutput(nn.Module):
+    """Turns output-head logits into the next-token loss (when labels are given) or full logits.
+
+    ``labels`` are aligned with ``input_ids`` (position t predicts ``labels[t+1]``); positions
+    labelled ``ignore_index`` do not count. The loss is the mean over counted tokens.
+    The tensor-parallel plan replaces this module with a vocab-parallel one.
+    """
+
+    def __init__(self, vocab_size: int, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.ignore_index = ignore_index
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return logits
+        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+        shift_labels = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(shift_logits, shift_labels, ignore_index=self.ignore_index)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, **kw) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.rotary_emb = RotaryEmbedding(config, device=device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(h, input_ids.shape[1])
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus output head. ``forward(ids)`` gives logits; ``forward(ids, labels)`` the loss."""
+
+    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        self.model = LlamaModel(config, **kw)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.output = CausalLMOutput(config.vocab_size)
+
+    def tie_weights(self) -> None:
+        """Re-tie the output head to the embedding (needed after ``to_empty`` or module swaps)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(self.lm_head(self.model(input_ids)), labels)

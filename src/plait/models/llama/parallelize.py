@@ -1,0 +1,123 @@
+"""The tensor-parallel plan of the Llama model.
+
+Order of application (fixed; later issues add their steps after these):
+
+1. TP/SP swap: embedding -> vocab-parallel; per block, attention -> :class:`ParallelSelfAttention`
+   (head layout with KV replication and padding), MLP -> :class:`ParallelGatedMLP`, norms ->
+   sequence-parallel norms when SP is on; final norm likewise; output head -> column-parallel
+   over the (padded) vocabulary, and the loss -> vocab-parallel cross-entropy.
+2. Re-tie the output head to the embedding when the config ties them.
+
+Works on a model on the meta device (nothing is allocated; see :mod:`plait.materialize`) or on
+a model with real weights, whose full tensors are then cut into this rank's shards, so a
+reference model can be turned into its sharded twin for parity tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.mesh import ParallelMesh
+from plait.models.llama.model import LlamaForCausalLM, causal_attention
+from plait.parallel_state import shard_specs
+from plait.tensor_parallel import (
+    ColumnParallelLinear,
+    HeadLayout,
+    ParallelGatedMLP,
+    ParallelSelfAttention,
+    SequenceParallelRMSNorm,
+    VocabParallelCausalLMOutput,
+    VocabParallelEmbedding,
+)
+from plait.tensor_parallel.linear import even_rows
+
+
+def head_layout_for(model: LlamaForCausalLM, mesh: ParallelMesh) -> HeadLayout:
+    c = model.config
+    return HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, mesh.tp,
+                           mesh.kv_replication if mesh.kv_replication > 1 else None, mesh.kv_placement)
+
+
+def kv_replication_for(config, tp: int, requested: int | None = None) -> int:
+    """The KV replication factor a mesh needs for ``config`` at degree ``tp`` (validated)."""
+    return HeadLayout.plan(config.num_attention_heads, config.num_key_value_heads, config.head_dim, tp,
+                           requested).kv_replication
+
+
+def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_parallel: bool = False) -> LlamaForCausalLM:
+    """Swap in tensor-parallel modules for ``mesh``'s TP group, in place; returns the model.
+
+    The KV replication factor is ``mesh.kv_replication`` when it is above 1, otherwise chosen
+    automatically (the smallest that needs no padding). The resolved head layout is stored as
+    ``model.head_layout``.
+    """
+    c = model.config
+    tp, kv = mesh.info("tp"), mesh.info("kv")
+    layout = head_layout_for(model, mesh)
+    if layout.kv_replication != mesh.kv_replication:
+        raise ValueError(
+            f"tp={mesh.tp} with num_attention_heads={c.num_attention_heads} and num_key_value_heads="
+            f"{c.num_key_value_heads} places K/V heads with kv_replication={layout.kv_replication}, but the "
+            f"mesh was built with kv_replication={mesh.kv_replication}; build the mesh with "
+            f"kv_replication={layout.kv_replication} (see plait.models.llama.parallelize.kv_replication_for)"
+        )
+    if c.intermediate_size % mesh.tp:
+        raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={mesh.tp}; "
+                         f"choose a tp that divides it")
+    sp = sequence_parallel and tp.size > 1
+    source = {} if _on_meta(model) else {k: v.detach() for k, v in model.state_dict().items()}
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    kw = {"device": "meta", "dtype": dtype}
+
+    inner = model.model
+    inner.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp, sequence_parallel=sp, **kw)
+    for block in inner.layers:
+        block.self_attn = ParallelSelfAttention(c.hidden_size, layout, tp, kv, causal_attention,
+                                                qkv_bias=c.attention_bias, o_bias=c.o_proj_bias,
+                                                sequence_parallel=sp, **kw)
+        block.mlp = ParallelGatedMLP(c.hidden_size, c.intermediate_size, tp, bias=c.mlp_bias,
+                                     sequence_parallel=sp, **kw)
+        if sp:
+            block.input_layernorm = SequenceParallelRMSNorm(c.hidden_size, c.rms_norm_eps, tp, **kw)
+            block.post_attention_layernorm = SequenceParallelRMSNorm(c.hidden_size, c.rms_norm_eps, tp, **kw)
+    if sp:
+        inner.norm = SequenceParallelRMSNorm(c.hidden_size, c.rms_norm_eps, tp, **kw)
+    model.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, tp, sequence_parallel=sp,
+                                         rows=even_rows(c.vocab_size, tp, pad_to_multiple=True), **kw)
+    model.output = VocabParallelCausalLMOutput(c.vocab_size, tp)
+    model.tie_weights()
+    model.head_layout = layout
+    model.tensor_parallel = tp
+    model.sequence_parallel = sp
+
+    if device.type != "meta":
+        _load_from_full(model, source, device)
+    return model
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return next(model.parameters()).device.type == "meta"
+
+
+@torch.no_grad()
+def _load_from_full(model: LlamaForCausalLM, full: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Allocate the new modules on ``device`` and cut each parameter from the full tensors."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    reset_buffers(model)
+    specs = shard_specs(model)
+    for name, p in model.named_parameters():
+        src = full[name].to(device)
+        p.copy_(specs[name].shard(src) if name in specs else src)
+
+
+def reset_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary tables, head masks) after ``to_empty``."""
+    for m in model.modules():
+        if m is not model and hasattr(m, "reset_buffers"):
+            m.reset_buffers()
+
+
+__all__ = ["parallelize", "head_layout_for", "kv_replication_for", "reset_buffers"]

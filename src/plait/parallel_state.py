@@ -1,0 +1,53 @@
+"""Model-wide views of sharding: which parameters are sharded how, and the full state dict.
+
+These functions work on any model built from plait's parallel layers: every module that shards
+a parameter exposes ``shard_specs() -> {param_name: ShardSpec}``; parameters without a spec are
+replicated over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.comm.primitives import GroupInfo
+from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
+
+
+def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
+    """``{fully qualified parameter name: ShardSpec}`` for every sharded parameter.
+
+    Tied parameters are reported under the name ``named_parameters`` uses (the first owner).
+    """
+    specs: dict[str, ShardSpec] = {}
+    owners = {id(p): name for name, p in model.named_parameters()}
+    for mod_name, module in model.named_modules():
+        get = getattr(module, "shard_specs", None)
+        if get is None:
+            continue
+        for pname, spec in get().items():
+            param = getattr(module, pname)
+            specs[owners[id(param)]] = spec
+    return specs
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, tp: GroupInfo) -> dict[str, torch.Tensor]:
+    """Every parameter as its full, unpadded tensor (on every rank), gathered over the TP group."""
+    specs = shard_specs(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        spec = specs.get(name)
+        if spec is None:
+            out[name] = p.detach().clone()
+            continue
+        if tp.size == 1:
+            all_specs, all_locals = [spec], [p.detach()]
+        else:
+            all_specs = [None] * tp.size
+            dist.all_gather_object(all_specs, spec, group=tp.group)
+            all_locals = [torch.empty_like(p) for _ in range(tp.size)]
+            dist.all_gather(all_locals, p.detach().contiguous(), group=tp.group)
+        out[name] = assemble_from_shards(all_specs, all_locals)
+    return out

@@ -1,0 +1,18 @@
+"""Tensor-parallel layers (Megatron-style), KV replication and head padding."""
+
+from plait.tensor_parallel.attention import ParallelSelfAttention
+from plait.tensor_parallel.column_matmul import column_parallel_matmul
+from plait.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from plait.tensor_parallel.embedding import VocabParallelEmbedding
+from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
+from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from plait.tensor_parallel.mlp import ParallelGatedMLP
+from plait.tensor_parallel.norm import SequenceParallelRMSNorm
+from plait.tensor_parallel.output import VocabParallelCausalLMOutput
+from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
+
+__all__ = [
+    "ColumnParallelLinear", "HeadLayout", "HeadLayoutError", "ParallelGatedMLP", "ParallelSelfAttention",
+    "RowParallelLinear", "SequenceParallelRMSNorm", "ShardSpec", "VocabParallelCausalLMOutput",
+    "VocabParallelEmbedding", "assemble_from_shards", "column_parallel_matmul", "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,76 @@
+"""Tensor-parallel grouped-query self-attention with KV replication and head padding.
+
+Each rank holds the query heads and K/V heads named by a :class:`HeadLayout`. The q/k/v
+projections share one gathered input and one input-gradient reduction (see
+:mod:`plait.tensor_parallel.column_matmul`). With KV replication factor ``m > 1``:
+
+* replicas of a K/V head start identical (they are cut from the same full weight);
+* the K/V output gradients are summed over the KV-shared group, so every replica computes the
+  full weight gradient of its heads and replicas stay identical after any optimizer step;
+* the K/V share of the input gradient is divided by ``m``: it is computed identically on all
+  ``m`` replicas and then summed over the TP group, which would count it ``m`` times.
+
+Padding heads (zero weights) have their attention output masked to zero before ``o_proj``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from plait.comm import collectives as C
+from plait.comm.primitives import GroupInfo
+from plait.tensor_parallel.column_matmul import column_parallel_matmul
+from plait.tensor_parallel.heads import HeadLayout
+from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+class ParallelSelfAttention(nn.Module):
+    def __init__(self, hidden_size: int, layout: HeadLayout, tp: GroupInfo, kv: GroupInfo,
+                 attention_fn: AttentionFn, *, qkv_bias: bool = False, o_bias: bool = False, sequence_parallel: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.layout, self.tp, self.kv, self.attention_fn = layout, tp, kv, attention_fn
+        self.sequence_parallel = sequence_parallel
+        hd, r = layout.head_dim, tp.rank
+        kw = {"bias": qkv_bias, "device": device, "dtype": dtype}
+        self.q_proj = ColumnParallelLinear(hidden_size, layout.num_heads * hd, tp, rows=layout.q_rows(r), **kw)
+        self.k_proj = ColumnParallelLinear(hidden_size, layout.num_kv_heads * hd, tp, rows=layout.kv_rows(r), **kw)
+        self.v_proj = ColumnParallelLinear(hidden_size, layout.num_kv_heads * hd, tp, rows=layout.kv_rows(r), **kw)
+        self.o_proj = RowParallelLinear(layout.num_heads * hd, hidden_size, tp, cols=layout.q_rows(r), bias=o_bias,
+                                        sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        mask = torch.tensor(layout.real_q_mask(r), dtype=torch.float32).repeat_interleave(hd)
+        self.register_buffer("head_mask", None if bool(mask.all()) else mask.to(device), persistent=False)
+        self._kv_scale = 1.0 / layout.kv_replication
+
+    def reset_buffers(self) -> None:
+        """Rebuild the padding mask (after materialising from the meta device)."""
+        if self.head_mask is not None:
+            mask = torch.tensor(self.layout.real_q_mask(self.tp.rank), dtype=torch.float32)
+            self.head_mask = mask.repeat_interleave(self.layout.head_dim).to(self.head_mask.device)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = column_parallel_matmul(
+            x, [m.weight for m in p], [m.bias for m in p], self.tp.group,
+            sequence_parallel=self.sequence_parallel, input_grad_scales=(1.0, self._kv_scale, self._kv_scale))
+        if self.layout.kv_replication > 1:
+            k = C.all_reduce_grad(k, self.kv.group)
+            v = C.all_reduce_grad(v, self.kv.group)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        out = self.attention_fn(q, k, v, cos, sin)
+        if self.head_mask is not None:
+            out = out * self.head_mask.to(out.dtype)
+        return self.o_proj(out)
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (f"heads={lay.num_heads}->{lay.padded_num_heads} (local {lay.local_q_heads}), "
+                f"kv_heads={lay.num_kv_heads} (local {lay.local_kv_heads}), kv_replication={lay.kv_replication}")

@@ -1,0 +1,113 @@
+"""Column- and row-parallel linear layers.
+
+``ColumnParallelLinear`` splits the output features over the TP group (``W`` is ``[out, in]``;
+rank r holds the rows its :class:`ShardSpec` names). ``RowParallelLinear`` splits the input
+features and sums the partial products over the group. A column layer followed by a row layer
+needs one collective in forward and one in backward (Megatron's f/g).
+
+With ``sequence_parallel`` the activations outside the pair are sharded along the sequence:
+the column layer all-gathers its input and the row layer reduce-scatters its output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.comm import collectives as C
+from plait.comm.primitives import GroupInfo
+from plait.tensor_parallel.column_matmul import column_parallel_matmul
+from plait.tensor_parallel.sharding import ShardSpec
+
+
+def even_rows(full: int, tp: GroupInfo, pad_to_multiple: bool = False) -> tuple[int, ...]:
+    """Indices of rank ``tp.rank``'s contiguous share of ``full`` rows (padding marked -1)."""
+    if full % tp.size and not pad_to_multiple:
+        raise ValueError(f"size {full} is not divisible by the tensor-parallel degree {tp.size}")
+    per = -(-full // tp.size)
+    return tuple(i if i < full else -1 for i in range(tp.rank * per, (tp.rank + 1) * per))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s output rows sharded over the TP group.
+
+    Args:
+        rows: the full-tensor output rows this rank holds (default: an even contiguous share).
+        gather_output: all-gather the output features (otherwise the output stays sharded).
+        gather_input: run the entry collective here (copy-to-TP, or the sequence all-gather). Set
+            False when a module shares one gathered input between several column layers and calls
+            :func:`column_parallel_matmul` itself.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: GroupInfo, *, bias: bool = False,
+                 sequence_parallel: bool = False, gather_output: bool = False,
+                 rows: tuple[int, ...] | None = None, device=None, dtype=None) -> None:
+        super().__init__()
+        self.tp, self.sequence_parallel, self.gather_output = tp, sequence_parallel, gather_output
+        self.in_features, self.out_features = in_features, out_features
+        rows = even_rows(out_features, tp) if rows is None else rows
+        self.weight_spec = ShardSpec(0, rows, (out_features, in_features))
+        self.weight = nn.Parameter(torch.empty(len(rows), in_features, device=device, dtype=dtype))
+        if bias:
+            self.bias_spec = ShardSpec(0, rows, (out_features,))
+            self.bias = nn.Parameter(torch.empty(len(rows), device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        specs = {"weight": self.weight_spec}
+        if self.bias is not None:
+            specs["bias"] = self.bias_spec
+        return specs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (y,) = column_parallel_matmul(x, [self.weight], [self.bias], self.tp.group,
+                                      sequence_parallel=self.sequence_parallel)
+        if self.gather_output:
+            y = C.gather_from_tp(y, -1, self.tp.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}, "
+                f"tp={self.tp.size}, sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_r x_r W_r^T + b`` with ``W``'s input columns sharded over the TP group.
+
+    The input is expected already split along its last dim (the output of a column layer). The
+    bias is replicated and added once, after the reduction. Under sequence parallelism the sum
+    is a reduce-scatter along ``seq_dim`` and the bias gradient is summed over the group.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: GroupInfo, *, bias: bool = False,
+                 sequence_parallel: bool = False, cols: tuple[int, ...] | None = None,
+                 seq_dim: int = 1, device=None, dtype=None) -> None:
+        super().__init__()
+        self.tp, self.sequence_parallel, self.seq_dim = tp, sequence_parallel, seq_dim
+        self.in_features, self.out_features = in_features, out_features
+        cols = even_rows(in_features, tp) if cols is None else cols
+        self.weight_spec = ShardSpec(1, cols, (out_features, in_features))
+        self.weight = nn.Parameter(torch.empty(out_features, len(cols), device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return {"weight": self.weight_spec}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = C.reduce_scatter_to_sp(y, self.seq_dim, self.tp.group)
+        else:
+            y = C.reduce_from_tp(y, self.tp.group)
+        if self.bias is not None:
+            bias = C.all_reduce_grad(self.bias, self.tp.group) if self.sequence_parallel else self.bias
+            y = y + bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}, "
+                f"tp={self.tp.size}, sp={self.sequence_parallel}")

@@ -1,0 +1,34 @@
+"""Tensor-parallel SwiGLU MLP: gate/up column-parallel (one shared input), down row-parallel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.comm.primitives import GroupInfo
+from plait.tensor_parallel.column_matmul import column_parallel_matmul
+from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+
+class ParallelGatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: GroupInfo, *, bias: bool = False,
+                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        if intermediate_size % tp.size:
+            raise ValueError(
+                f"intermediate_size={intermediate_size} is not divisible by tp={tp.size}; choose a tp "
+                f"that divides it"
+            )
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, **kw)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, **kw)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp,
+                                           sequence_parallel=sequence_parallel, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = column_parallel_matmul(
+            x, [self.gate_proj.weight, self.up_proj.weight], [self.gate_proj.bias, self.up_proj.bias],
+            self.tp.group, sequence_parallel=self.sequence_parallel)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,31 @@
+"""Vocabulary-parallel replacement of the causal-LM output module.
+
+With labels it returns the mean next-token loss computed by the vocab-parallel cross-entropy
+(the full logits are never gathered). Without labels it gathers the logits over the TP group
+and drops the vocabulary padding, for generation and inspection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.comm import collectives as C
+from plait.comm.primitives import GroupInfo
+from plait.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+
+class VocabParallelCausalLMOutput(nn.Module):
+    def __init__(self, vocab_size: int, tp: GroupInfo, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.vocab_size, self.tp, self.ignore_index = vocab_size, tp, ignore_index
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return C.gather_from_tp(logits, -1, self.tp.group)[..., : self.vocab_size]
+        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+        shift_labels = labels[:, 1:].reshape(-1)
+        per_token = vocab_parallel_cross_entropy(shift_logits, shift_labels, self.vocab_size, self.tp,
+                                                 self.ignore_index)
+        count = (shift_labels != self.ignore_index).sum().clamp(min=1)
+        return per_token.sum() / count
