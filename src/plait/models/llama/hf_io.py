@@ -1,0 +1,353 @@
+"""Hugging Face checkpoint I/O for plait's Llama: ``config.json`` + ``*.safetensors`` directories.
+
+Why this shape:
+
+* **Loading reads only this rank's shard.** Every sharded parameter has a :class:`ShardSpec`;
+  each contiguous run of it is read with ``safe_open(...).get_slice(name)[a:b]`` (memory-mapped),
+  so a rank never materialises a full tensor it does not hold. Padding entries stay zero. One
+  code path covers any TP layout: vocabulary padding, head padding, KV replication.
+* **Shapes are checked before any data is read**, so a config that does not match the files fails
+  fast with the tensor name, both shapes and the config field most likely at fault, instead of a
+  broadcast error deep inside a copy.
+* **Saving gathers one tensor at a time** over the TP group and rank 0 writes each safetensors
+  shard as soon as it is complete, so peak host memory is one shard plus one tensor, not the model.
+  Files go to a temporary directory that is renamed into place, so readers never see half a
+  checkpoint.
+
+``transformers`` is imported only inside :func:`gguf_to_hf_dir`: it is not needed to train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from plait.comm.primitives import GroupInfo
+from plait.models.llama.config import LlamaConfig
+from plait.models.llama.model import LlamaForCausalLM
+from plait.parallel_state import shard_specs
+from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
+
+PathLike = str | os.PathLike
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+#: tensors that old checkpoints carry but that are recomputed, never loaded
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model the config describes."""
+
+
+# ---------------------------------------------------------------------------------- config
+def load_hf_config(path: PathLike) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face model directory (its ``config.json``)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    with open(file) as f:
+        return LlamaConfig.from_hf_dict(json.load(f))
+
+
+# ---------------------------------------------------------------------------------- loading
+def _weight_map(path: Path) -> dict[str, Path]:
+    """``{tensor name: safetensors file}`` for a single-file or index-sharded directory."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        with open(index) as f:
+            return {k: path / v for k, v in json.load(f)["weight_map"].items()}
+    files = [path / SINGLE_FILE] if (path / SINGLE_FILE).is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            out.update({k: file for k in f.keys()})
+    return out
+
+
+def _field_hint(name: str, dim: int | None) -> str:
+    """The config field whose value sets dimension ``dim`` of HF tensor ``name``."""
+    heads_q = "num_attention_heads/head_dim"
+    heads_kv = "num_key_value_heads/head_dim"
+    table = {
+        "embed_tokens.weight": ("vocab_size", "hidden_size"), "lm_head.weight": ("vocab_size", "hidden_size"),
+        "q_proj.weight": (heads_q, "hidden_size"), "q_proj.bias": (heads_q,),
+        "k_proj.weight": (heads_kv, "hidden_size"), "k_proj.bias": (heads_kv,),
+        "v_proj.weight": (heads_kv, "hidden_size"), "v_proj.bias": (heads_kv,),
+        "o_proj.weight": ("hidden_size", heads_q), "o_proj.bias": ("hidden_size",),
+        "gate_proj.weight": ("intermediate_size", "hidden_size"), "gate_proj.bias": ("intermediate_size",),
+        "up_proj.weight": ("intermediate_size", "hidden_size"), "up_proj.bias": ("intermediate_size",),
+        "down_proj.weight": ("hidden_size", "intermediate_size"), "down_proj.bias": ("hidden_size",),
+        "norm.weight": ("hidden_size",), "layernorm.weight": ("hidden_size",),
+    }
+    key = ".".join(name.split(".")[-2:])
+    key = "layernorm.weight" if key.endswith("layernorm.weight") else key
+    fields = table.get(key)
+    if fields is None:
+        return "the model architecture"
+    if dim is None or dim >= len(fields):
+        return " / ".join(dict.fromkeys(fields))
+    return fields[dim]
+
+
+def _mismatch_message(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    dim = None
+    if len(found) == len(expected):
+        dim = next(i for i, (a, b) in enumerate(zip(found, expected)) if a != b)
+    return (f"tensor {name!r} has shape {list(found)} in the checkpoint but the config expects "
+            f"{list(expected)}" + (f" (dim {dim})" if dim is not None else "")
+            + f"; check the config field {_field_hint(name, dim)}")
+
+
+def _unexpected_hint(names: list[str], config: LlamaConfig) -> str:
+    layers = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if layers and max(layers) >= config.num_hidden_layers:
+        return f"the checkpoint has more layers than num_hidden_layers={config.num_hidden_layers}"
+    if any(n.endswith(".bias") for n in names):
+        return "attention_bias / o_proj_bias / mlp_bias is false in the config but the checkpoint has biases"
+    return "the checkpoint is not a Llama-family model of this config"
+
+
+def _sources(model: LlamaForCausalLM, weights: dict[str, Path]) -> dict[str, str]:
+    """``{plait parameter name: checkpoint tensor name}``, raising for missing/unexpected tensors."""
+    c = model.config
+    names = [n for n, _ in model.named_parameters()]
+    src = {n: n for n in names}
+    if c.tie_word_embeddings and "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:
+        src["model.embed_tokens.weight"] = "lm_head.weight"  # tied checkpoint stored under the head's name
+    missing = [n for n, s in src.items() if s not in weights]
+    if missing:
+        hint = ""
+        if "lm_head.weight" in missing:
+            hint = "; a checkpoint without lm_head.weight ties it to the embedding (tie_word_embeddings=true)"
+        elif any(n.endswith(".bias") for n in missing):
+            hint = "; check attention_bias / o_proj_bias / mlp_bias"
+        elif any(re.match(r"model\.layers\.\d+\.", n) for n in missing):
+            hint = f"; check num_hidden_layers={c.num_hidden_layers}"
+        raise CheckpointMismatchError(f"{len(missing)} tensor(s) the config needs are missing from the "
+                                      f"checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}{hint}")
+    used = set(src.values()) | ({"lm_head.weight"} if c.tie_word_embeddings else set())
+    unexpected = sorted(k for k in weights if k not in used and not _IGNORED.match(k))
+    if unexpected:
+        raise CheckpointMismatchError(f"the checkpoint has tensor(s) the config does not describe: "
+                                      f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}; "
+                                      f"{_unexpected_hint(unexpected, c)}")
+    return src
+
+
+@torch.no_grad()
+def load_hf_weights(model: LlamaForCausalLM, path: PathLike) -> None:
+    """Fill an allocated plait Llama (any TP layout) in place from a Hugging Face directory.
+
+    Each rank reads only the runs of the full tensors its shards hold; padding stays zero.
+    Raises :class:`CheckpointMismatchError` before reading any data when names or shapes differ.
+    """
+    path = Path(path)
+    weights = _weight_map(path)
+    src = _sources(model, weights)
+    specs = shard_specs(model)
+    params = dict(model.named_parameters())
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+                   for f in sorted(set(weights[s] for s in src.values()))}
+        slices = {n: handles[weights[s]].get_slice(s) for n, s in src.items()}
+        tied_head = model.config.tie_word_embeddings and "lm_head.weight" in weights and \
+            src["model.embed_tokens.weight"] != "lm_head.weight"
+        checks = [(n, src[n], tuple(slices[n].get_shape())) for n in src]
+        if tied_head:
+            head_shape = tuple(handles[weights["lm_head.weight"]].get_slice("lm_head.weight").get_shape())
+            checks.append(("model.embed_tokens.weight", "lm_head.weight", head_shape))
+        for name, ckpt_name, shape in checks:  # every shape before any data
+            expected = specs[name].full_shape if name in specs else tuple(params[name].shape)
+            if shape != expected:
+                raise CheckpointMismatchError(_mismatch_message(ckpt_name, shape, expected))
+        for name, p in params.items():
+            spec = specs.get(name)
+            if spec is None:
+                p.copy_(slices[name][:])
+                continue
+            _read_shard(slices[name], spec, p)
+
+
+def _read_shard(tensor_slice: Any, spec: ShardSpec, out: torch.Tensor) -> None:
+    """Copy each contiguous run of ``spec`` from the checkpoint slice into ``out``."""
+    if any(i < 0 for i in spec.index):
+        out.zero_()
+    for local, full, length in spec.runs():
+        index = [slice(None)] * len(spec.full_shape)
+        index[spec.dim] = slice(full, full + length)
+        out.narrow(spec.dim, local, length).copy_(tensor_slice[tuple(index)])
+
+
+def load_llama_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False,
+                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """This rank's shard of the Hugging Face model at ``path`` on ``mesh`` (config, build, load)."""
+    from plait.materialize import build_llama  # materialize imports the model package
+
+    config = load_hf_config(path)
+    _weight_map(Path(path))  # fail on a directory without weights before allocating the model
+    model = build_llama(config, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device, init=False)
+    load_hf_weights(model, path)
+    return model
+
+
+# ---------------------------------------------------------------------------------- saving
+def _plan_shards(entries: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, order-preserving split of ``(name, nbytes)`` into files of at most ``max_shard_bytes``."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in entries:
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tuple[str, int]],
+                 tensors: Iterable[tuple[str, torch.Tensor]], *, max_shard_bytes: int,
+                 extra_files: Iterable[tuple[str, Any]] = ()) -> None:
+    """Write a HF directory atomically from a stream of tensors in ``entries`` order.
+
+    ``entries`` gives ``(name, nbytes)`` up front so the shard file names (``-of-N``) are known
+    before the first tensor arrives; each file is written as soon as its tensors are in.
+    ``extra_files`` are ``(name, writer(dir))`` callables run inside the temporary directory.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        shards = _plan_shards(entries, max_shard_bytes)
+        files = [SINGLE_FILE] if len(shards) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        stream: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
+        weight_map: dict[str, str] = {}
+        for names, file in zip(shards, files):
+            chunk: dict[str, torch.Tensor] = {}
+            for expected in names:
+                name, t = next(stream)
+                assert name == expected, f"tensor stream out of order: {name} != {expected}"
+                chunk[name] = t.detach().cpu().contiguous()
+                weight_map[name] = file
+            save_file(chunk, str(tmp / file), metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(n for _, n in entries)}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
+        for _, writer in extra_files:
+            writer(tmp)
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        if path.exists():
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _gathered(model: LlamaForCausalLM, names: list[str], tp: GroupInfo,
+              is_writer: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors one at a time (all TP ranks must iterate; only the writer assembles)."""
+    specs = shard_specs(model)
+    params = dict(model.named_parameters())
+    all_specs: list[dict[str, ShardSpec]] = [specs]
+    if tp.size > 1:
+        all_specs = [{} for _ in range(tp.size)]
+        dist.all_gather_object(all_specs, specs, group=tp.group)
+    for name in names:
+        p = params[name].detach()
+        if name not in specs:
+            yield name, p
+            continue
+        locals_ = [p]
+        if tp.size > 1:
+            locals_ = [torch.empty_like(p) for _ in range(tp.size)]
+            dist.all_gather(locals_, p.contiguous(), group=tp.group)
+        yield name, assemble_from_shards([s[name] for s in all_specs], locals_) if is_writer else p
+
+
+def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupInfo, *,
+                       max_shard_bytes: int = 5 * 1024**3) -> None:
+    """Write ``model`` (sharded over ``tp_info``) as a Hugging Face directory at ``path``.
+
+    Every rank of the job must call this (tensors are gathered over the TP group, and rank 0's
+    outcome is broadcast to all ranks); global rank 0 writes. Pipeline-parallel models (each stage
+    holding some layers) are not supported yet. ``lm_head.weight`` is dropped when the embeddings are tied,
+    as Hugging Face does. Returns after the directory is complete on every calling rank.
+    """
+    config = model.config
+    config_dict = config.to_hf_dict()  # raises for configs HF Llama cannot express, before any I/O
+    specs = shard_specs(model)
+    names, entries = [], []
+    for name, p in model.named_parameters():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        shape = specs[name].full_shape if name in specs else tuple(p.shape)
+        names.append(name)
+        entries.append((name, p.element_size() * int(torch.Size(shape).numel())))
+    config_dict["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    is_writer = dist.get_rank() == 0 if dist.is_initialized() else tp_info.rank == 0
+    stream = _gathered(model, names, tp_info, is_writer)
+    error: BaseException | None = None
+    if is_writer:
+        try:
+            write_hf_dir(path, config_dict, entries, stream, max_shard_bytes=max_shard_bytes)
+        except Exception as e:  # reported to every rank below, so none waits forever
+            error = e
+            for _ in stream:  # finish the gathers the other ranks are waiting in
+                pass
+    else:
+        for _ in stream:  # take part in every gather
+            pass
+    if dist.is_initialized():  # doubles as the barrier: nobody returns before the files exist
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32)
+        dist.broadcast(ok, src=0)
+        if not ok.item() and error is None:
+            raise RuntimeError(f"rank 0 failed to write the checkpoint {path}")
+    if error is not None:
+        raise error
+
+
+# ---------------------------------------------------------------------------------- GGUF
+def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
+    """Dequantise a GGUF model into a float32 safetensors HF directory with its tokenizer.
+
+    transformers can read GGUF but refuses ``save_pretrained`` on the result, so the tensors and
+    config are written here instead. Used to get real weights without a model hub.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_file = Path(gguf_file)
+    kw = {"gguf_file": gguf_file.name}
+    hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
+    cfg = hf.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg["dtype"] = "float32"
+    cfg["architectures"] = cfg.get("architectures") or [type(hf).__name__]
+    state = {k: v.detach().float() for k, v in hf.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    entries = [(k, v.numel() * v.element_size()) for k, v in state.items()]
+    write_hf_dir(out_dir, cfg, entries, state.items(), max_shard_bytes=max_shard_bytes,
+                 extra_files=[("tokenizer", tokenizer.save_pretrained)])
+    return Path(out_dir)
+
+
+__all__ = ["CheckpointMismatchError", "gguf_to_hf_dir", "load_hf_config", "load_hf_weights",
+           "load_llama_from_hf", "save_hf_checkpoint", "write_hf_dir"]
