@@ -1,0 +1,1 @@
+"""Data: built-in corpora, tokenizers and fixed-length token sequences."""

@@ -1,0 +1,59 @@
+"""Start N local worker processes through PyTorch's elastic launcher (what ``torchrun`` uses).
+
+When the process already belongs to a launched world (``torchrun`` or SLURM set ``RANK`` and
+``WORLD_SIZE``), the function runs directly in it instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from typing import Any, Callable
+
+
+def in_launched_world() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None:
+    """Run ``entrypoint(*args)`` on ``nproc`` local ranks with a c10d rendezvous on localhost."""
+    if in_launched_world():
+        entrypoint(*args)
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          monitor_interval=0.5, start_method="spawn")
+    elastic_launch(config, entrypoint)(*args)
+
+
+def init_worker(threads: int = 1) -> tuple[int, int]:
+    """Initialise the default process group from the launcher's environment; ``(rank, world)``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def finish_worker() -> None:
+    """Tear down the process group and leave without running interpreter-exit hooks (gloo can abort there)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
