@@ -36,18 +36,19 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
 def full_state_dict(model: nn.Module, tp: GroupInfo) -> dict[str, torch.Tensor]:
     """Every parameter as its full, unpadded tensor (on every rank), gathered over the TP group."""
     specs = shard_specs(model)
+    every_rank_specs = [specs]
+    if tp.size > 1:  # one object exchange for all parameters; specs are small index tuples
+        every_rank_specs = [None] * tp.size
+        dist.all_gather_object(every_rank_specs, specs, group=tp.group)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        spec = specs.get(name)
-        if spec is None:
+        if name not in specs:
             out[name] = p.detach().clone()
             continue
         if tp.size == 1:
-            all_specs, all_locals = [spec], [p.detach()]
+            all_locals = [p.detach()]
         else:
-            all_specs = [None] * tp.size
-            dist.all_gather_object(all_specs, spec, group=tp.group)
             all_locals = [torch.empty_like(p) for _ in range(tp.size)]
             dist.all_gather(all_locals, p.detach().contiguous(), group=tp.group)
-        out[name] = assemble_from_shards(all_specs, all_locals)
+        out[name] = assemble_from_shards([s[name] for s in every_rank_specs], all_locals)
     return out

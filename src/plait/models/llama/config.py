@@ -84,6 +84,11 @@ class LlamaConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
         if d.get("model_type") == "qwen2":
+            if d.get("use_sliding_window"):
+                raise ModelConfigError(
+                    "use_sliding_window=true is not supported (plait runs full causal attention); "
+                    "set use_sliding_window=false in config.json if the model was trained without it"
+                )
             known.setdefault("attention_bias", True)
             known.setdefault("o_proj_bias", False)
         if "rope_theta" not in known and isinstance(d.get("rope_parameters"), dict):
@@ -95,16 +100,20 @@ class LlamaConfig:
         return cls(**known, extra=extra)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        if self.o_proj_bias != self.attention_bias:
+        qwen2 = self.attention_bias and not self.o_proj_bias
+        if self.o_proj_bias and not self.attention_bias:
             raise ModelConfigError(
-                "a Hugging Face Llama config cannot express o_proj_bias != attention_bias "
-                f"(got attention_bias={self.attention_bias}, o_proj_bias={self.o_proj_bias})"
+                "o_proj_bias=True with attention_bias=False has no Hugging Face counterpart "
+                "(Llama biases q/k/v/o together, Qwen2 only q/k/v)"
             )
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "o_proj_bias")}
         rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         rope.update({k: v for k, v in (self.rope_scaling or {}).items() if k not in ("type", "rope_type")})
         d.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                   "attention_dropout": 0.0, "use_cache": True, "rope_parameters": rope})
+        if qwen2:  # q/k/v biases without an output bias is Qwen2's architecture
+            del d["attention_bias"]
+            d.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False})
         return d
 
     def num_parameters(self) -> int:

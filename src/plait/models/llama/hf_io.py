@@ -163,8 +163,8 @@ def load_hf_weights(model: LlamaForCausalLM, path: PathLike) -> None:
         handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
                    for f in sorted(set(weights[s] for s in src.values()))}
         slices = {n: handles[weights[s]].get_slice(s) for n, s in src.items()}
-        tied_head = model.config.tie_word_embeddings and "lm_head.weight" in weights and \
-            src["model.embed_tokens.weight"] != "lm_head.weight"
+        tied_head = (model.config.tie_word_embeddings and "lm_head.weight" in weights
+                     and src["model.embed_tokens.weight"] != "lm_head.weight")
         checks = [(n, src[n], tuple(slices[n].get_shape())) for n in src]
         if tied_head:
             head_shape = tuple(handles[weights["lm_head.weight"]].get_slice("lm_head.weight").get_shape())
@@ -286,8 +286,8 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupIn
 
     Every rank of the job must call this (tensors are gathered over the TP group, and rank 0's
     outcome is broadcast to all ranks); global rank 0 writes. Pipeline-parallel models (each stage
-    holding some layers) are not supported yet. ``lm_head.weight`` is dropped when the embeddings are tied,
-    as Hugging Face does. Returns after the directory is complete on every calling rank.
+    holding some layers) are not supported yet. ``lm_head.weight`` is dropped when the embeddings
+    are tied, as Hugging Face does. Returns after the directory is complete on every rank.
     """
     config = model.config
     config_dict = config.to_hf_dict()  # raises for configs HF Llama cannot express, before any I/O
@@ -314,9 +314,9 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupIn
         for _ in stream:  # take part in every gather
             pass
     if dist.is_initialized():  # doubles as the barrier: nobody returns before the files exist
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32)
-        dist.broadcast(ok, src=0)
-        if not ok.item() and error is None:
+        status = [error is None]
+        dist.broadcast_object_list(status, src=0)  # object form: works on gloo and NCCL alike
+        if not status[0] and error is None:
             raise RuntimeError(f"rank 0 failed to write the checkpoint {path}")
     if error is not None:
         raise error
