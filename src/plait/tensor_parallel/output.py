@@ -8,6 +8,7 @@ and drops the vocabulary padding, for generation and inspection.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plait.comm import collectives as C
@@ -23,9 +24,9 @@ class VocabParallelCausalLMOutput(nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return C.gather_from_tp(logits, -1, self.tp.group)[..., : self.vocab_size]
-        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-        shift_labels = labels[:, 1:].reshape(-1)
-        per_token = vocab_parallel_cross_entropy(shift_logits, shift_labels, self.vocab_size, self.tp,
-                                                 self.ignore_index)
+        # Shift the labels (a copy of the logits would cost the largest activation again).
+        shift_labels = F.pad(labels[:, 1:], (0, 1), value=self.ignore_index).reshape(-1)
+        per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels,
+                                                 self.vocab_size, self.tp, self.ignore_index)
         count = (shift_labels != self.ignore_index).sum().clamp(min=1)
         return per_token.sum() / count

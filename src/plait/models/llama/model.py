@@ -171,9 +171,11 @@ class CausalLMOutput(nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return logits
-        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-        shift_labels = labels[:, 1:].reshape(-1)
-        return F.cross_entropy(shift_logits, shift_labels, ignore_index=self.ignore_index)
+        # Shift the labels, not the logits: the logits are the largest activation and slicing
+        # them would copy it. The last position gets ``ignore_index``.
+        shift_labels = F.pad(labels[:, 1:], (0, 1), value=self.ignore_index).reshape(-1)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels,
+                               ignore_index=self.ignore_index)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,132 @@
+"""Single-process training throughput: plait's Llama vs transformers' ``LlamaForCausalLM``.
+
+What is measured: tokens per second of a full training step (``zero_grad``, forward with the
+mean next-token loss, backward, ``torch.optim.AdamW`` step) on one process with ``--threads``
+intra-op threads (default 2), for fp32 and for bf16 autocast (``torch.autocast("cpu",
+dtype=torch.bfloat16)`` around the forward and loss; backward and optimizer outside it).
+
+How: both models are built from the same :class:`plait.models.llama.config.LlamaConfig`; plait's
+comes from :func:`plait.materialize.build_llama` (seeded init) and the HF model (SDPA attention,
+no KV cache) is loaded with plait's state dict, so both start from identical weights and train on
+the same fixed random batch with identically configured AdamW. The losses of the first step are
+printed (they must agree) together with the losses after the last step (same trajectory). After
+``--warmup`` untimed steps each, the two implementations alternate for ``--rounds`` rounds (the
+one that goes first alternates too), each round timing ``--steps`` consecutive steps. The table
+gives the median tokens/s over rounds, the per-round range, and the plait/HF ratio of medians
+(> 1 means plait is faster).
+
+Run (from the repository root, venv active)::
+
+    python bench/bench_single.py            # default ~22M-parameter model
+    python bench/bench_single.py --smoke    # tiny end-to-end check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    Result,
+    adamw,
+    add_model_args,
+    comparison_header,
+    comparison_row,
+    describe,
+    hf_twin,
+    make_config,
+    markdown_table,
+    random_batch,
+    resolve_args,
+    time_steps,
+)
+
+from plait.materialize import build_llama  # noqa: E402
+from plait.mesh import single_process_mesh  # noqa: E402
+
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16-autocast": torch.bfloat16}
+
+
+def make_step(forward: Callable[[], torch.Tensor], params: list[torch.nn.Parameter],
+              autocast_dtype: torch.dtype | None, foreach: bool) -> Callable[[], torch.Tensor]:
+    """One training step (zero_grad, forward+loss under optional autocast, backward, AdamW)."""
+    opt = adamw([params], foreach)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+               else contextlib.nullcontext())
+        with ctx:
+            loss = forward()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtype | None) -> list[Result]:
+    config = make_config(args)
+    ids = random_batch(config, args.batch, args.seq, args.seed)
+    plait_model = build_llama(config, single_process_mesh(), seed=args.seed).train()
+    hf_model = hf_twin(config, plait_model.state_dict())
+
+    plait_step = make_step(lambda: plait_model(ids, ids), list(plait_model.parameters()), autocast_dtype,
+                           args.foreach)
+    hf_step = make_step(lambda: hf_model(input_ids=ids, labels=ids).loss, list(hf_model.parameters()),
+                        autocast_dtype, args.foreach)
+    runs = {"plait": (plait_step, Result("plait")), "HF": (hf_step, Result("HF"))}
+
+    for step, result in runs.values():
+        result.first_loss = step().item()
+        for _ in range(args.warmup - 1):
+            step()
+    print(f"[{label}] first-step loss: plait {runs['plait'][1].first_loss:.6f}  "
+          f"HF {runs['HF'][1].first_loss:.6f}", flush=True)
+
+    tokens = args.steps * args.batch * args.seq
+    order = list(runs)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            step, result = runs[name]
+            result.add(tokens, args.steps, *time_steps(step, args.steps))
+        print(f"[{label}] round {r + 1}/{args.rounds}: "
+              + "  ".join(f"{n} {res.tokens_per_s[-1]:,.0f} tok/s" for n, (_, res) in runs.items()), flush=True)
+
+    last = {n: step().item() for n, (step, _) in runs.items()}
+    print(f"[{label}] loss after {args.warmup + args.rounds * args.steps + 1} steps: "
+          f"plait {last['plait']:.6f}  HF {last['HF']:.6f}", flush=True)
+    return [res for _, res in runs.values()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
+                        help="precisions to measure (default: both)")
+    args = resolve_args(parser.parse_args(argv))
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    config = make_config(args)
+    print(describe(config, args) + f"; {args.threads} threads; AdamW {'foreach' if args.foreach else 'for-loop'}; "
+          f"{platform.machine()}", flush=True)
+
+    rows = []
+    for label in args.dtypes:
+        plait_res, hf_res = bench_dtype(args, label, DTYPES[label])
+        rows.append([label] + comparison_row(plait_res, hf_res, args.batch * args.seq))
+    print()
+    print(markdown_table(comparison_header("dtype", "HF"), rows))
+
+
+if __name__ == "__main__":
+    main()
