@@ -22,7 +22,7 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     """
     specs: dict[str, ShardSpec] = {}
     owners = {id(p): name for name, p in model.named_parameters()}
-    for mod_name, module in model.named_modules():
+    for module in model.modules():
         get = getattr(module, "shard_specs", None)
         if get is None:
             continue
