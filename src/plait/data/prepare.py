@@ -1,0 +1,403 @@
+"""Text sources -> a prepared dataset: tokenised train/val token shards (see ``token_shards``).
+
+``prepare_dataset`` reads a source twice, streaming: a first pass counts the documents and their
+lengths (to choose the held-out documents), a second one tokenises them into the shards. BPE
+training reads the training documents only, so no validation text shapes the tokenizer.
+
+The output directory is named by a key of every input (source contents or corpus name and package
+version, tokenizer, vocab size, val fraction, seed, limit): a rerun with the same inputs finds it
+and returns at once. The dataset is written into a temporary sibling directory that is renamed
+into place at the end, so an interrupted run never leaves a directory that would be reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from plait.data.corpora import CORPORA, corpus_documents, corpus_version
+from plait.data.token_shards import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARD_TOKENS, TOKENIZER_FILE,
+                                     DatasetFormatError, ShardWriter, load_index, token_dtype)
+from plait.data.tokenizer import EOS, cache_dir
+
+# End-of-text tokens looked up, in order, in a tokenizer given as a file.
+EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>")
+SOURCE_SUFFIXES = (".txt", ".jsonl")
+_ENCODE_BATCH_DOCS, _ENCODE_BATCH_CHARS = 256, 4_000_000
+
+
+class DataSourceError(ValueError):
+    """A source or tokenizer that cannot be read: missing path, empty source, bad JSONL line, unknown corpus."""
+
+
+@dataclass
+class _Source:
+    name: str  # for the default directory name
+    description: str  # for messages and the index
+    key_parts: list[str]
+    documents: Callable[[], Iterator[str]]  # a fresh iterator over the non-empty documents, in a fixed order
+
+
+# ----------------------------------------------------------------------------------------- sources
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _txt_documents(path: Path) -> Iterator[str]:
+    """A .txt file is one document, or several when it contains the end-of-text marker between them."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataSourceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for doc in text.split(EOS):
+        if doc.strip():
+            yield doc
+
+
+def _jsonl_documents(path: Path) -> Iterator[str]:
+    """One document per line: the line's ``text`` field; blank lines and empty texts are skipped."""
+    lineno = 0
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataSourceError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+                if not isinstance(record, dict) or "text" not in record:
+                    found = f"keys {sorted(record)[:8]}" if isinstance(record, dict) else type(record).__name__
+                    raise DataSourceError(f"{path}:{lineno}: no 'text' field (found {found}); every JSONL line "
+                                          f"must be an object with a string 'text'")
+                text = record["text"]
+                if not isinstance(text, str):
+                    raise DataSourceError(f"{path}:{lineno}: 'text' is {type(text).__name__}, expected a string")
+                if text:
+                    yield text
+    except UnicodeDecodeError as exc:
+        raise DataSourceError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason})") from None
+
+
+def _file_documents(path: Path) -> Iterator[str]:
+    return _txt_documents(path) if path.suffix.lower() == ".txt" else _jsonl_documents(path)
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "data"
+
+
+def resolve_source(source: str | Path) -> _Source:
+    """A built-in corpus name (preferred when it matches exactly; write ``./bible`` for a local path),
+    a .txt or .jsonl file, or a directory searched recursively for .txt/.jsonl files (sorted by path)."""
+    source_str = str(source)
+    if source_str in CORPORA:
+        docs_cache: list[str] = []
+
+        def corpus_docs() -> Iterator[str]:
+            if not docs_cache:
+                docs_cache.extend(d for d in corpus_documents(source_str) if d.strip())
+            return iter(docs_cache)
+
+        return _Source(source_str, f"corpus {source_str}",
+                       [f"corpus:{source_str}", corpus_version(source_str)], corpus_docs)
+    path = Path(source_str).expanduser()
+    if not path.exists():
+        raise DataSourceError(f"source {source_str!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an "
+                              f"existing .txt/.jsonl file or directory")
+    if path.is_file():
+        if path.suffix.lower() not in SOURCE_SUFFIXES:
+            raise DataSourceError(f"source file {path} has suffix {path.suffix!r}; expected .txt (plain text) "
+                                  f"or .jsonl (a 'text' field per line)")
+        return _Source(_safe_name(path.stem), str(path),
+                       [f"file{path.suffix.lower()}", _hash_file(path)], lambda: _file_documents(path))
+    files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SOURCE_SUFFIXES),
+                   key=lambda p: p.relative_to(path).as_posix())
+    if not files:
+        raise DataSourceError(f"source directory {path} contains no .txt or .jsonl files")
+    parts = ["dir"] + [f"{p.relative_to(path).as_posix()}:{_hash_file(p)}" for p in files]
+    return _Source(_safe_name(path.resolve().name), str(path), parts,
+                   lambda: itertools.chain.from_iterable(_file_documents(p) for p in files))
+
+
+# --------------------------------------------------------------------------------------- tokenizer
+
+def _tokenizer_file(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / TOKENIZER_FILE).is_file():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise DataSourceError(f"tokenizer {spec!r} is neither 'bpe' nor an existing tokenizer.json file "
+                              f"(or a directory holding one)")
+    return path
+
+
+def _load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a plain Exception on malformed files
+        raise DataSourceError(f"tokenizer {path}: cannot be loaded ({str(exc).splitlines()[0]})") from None
+
+
+def _eos(tokenizer) -> tuple[str, int]:
+    for token in EOS_CANDIDATES:
+        tid = tokenizer.token_to_id(token)
+        if tid is not None:
+            return token, tid
+    raise DataSourceError(f"the tokenizer has no end-of-text token; looked for {', '.join(EOS_CANDIDATES)}")
+
+
+def _vocab_size(tokenizer) -> int:
+    """One past the largest id (added tokens may sit above ``get_vocab_size()``)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+# ------------------------------------------------------------------------------------- val split
+
+def choose_val_documents(lengths: list[int], val_fraction: float, seed: int) -> set[int]:
+    """Whole documents for validation: in an order shuffled by ``seed``, documents are taken until they
+    hold ``val_fraction`` of the characters (a proxy for tokens; the last one taken may overshoot).
+    At least one document is held out and at least one is kept for training (needs two or more)."""
+    assert len(lengths) >= 2
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    target, chosen, chars = val_fraction * sum(lengths), set(), 0
+    for i in order[:-1]:
+        if chosen and chars >= target:
+            break
+        chosen.add(int(i))
+        chars += lengths[i]
+    return chosen
+
+
+def _single_document_cut(length: int, text: str, val_fraction: float) -> int:
+    """For a one-document source: where to cut it (a line start near ``1 - val_fraction``); the tail is val."""
+    want = int(round(length * (1 - val_fraction)))
+    before, after = text.rfind("\n", 0, want), text.find("\n", want)
+    starts = [p + 1 for p in (before, after) if p != -1 and 0 < p + 1 < length]
+    cut = min(starts, key=lambda s: abs(s - want)) if starts else want
+    if not 0 < cut < length or not text[:cut].strip() or not text[cut:].strip():
+        raise DataSourceError(f"the source is a single document of {length} characters, too short to hold out "
+                              f"val_fraction={val_fraction} of it; add documents or text")
+    return cut
+
+
+# ----------------------------------------------------------------------------------------- prepare
+
+def _check_args(tokenizer: str, vocab_size: int, val_fraction: float, seed: int, limit: int | None,
+                shard_tokens: int) -> None:
+    if not isinstance(tokenizer, (str, os.PathLike)) or not str(tokenizer):
+        raise ValueError(f"tokenizer={tokenizer!r} must be 'bpe' or the path of a tokenizer.json")
+    if str(tokenizer) == "bpe" and (not isinstance(vocab_size, int) or vocab_size < 257):
+        raise ValueError(f"vocab_size={vocab_size!r} must be an integer >= 257 (256 bytes plus {EOS})")
+    if not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction!r} must be strictly between 0 and 1")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative integer")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit={limit!r} must be a positive integer (or None for all documents)")
+    if not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ValueError(f"shard_tokens={shard_tokens!r} must be a positive integer")
+
+
+def dataset_key(source: _Source, tokenizer_spec: str, val_fraction: float, seed: int, limit: int | None) -> str:
+    h = hashlib.sha256()
+    for part in [f"{FORMAT}-v{FORMAT_VERSION}", *source.key_parts, tokenizer_spec,
+                 f"val_fraction={float(val_fraction)!r}", f"seed={seed}", f"limit={limit}"]:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _existing(out_dir: Path, key: str) -> bool:
+    """True when ``out_dir`` holds the dataset of ``key``; False when absent or empty; raises otherwise."""
+    if not out_dir.exists():
+        return False
+    if not out_dir.is_dir():
+        raise DataSourceError(f"output {out_dir} exists and is not a directory")
+    if not any(out_dir.iterdir()):
+        return False
+    try:
+        found = load_index(out_dir).get("key")
+    except DatasetFormatError:
+        found = None
+    if found == key:
+        return True
+    what = f"a different dataset (key {found})" if found else "other files"
+    raise DataSourceError(f"output directory {out_dir} already holds {what}, not this one (key {key}); "
+                          f"remove it or choose another output directory")
+
+
+def prepare_dataset(source: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048, val_fraction: float = 0.05,
+                    out_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
+                    limit: int | None = None, shard_tokens: int = SHARD_TOKENS) -> Path:
+    """Tokenise ``source`` into train/val token shards; returns the prepared directory.
+
+    ``source``: a built-in corpus (``shakespeare``, ``bible``), a .txt file (one document, or several
+    separated by ``<|endoftext|>``), a .jsonl file (a ``text`` field per line) or a directory of them.
+    ``tokenizer``: ``"bpe"`` trains a byte-level BPE of ``vocab_size`` on the training documents; otherwise
+    the path of a tokenizer.json (``vocab_size`` is then the tokenizer's own). ``limit`` keeps the first
+    ``limit`` documents. ``shard_tokens`` sets the shard size (layout only, not part of the key).
+    Same inputs, same directory: a rerun returns it without work.
+    """
+    return prepare_dataset_ex(source, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
+                              out_dir=out_dir, seed=seed, progress=progress, limit=limit,
+                              shard_tokens=shard_tokens)[0]
+
+
+def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048,
+                       val_fraction: float = 0.05, out_dir: str | Path | None = None, seed: int = 0,
+                       progress: bool = True, limit: int | None = None,
+                       shard_tokens: int = SHARD_TOKENS) -> tuple[Path, bool]:
+    """``prepare_dataset`` that also says whether an existing directory was reused: ``(path, reused)``."""
+    _check_args(tokenizer, vocab_size, val_fraction, seed, limit, shard_tokens)
+    src = resolve_source(source)
+    tok_spec_arg = str(tokenizer)
+    if tok_spec_arg == "bpe":
+        tok_path, tok_spec = None, f"bpe:{vocab_size}"
+    else:
+        tok_path = _tokenizer_file(tok_spec_arg)
+        tok_spec = f"tokenizer.json:{_hash_file(tok_path)}"
+    key = dataset_key(src, tok_spec, val_fraction, seed, limit)
+    out = Path(out_dir).expanduser() if out_dir is not None else cache_dir() / "datasets" / f"{src.name}-{key}"
+    if _existing(out, key):
+        return out, True
+
+    def documents() -> Iterator[str]:
+        return itertools.islice(src.documents(), limit)
+
+    lengths = [len(d) for d in documents()]
+    if not lengths:
+        raise DataSourceError(f"source {src.description} has no documents (no non-empty text)")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        index = _write(src, documents, lengths, tmp, key=key, tok_path=tok_path, tok_spec=tok_spec,
+                       vocab_size=vocab_size, val_fraction=val_fraction, seed=seed, limit=limit,
+                       shard_tokens=shard_tokens, progress=progress)
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        if out.exists() and not any(out.iterdir()):
+            out.rmdir()
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if _existing(out, key):  # a concurrent run with the same inputs finished first
+                shutil.rmtree(tmp, ignore_errors=True)
+                return out, True
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, False
+
+
+def _summary(key_parts: list[str]) -> list[str]:
+    """The source's key parts for the index; a directory's per-file hashes are folded into one."""
+    if len(key_parts) <= 2:
+        return key_parts
+    return [key_parts[0], f"{len(key_parts) - 1} files",
+            hashlib.sha256("\0".join(key_parts[1:]).encode()).hexdigest()]
+
+
+def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[int], tmp: Path, *, key: str,
+           tok_path: Path | None, tok_spec: str, vocab_size: int, val_fraction: float, seed: int,
+           limit: int | None, shard_tokens: int, progress: bool) -> dict:
+    """Tokenises every document into ``tmp``; returns the index (written by the caller)."""
+    from tqdm.auto import tqdm
+
+    from plait.data.tokenizer import train_bpe
+
+    if len(lengths) == 1:
+        val_docs: set[int] = set()
+        cut = _single_document_cut(lengths[0], next(documents()), val_fraction)
+    else:
+        val_docs, cut = choose_val_documents(lengths, val_fraction, seed), None
+
+    def split_documents() -> Iterator[tuple[bool, str]]:
+        n = 0
+        for i, doc in enumerate(documents()):
+            n += 1
+            if cut is not None:
+                yield False, doc[:cut]
+                yield True, doc[cut:]
+            else:
+                yield i in val_docs, doc
+        if n != len(lengths):
+            raise DataSourceError(f"source {src.description} changed while it was being read "
+                                  f"({len(lengths)} documents, then {n}); run again")
+
+    if tok_path is None:
+        tok = train_bpe((text for is_val, text in split_documents() if not is_val), vocab_size,
+                        cache_key=f"dataset-{key}")
+        tok.save(str(tmp / TOKENIZER_FILE))
+    else:
+        tok = _load_tokenizer(tok_path)
+        shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
+    eos_token, eos_id = _eos(tok)
+    vocab = _vocab_size(tok)
+    dtype = token_dtype(vocab)
+    writers = {False: ShardWriter(tmp, "train", dtype, shard_tokens),
+               True: ShardWriter(tmp, "val", dtype, shard_tokens)}
+
+    def encode(batch: list[tuple[bool, str]]) -> None:
+        for (is_val, _), enc in zip(batch, tok.encode_batch([t for _, t in batch], add_special_tokens=False)):
+            ids = np.empty(len(enc.ids) + 1, dtype=dtype)
+            ids[:-1] = enc.ids
+            ids[-1] = eos_id
+            writers[is_val].add(ids)
+
+    bar = tqdm(total=len(lengths) if cut is None else 2, unit="doc", desc=f"tokenising {src.name}",
+               disable=not progress, leave=False)
+    batch: list[tuple[bool, str]] = []
+    chars = 0
+    for is_val, text in split_documents():
+        batch.append((is_val, text))
+        chars += len(text)
+        if len(batch) >= _ENCODE_BATCH_DOCS or chars >= _ENCODE_BATCH_CHARS:
+            encode(batch)
+            bar.update(len(batch))
+            batch, chars = [], 0
+    if batch:
+        encode(batch)
+        bar.update(len(batch))
+    bar.close()
+    splits = {"train": writers[False].close(), "val": writers[True].close()}
+
+    from plait import __version__ as plait_version  # noqa: PLC0415
+
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "key": key,
+        "inputs": {"source": src.description, "source_key": _summary(src.key_parts), "tokenizer": tok_spec,
+                   "val_fraction": float(val_fraction), "seed": seed, "limit": limit, "plait": plait_version},
+        "dtype": dtype.name,
+        "vocab_size": vocab,
+        "eos_id": eos_id,
+        "eos_token": eos_token,
+        "tokenizer": TOKENIZER_FILE,
+        "shard_tokens": shard_tokens,
+        "train_tokens": splits["train"]["tokens"],
+        "val_tokens": splits["val"]["tokens"],
+        "documents": len(lengths),
+        "single_document_cut": cut,
+        "splits": splits,
+    }

@@ -1,0 +1,206 @@
+"""The on-disk format of a prepared dataset, its writer and its memory-mapped reader.
+
+A prepared dataset is a directory::
+
+    index.json          format version, dtype, shards and token counts, vocab size, eos id, key of the inputs
+    tokenizer.json      the tokenizer the tokens were made with (Hugging Face ``tokenizers`` format)
+    train-00000.bin     raw little-endian token ids (uint16 when the vocabulary fits, else uint32), no header
+    train-00001.bin     ...
+    val-00000.bin
+
+Each split is one token stream (every document followed by the end-of-text token) cut into shards
+of at most ``shard_tokens`` tokens; a document may straddle two shards. The shards are read with
+``numpy.memmap``, so a dataset of any size opens instantly and only the pages touched are read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT = "plait-token-shards"
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+TOKENIZER_FILE = "tokenizer.json"
+SPLITS = ("train", "val")
+SHARD_TOKENS = 1 << 24  # 16M tokens: 32 MiB per uint16 shard
+
+
+class DatasetFormatError(ValueError):
+    """A directory that is not a readable prepared dataset (missing, other format, truncated shard)."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (``vocab_size <= 65535``), else uint32; always little-endian."""
+    return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
+
+
+def load_index(prepared_dir: str | Path) -> dict:
+    """The parsed ``index.json`` of a prepared dataset, checked for format and version."""
+    path = Path(prepared_dir) / INDEX_FILE
+    if not path.is_file():
+        raise DatasetFormatError(f"{prepared_dir}: not a prepared dataset (no {INDEX_FILE}); "
+                                 f"create one with 'plait data prepare SOURCE'")
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DatasetFormatError(f"{path}: unreadable index ({exc})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise DatasetFormatError(f"{path}: not a {FORMAT} index")
+    if index.get("version") != FORMAT_VERSION:
+        raise DatasetFormatError(f"{path}: format version {index.get('version')!r}, this plait reads "
+                                 f"version {FORMAT_VERSION}; prepare the dataset again")
+    return index
+
+
+class ShardWriter:
+    """Appends token arrays to ``<split>-NNNNN.bin`` files, starting a new shard every ``shard_tokens``."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int = SHARD_TOKENS):
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens={shard_tokens} must be positive")
+        self.directory, self.split = Path(directory), split
+        self.dtype, self.shard_tokens = np.dtype(dtype), shard_tokens
+        self.shards: list[dict] = []  # {"file", "tokens"} of every shard begun
+        self.documents = 0
+        self.tokens = 0
+        self._fh = None
+
+    def add(self, tokens: np.ndarray, documents: int = 1) -> None:
+        tokens = np.asarray(tokens, dtype=self.dtype)
+        self.documents += documents
+        pos = 0
+        while pos < tokens.size:
+            if self._fh is None or self.shards[-1]["tokens"] == self.shard_tokens:
+                self._open_next()
+            take = min(tokens.size - pos, self.shard_tokens - self.shards[-1]["tokens"])
+            self._fh.write(tokens[pos:pos + take].tobytes())
+            self.shards[-1]["tokens"] += take
+            self.tokens += take
+            pos += take
+
+    def _open_next(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        self._fh = open(self.directory / name, "wb")
+        self.shards.append({"file": name, "tokens": 0})
+
+    def close(self) -> dict:
+        """Flushes the last shard; returns the split's index entry."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        return {"tokens": self.tokens, "documents": self.documents, "shards": [dict(s) for s in self.shards]}
+
+
+class TokenShards:
+    """One split's token stream, memory-mapped across its shards; ``read(start, stop)`` crosses shard ends."""
+
+    def __init__(self, prepared_dir: str | Path, split: str, index: dict | None = None):
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not valid; expected one of {SPLITS}")
+        self.directory = Path(prepared_dir)
+        self.index = index if index is not None else load_index(self.directory)
+        self.split = split
+        self.dtype = np.dtype(self.index["dtype"])
+        entry = self.index["splits"][split]
+        self._files = [self.directory / s["file"] for s in entry["shards"]]
+        self._counts = [int(s["tokens"]) for s in entry["shards"]]
+        self._ends = np.cumsum(self._counts, dtype=np.int64)
+        self.num_tokens = int(self._ends[-1]) if self._counts else 0
+        if self.num_tokens != int(entry["tokens"]):
+            raise DatasetFormatError(f"{self.directory}: {split} shards hold {self.num_tokens} tokens, "
+                                     f"the index says {entry['tokens']}")
+        for path, count in zip(self._files, self._counts):
+            size = path.stat().st_size if path.is_file() else -1
+            if size != count * self.dtype.itemsize:
+                raise DatasetFormatError(f"{path}: expected {count} {self.dtype.name} tokens "
+                                         f"({count * self.dtype.itemsize} bytes), found "
+                                         f"{'no file' if size < 0 else f'{size} bytes'}")
+        self._maps: list[np.memmap] | None = None
+
+    def _mapped(self) -> list[np.memmap]:
+        if self._maps is None:  # opened lazily, so that a pickled copy (a worker process) maps its own
+            self._maps = [np.memmap(p, dtype=self.dtype, mode="r", shape=(n,))
+                          for p, n in zip(self._files, self._counts)]
+        return self._maps
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": None}
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def read_into(self, out: np.ndarray, start: int) -> None:
+        """Fills ``out`` (1-D, any integer dtype) with tokens ``[start, start + len(out))``."""
+        stop = start + out.shape[0]
+        if start < 0 or stop > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {stop}) out of range for {self.num_tokens} {self.split} tokens")
+        maps, pos = self._mapped(), start
+        shard = int(np.searchsorted(self._ends, start, side="right"))
+        while pos < stop:
+            first = int(self._ends[shard]) - self._counts[shard]
+            take = min(stop, int(self._ends[shard])) - pos
+            out[pos - start:pos - start + take] = maps[shard][pos - first:pos - first + take]
+            pos += take
+            shard += 1
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        out = np.empty(stop - start, dtype=self.dtype)
+        self.read_into(out, start)
+        return out
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Fixed-length samples of one split: sample ``i`` is tokens ``[i*seq_len, (i+1)*seq_len)`` (int64).
+
+    The tail shorter than ``seq_len`` is not used. Samples ignore document boundaries: documents
+    are separated by the end-of-text token (``eos_id``) inside the stream.
+    """
+
+    def __init__(self, prepared_dir: str | Path, split: str = "train", seq_len: int = 1024):
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+        self.directory = Path(prepared_dir)
+        self.index = load_index(self.directory)
+        self.split, self.seq_len = split, seq_len
+        self.shards = TokenShards(self.directory, split, self.index)
+        self.num_tokens = self.shards.num_tokens
+        self.vocab_size: int = int(self.index["vocab_size"])
+        self.eos_id: int = int(self.index["eos_id"])
+        if self.num_tokens < seq_len:
+            raise ValueError(f"{self.directory}: the {split} split has {self.num_tokens} tokens, fewer than one "
+                             f"sample of seq_len={seq_len}; use a shorter seq_len or more data "
+                             f"(a larger --val-fraction for the val split)")
+
+    def __len__(self) -> int:
+        return self.num_tokens // self.seq_len
+
+    def _check(self, i: int) -> int:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} {self.split} samples")
+        return i % n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = self._check(int(i))
+        out = np.empty(self.seq_len, dtype=np.int64)
+        self.shards.read_into(out, i * self.seq_len)
+        return torch.from_numpy(out)
+
+    def batch(self, indices: list[int]) -> torch.Tensor:
+        """``[len(indices), seq_len]`` int64: the samples at ``indices``, read straight into one array."""
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        for row, i in enumerate(indices):
+            self.shards.read_into(out[row], self._check(int(i)) * self.seq_len)
+        return torch.from_numpy(out)
+
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` the dataset was made with."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.directory / self.index.get("tokenizer", TOKENIZER_FILE)))
