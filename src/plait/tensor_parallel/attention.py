@@ -39,8 +39,9 @@ class ParallelSelfAttention(nn.Module):
         hd, r = layout.head_dim, tp.rank
         kw = {"bias": qkv_bias, "device": device, "dtype": dtype}
         self.q_proj = ColumnParallelLinear(hidden_size, layout.num_heads * hd, tp, rows=layout.q_rows(r), **kw)
-        self.k_proj = ColumnParallelLinear(hidden_size, layout.num_kv_heads * hd, tp, rows=layout.kv_rows(r), **kw)
-        self.v_proj = ColumnParallelLinear(hidden_size, layout.num_kv_heads * hd, tp, rows=layout.kv_rows(r), **kw)
+        kv_kw = dict(rows=layout.kv_rows(r), replicas=layout.kv_replication, **kw)
+        self.k_proj = ColumnParallelLinear(hidden_size, layout.num_kv_heads * hd, tp, **kv_kw)
+        self.v_proj = ColumnParallelLinear(hidden_size, layout.num_kv_heads * hd, tp, **kv_kw)
         self.o_proj = RowParallelLinear(layout.num_heads * hd, hidden_size, tp, cols=layout.q_rows(r), bias=o_bias,
                                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         mask = torch.tensor(layout.real_q_mask(r), dtype=torch.float32).repeat_interleave(hd)

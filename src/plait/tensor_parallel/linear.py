@@ -33,6 +33,7 @@ class ColumnParallelLinear(nn.Module):
 
     Args:
         rows: the full-tensor output rows this rank holds (default: an even contiguous share).
+        replicas: how many ranks hold each row (the KV replication factor for K/V projections).
         gather_output: all-gather the output features (otherwise the output stays sharded).
         gather_input: run the entry collective here (copy-to-TP, or the sequence all-gather). Set
             False when a module shares one gathered input between several column layers and calls
@@ -41,15 +42,15 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp: GroupInfo, *, bias: bool = False,
                  sequence_parallel: bool = False, gather_output: bool = False,
-                 rows: tuple[int, ...] | None = None, device=None, dtype=None) -> None:
+                 rows: tuple[int, ...] | None = None, replicas: int = 1, device=None, dtype=None) -> None:
         super().__init__()
         self.tp, self.sequence_parallel, self.gather_output = tp, sequence_parallel, gather_output
         self.in_features, self.out_features = in_features, out_features
         rows = even_rows(out_features, tp) if rows is None else rows
-        self.weight_spec = ShardSpec(0, rows, (out_features, in_features))
+        self.weight_spec = ShardSpec(0, rows, (out_features, in_features), replicas)
         self.weight = nn.Parameter(torch.empty(len(rows), in_features, device=device, dtype=dtype))
         if bias:
-            self.bias_spec = ShardSpec(0, rows, (out_features,))
+            self.bias_spec = ShardSpec(0, rows, (out_features,), replicas)
             self.bias = nn.Parameter(torch.empty(len(rows), device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)

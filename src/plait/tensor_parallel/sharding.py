@@ -18,11 +18,17 @@ import torch
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Local = ``full.index_select(dim, index)`` with zeros where ``index == -1``."""
+    """Local = ``full.index_select(dim, index)`` with zeros where ``index == -1``.
+
+    ``replicas`` is how many ranks of the group hold each real entry (the KV replication factor
+    for K/V projections, 1 otherwise); reductions such as the global gradient norm divide by it
+    so that every entry counts once.
+    """
 
     dim: int
     index: tuple[int, ...]
     full_shape: tuple[int, ...]
+    replicas: int = 1
 
     @staticmethod
     def contiguous(full_shape: tuple[int, ...], dim: int, start: int, length: int, pad_from: int | None = None):
