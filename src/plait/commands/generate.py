@@ -1,0 +1,157 @@
+"""``plait generate``: sample text from a trained run or a Hugging Face model directory (one process).
+
+A run directory holds ``final/`` (the Hugging Face directory the trainer writes at the end) and
+``tokenizer.json``; a Hugging Face directory holds ``config.json``, ``*.safetensors`` and
+``tokenizer.json``. Problems with the inputs are reported on one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+class _UsageError(Exception):
+    """An input problem reported as ``plait generate: <message>`` with exit status 2."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="sample text from a trained run or a Hugging Face model",
+                              description="Sample text from a trained run (--run) or a Hugging Face "
+                                          "model directory (--hf), in one process.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="RUN_DIR", help="run directory with final/ and tokenizer.json")
+    src.add_argument("--hf", metavar="HF_DIR", help="Hugging Face directory: config.json, *.safetensors, "
+                                                     "tokenizer.json")
+    p.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: start of a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to add (default 100)")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the smallest set of tokens with probability >= P (1 = all)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="softmax temperature (default 1)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
+    p.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 0:
+        raise _UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if args.top_k < 0:
+        raise _UsageError(f"--top-k={args.top_k} must be >= 0 (0 disables top-k)")
+    if not 0 < args.top_p <= 1:
+        raise _UsageError(f"--top-p={args.top_p} must be in (0, 1]")
+    if not args.greedy and not args.temperature > 0:
+        raise _UsageError(f"--temperature={args.temperature} must be > 0 (use --greedy for argmax decoding)")
+
+
+def _check_model_dir(path: Path, what: str) -> None:
+    if not (path / "config.json").is_file():
+        raise _UsageError(f"{what} {path} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise _UsageError(f"{what} {path} has no *.safetensors weights")
+
+
+def resolve_paths(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``(model_dir, tokenizer_file)`` for ``--run`` or ``--hf``, or a :class:`_UsageError`."""
+    if args.run is not None:
+        run_dir = Path(args.run)
+        if not run_dir.is_dir():
+            raise _UsageError(f"run directory {run_dir} does not exist")
+        model_dir = run_dir / "final"
+        if not model_dir.is_dir():
+            raise _UsageError(f"run directory {run_dir} has no final/ checkpoint (written when training ends)")
+        _check_model_dir(model_dir, "checkpoint")
+        for tok in (run_dir / "tokenizer.json", model_dir / "tokenizer.json"):
+            if tok.is_file():
+                return model_dir, tok
+        raise _UsageError(f"run directory {run_dir} has no tokenizer.json")
+    model_dir = Path(args.hf)
+    if not model_dir.is_dir():
+        raise _UsageError(f"Hugging Face directory {model_dir} does not exist")
+    _check_model_dir(model_dir, "Hugging Face directory")
+    tok = model_dir / "tokenizer.json"
+    if not tok.is_file():
+        raise _UsageError(f"Hugging Face directory {model_dir} has no tokenizer.json")
+    return model_dir, tok
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+
+def start_and_stop_ids(tokenizer, config) -> tuple[int | None, set[int]]:
+    """The token that starts an empty prompt, and the ids that end generation.
+
+    plait's tokenizers end every document with ``<|endoftext|>``, so that token both starts a new
+    document and stops one; otherwise the config's ``bos_token_id`` starts. The config's
+    ``eos_token_id`` stops only when it is a special token of the tokenizer (a plait run that
+    kept the default ``eos_token_id=2`` would otherwise stop on an ordinary byte).
+    """
+    special = _special_ids(tokenizer)
+    eot = tokenizer.token_to_id(EOS_TOKEN)
+    eos = config.eos_token_id
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    stop = {i for i in eos_ids if i in special}
+    if eot is not None:
+        stop.add(eot)
+    start = eot
+    if start is None and config.bos_token_id is not None and 0 <= config.bos_token_id < config.vocab_size:
+        start = config.bos_token_id
+    return start, stop
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check_args(args)
+        model_dir, tok_file = resolve_paths(args)
+        return _generate(args, model_dir, tok_file)
+    except _UsageError as e:
+        print(f"plait generate: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
+    import torch
+    from tokenizers import Tokenizer
+
+    from plait.generate import generate
+    from plait.mesh import single_process_mesh
+    from plait.models.llama.config import ModelConfigError
+    from plait.models.llama.hf_io import CheckpointMismatchError, load_llama_from_hf
+
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        raise _UsageError(f"cannot read tokenizer {tok_file}: {str(e).splitlines()[0] if str(e) else e!r}")
+    try:
+        model = load_llama_from_hf(model_dir, single_process_mesh(), device=args.device)
+    except (ModelConfigError, CheckpointMismatchError, FileNotFoundError) as e:
+        raise _UsageError(f"cannot load {model_dir}: {e}")
+    config = model.config
+    ids = tokenizer.encode(args.prompt).ids if args.prompt else []
+    start, stop = start_and_stop_ids(tokenizer, config)
+    if not ids:
+        if start is None:
+            raise _UsageError("the prompt is empty and the model has no start token; give --prompt TEXT")
+        ids = [start]
+    too_big = [i for i in ids if i >= config.vocab_size]
+    if too_big:
+        raise _UsageError(f"the tokenizer produced id {too_big[0]} but the model's vocab_size is "
+                          f"{config.vocab_size}; the tokenizer does not belong to this model")
+    prompt = torch.tensor([ids], dtype=torch.long)
+    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, greedy=args.greedy, seed=args.seed, eos_id=stop)
+    new_ids = out[0, len(ids):].tolist()
+    text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    sys.stdout.write(args.prompt + text + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = ["add_parser", "resolve_paths", "run", "start_and_stop_ids"]

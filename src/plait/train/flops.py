@@ -1,0 +1,49 @@
+"""Model FLOPs per token and model FLOPs utilisation (MFU), PaLM convention.
+
+MFU counts only the FLOPs the model mathematically needs (forward + backward of the matmuls,
+attention scores included), never recomputation or padding, so it compares runs with different
+parallel layouts, activation checkpointing or kernels on equal terms (PaLM, Chowdhery et al.
+2022, appendix B):
+
+    flops_per_token = 6 * N + 12 * L * H * Q * T
+
+with ``N`` the matmul parameters (every parameter except the input embedding, plus the output
+head's ``vocab x hidden`` matrix, counted even when it is tied to the embedding because its
+matmul still runs), ``L`` layers, ``H`` query heads, ``Q`` head dim and ``T`` the sequence
+length. The factor 6 is 2 (multiply-add) x 3 (forward, input gradient, weight gradient); the
+attention term is ``QK^T`` and ``PV`` at full (unmasked) size.
+"""
+
+from __future__ import annotations
+
+from plait.models.llama.config import LlamaConfig
+
+
+def matmul_params(config: LlamaConfig) -> int:
+    """Non-embedding parameters plus the output head's matrix (the ``N`` of ``6N``)."""
+    embedding = config.vocab_size * config.hidden_size
+    head = config.vocab_size * config.hidden_size
+    non_embedding = config.num_parameters() - embedding - (0 if config.tie_word_embeddings else head)
+    return non_embedding + head
+
+
+def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``."""
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    return float(6 * matmul_params(config) + attention)
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak (0..1).
+
+    ``tokens_per_s_per_device`` is the job's training throughput divided by its number of
+    devices (all of DP x TP x PP x CP), so a TP group that processes one batch counts it once.
+    """
+    if peak <= 0:
+        raise ValueError(f"peak={peak!r} FLOP/s must be positive")
+    return tokens_per_s_per_device * flops_per_token / peak
+
+
+__all__ = ["matmul_params", "mfu", "model_flops_per_token"]
