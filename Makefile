@@ -16,7 +16,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(VENV)/bin/plait demo
+	$(VENV)/bin/plait train
 
 test: setup
 	$(PY) -m pytest -q

@@ -1,29 +1,39 @@
-"""The ``plait`` command."""
+"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+#: subcommand modules, each with ``add_parser(subparsers)`` and ``run(args) -> int``
+COMMANDS = ("train", "data", "generate", "config")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description="Distributed training of Llama-family models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="2-process tensor-parallel training of a tiny Llama on Shakespeare")
-    demo.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser = argparse.ArgumentParser(
+        prog="plait",
+        description="Distributed training of Llama-family models on PyTorch: one recipe on a laptop CPU, "
+                    "a GPU box or a cluster.",
+        epilog="Run 'plait COMMAND --help' for the options of each command.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"plait.commands.{name}")
+        module.add_parser(sub).set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from plait.demo import DemoSettings, run_demo
-
-        if args.steps < 1:
-            print(f"plait demo: --steps={args.steps} must be a positive integer", file=sys.stderr)
-            return 2
-        run_demo(DemoSettings(steps=args.steps))
-    return 0
+    parser = build_parser()
+    # Overrides may come after options (`plait train --nproc 2 optimizer.lr=1e-3`); argparse leaves
+    # such trailing positionals unparsed, so they are handed to the command's item list.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or not hasattr(args, "items")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.items = list(args.items) + extra
+    return int(args._module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -91,9 +91,19 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, *,
     was_training = model.training
     model.eval()
     try:
+        # Sequence parallelism splits the sequence over the TP ranks, so the context is right-padded
+        # to a multiple of the TP degree; causal attention keeps the padding from affecting the
+        # last real position, whose logits are the ones read.
+        multiple = model.tensor_parallel.size if getattr(model, "sequence_parallel", False) else 1
+        if max_len is not None:
+            max_len -= max_len % multiple
         for _ in range(max_new_tokens):
             context = ids if max_len is None else ids[:, -max_len:]
-            logits = model(context)[0, -1]
+            n = context.shape[1]
+            pad = -n % multiple
+            if pad:
+                context = torch.cat([context, context[:, -1:].expand(1, pad)], dim=1)
+            logits = model(context)[0, n - 1]
             token = sample_next(logits, generator, temperature=temperature, top_k=top_k, top_p=top_p,
                                 greedy=greedy)
             ids = torch.cat([ids, torch.tensor([[token]], device=device, dtype=torch.long)], dim=1)

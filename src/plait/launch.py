@@ -13,8 +13,31 @@ import uuid
 from typing import Any, Callable
 
 
+def _adopt_slurm_environment() -> None:
+    """Map SLURM's task variables to the ones ``torch.distributed`` reads (env:// rendezvous).
+
+    The batch script must export MASTER_ADDR and MASTER_PORT (see docs/launching.md).
+    """
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+
+
 def in_launched_world() -> bool:
+    """True under torchrun or SLURM (with MASTER_ADDR set): this process is one rank of a world."""
+    _adopt_slurm_environment()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_world_size() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def _free_port() -> int:

@@ -1,0 +1,146 @@
+"""Values derived from a valid recipe: world size, dp, KV replication, batch sizes, directories,
+and, once the vocabulary is known, the parameter count and model FLOPs per token."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.config.schema import ARCH_FIELDS, Recipe
+from plait.models.llama.config import LlamaConfig
+from plait.train.flops import model_flops_per_token
+
+
+@dataclass(frozen=True)
+class ModelNumbers:
+    """Model-dependent numbers for one vocabulary size."""
+
+    vocab_size: int
+    num_parameters: int
+    non_embedding_parameters: int
+    flops_per_token: int
+    flops_per_step: int
+
+
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    """A validated recipe and the values derived from it for one world size."""
+
+    recipe: Recipe
+    world_size: int
+    dp: int
+    kv_replication: int
+    global_batch_size: int
+    tokens_per_step: int
+    output_dir: str
+    checkpoint_dir: str
+    #: the architecture read from ``model.hf_path`` (``None`` without one)
+    hf_config: LlamaConfig | None = None
+    warnings: tuple[str, ...] = field(default=())
+
+    # ------------------------------------------------------------------ shortcuts
+    @property
+    def tp(self) -> int:
+        return self.recipe.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        return self.recipe.parallel.pp
+
+    @property
+    def microbatches(self) -> int:
+        return self.recipe.parallel.microbatches
+
+    def head_layout(self):
+        """The :class:`~plait.tensor_parallel.heads.HeadLayout` of the attention heads over TP."""
+        from plait.tensor_parallel.heads import HeadLayout
+
+        c = self.llama_config(self.vocab_size_hint()[0])
+        return HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.tp,
+                               self.kv_replication, self.recipe.parallel.kv_placement)
+
+    # ------------------------------------------------------------------ model-dependent numbers
+    def vocab_size_hint(self) -> tuple[int, str]:
+        """``(vocab size, where it comes from)`` before the tokenizer exists: ``model.vocab_size``,
+        else the checkpoint's ``config.json``, else ``data.vocab_size`` (exact for ``tokenizer: bpe``)."""
+        if self.hf_config is not None:
+            return self.hf_config.vocab_size, "model.hf_path config.json"
+        if self.recipe.model.vocab_size is not None:
+            return self.recipe.model.vocab_size, "model.vocab_size"
+        return self.recipe.data.vocab_size, "data.vocab_size"
+
+    def llama_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
+        """The model's :class:`LlamaConfig` for a tokenizer of ``vocab_size`` tokens
+        (``None``: :meth:`vocab_size_hint`)."""
+        if self.hf_config is not None:
+            config = copy.deepcopy(self.hf_config)
+            for key, value in extra.items():
+                setattr(config, key, value)
+            return config
+        return self.recipe.model.to_llama_config(vocab_size or self.vocab_size_hint()[0], **extra)
+
+    def num_parameters(self, vocab_size: int | None = None) -> int:
+        return self.llama_config(vocab_size).num_parameters()
+
+    def flops_per_token(self, vocab_size: int | None = None) -> int:
+        return model_flops_per_token(self.llama_config(vocab_size), self.recipe.data.seq_len)
+
+    def model_numbers(self, vocab_size: int | None = None) -> ModelNumbers:
+        c = self.llama_config(vocab_size)
+        n = c.num_parameters()
+        embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        fpt = model_flops_per_token(c, self.recipe.data.seq_len)
+        return ModelNumbers(c.vocab_size, n, n - embed, fpt, fpt * self.tokens_per_step)
+
+    # ------------------------------------------------------------------ presentation
+    def derived(self, vocab_size: int | None = None) -> dict[str, Any]:
+        """The derived values as a flat mapping (what ``plait config show`` prints)."""
+        vocab, source = (vocab_size, "given") if vocab_size is not None else self.vocab_size_hint()
+        numbers = self.model_numbers(vocab)
+        return {
+            "world_size": self.world_size, "tp": self.tp, "pp": self.pp, "dp": self.dp,
+            "kv_replication": self.kv_replication, "microbatches": self.microbatches,
+            "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,
+            "output_dir": self.output_dir, "checkpoint_dir": self.checkpoint_dir,
+            "vocab_size": f"{numbers.vocab_size} (from {source})",
+            "parameters": numbers.num_parameters, "non_embedding_parameters": numbers.non_embedding_parameters,
+            "flops_per_token": numbers.flops_per_token, "flops_per_step": numbers.flops_per_step,
+        }
+
+    def summary_line(self) -> str:
+        p = self.recipe.parallel
+        return (f"tp={p.tp} pp={p.pp} dp={self.dp} (world {self.world_size}), kv_replication={self.kv_replication}, "
+                f"{self.global_batch_size} x {self.recipe.data.seq_len} = {self.tokens_per_step} tokens/step, "
+                f"{self.recipe.train.steps} steps -> {self.output_dir}")
+
+    def as_recipe(self) -> Recipe:
+        """The recipe with the derived values written in (dp, kv_replication, global batch size,
+        directories, and the architecture of ``model.hf_path``), for saving next to a run."""
+        data = self.recipe.model_dump()
+        data["parallel"].update(dp=self.dp, kv_replication=self.kv_replication)
+        data["data"]["global_batch_size"] = self.global_batch_size
+        data["run"]["output_dir"] = self.output_dir.replace("{", "{{").replace("}", "}}")
+        data["checkpoint"]["dir"] = self.checkpoint_dir.replace("{", "{{").replace("}", "}}")
+        if self.hf_config is not None:
+            data["model"].update({name: getattr(self.hf_config, name) for name in ARCH_FIELDS})
+        return Recipe.model_validate(data)
+
+
+def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | None = None,
+            warnings: list[str] | tuple[str, ...] = ()) -> ResolvedRecipe:
+    """Derive the values of a recipe that :func:`~plait.config.validate.collect_problems` accepted."""
+    from plait.config.validate import derive_world_and_dp
+    from plait.tensor_parallel.heads import HeadLayout
+
+    r, p = recipe, recipe.parallel
+    world, dp = derive_world_and_dp(p.tp, p.pp, p.dp, world_size)
+    arch = hf_config or r.model.to_llama_config(r.model.vocab_size or r.data.vocab_size)
+    kv = HeadLayout.plan(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, p.tp,
+                         p.kv_replication, p.kv_placement).kv_replication
+    gbs = r.data.global_batch_size or r.data.micro_batch_size * p.microbatches * dp
+    out = r.run.output_dir.format(name=r.run.name)
+    ckpt = r.checkpoint.dir.format(output_dir=out, name=r.run.name)
+    return ResolvedRecipe(recipe=r, world_size=world, dp=dp, kv_replication=kv, global_batch_size=gbs,
+                          tokens_per_step=gbs * r.data.seq_len, output_dir=out, checkpoint_dir=ckpt,
+                          hf_config=hf_config, warnings=tuple(warnings))

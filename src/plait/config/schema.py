@@ -1,0 +1,261 @@
+"""The sections of a training recipe: typed pydantic models with defaults and one-line descriptions.
+
+Every field has a default, so an empty recipe is the built-in default (a small Llama trained on
+Shakespeare in one process). Unknown keys are rejected (``extra="forbid"``) so a typo such as
+``parallel.tpp`` is an error rather than a silently ignored setting. Single-field bounds live
+here (``ge=1`` ...); rules between fields live in :mod:`plait.config.validate`.
+
+Integers and booleans are strict (``true`` is not ``1``, ``2.0`` is not ``2``); floats accept
+integers and numeric strings, since YAML 1.1 reads ``1e-3`` (no dot) as a string.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+from plait.models.llama.config import LlamaConfig, ModelConfigError
+
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+#: ``model`` fields that describe the architecture; with ``model.hf_path`` they come from config.json
+ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+               "rope_scaling", "attention_bias", "tie_word_embeddings")
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys rejected, assignments re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+class RunSection(Section):
+    name: str = Field("shakespeare-tiny", min_length=1,
+                      description="Run name; substituted for {name} in run.output_dir")
+    output_dir: str = Field("runs/{name}", min_length=1,
+                            description="Directory of the run's outputs (metrics, TensorBoard, plot, checkpoint); "
+                                        "{name} is replaced by run.name")
+    seed: Int = Field(0, ge=0, description="Seed of initialisation, data order and sampling")
+
+
+class ModelSection(Section):
+    hf_path: str | None = Field(None, description="Initialise from a Hugging Face model directory; the architecture "
+                                                  "fields then come from its config.json and must not be set here")
+    vocab_size: Int | None = Field(None, ge=1, description="Embedding rows; null = the tokenizer's size")
+    hidden_size: Int = Field(256, ge=1, description="Width of the residual stream")
+    intermediate_size: Int = Field(768, ge=1, description="Width of the gated MLP")
+    num_hidden_layers: Int = Field(4, ge=1, description="Number of decoder blocks")
+    num_attention_heads: Int = Field(8, ge=1, description="Query heads per layer")
+    num_key_value_heads: Int = Field(4, ge=1, description="Key/value heads per layer (grouped-query attention); "
+                                                          "must divide num_attention_heads")
+    head_dim: Int | None = Field(None, ge=1, description="Width of one head; null = hidden_size / num_attention_heads")
+    max_position_embeddings: Int = Field(256, ge=1, description="Longest sequence the model supports")
+    rms_norm_eps: Float = Field(1e-5, gt=0, description="Epsilon of the RMS norms")
+    rope_theta: Float = Field(10000.0, gt=0, description="Base of the rotary position embedding")
+    rope_scaling: dict[str, Any] | None = Field(None, description="Hugging Face rope_scaling mapping "
+                                                                  "(rope_type 'default' or 'llama3'); null = none")
+    attention_bias: Bool = Field(False, description="Biases on the q/k/v/o projections")
+    tie_word_embeddings: Bool = Field(True, description="Share the input embedding with the output head")
+    initializer_range: Float = Field(0.02, gt=0, description="Standard deviation of the initial weights")
+
+    def arch_values(self) -> dict[str, Any]:
+        """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""
+        return {name: getattr(self, name) for name in ARCH_FIELDS}
+
+    def to_llama_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
+        """The :class:`LlamaConfig` this section describes.
+
+        ``vocab_size`` is the tokenizer's size; ``model.vocab_size``, when set, takes precedence
+        (it may be larger, e.g. padded). With ``hf_path`` the architecture is read from its
+        ``config.json`` and ``vocab_size`` may not exceed the checkpoint's. ``extra`` goes to
+        :class:`LlamaConfig` (``bos_token_id``, ``eos_token_id``, ...).
+        """
+        if self.hf_path is not None:
+            config = read_hf_config(self.hf_path)
+            if vocab_size is not None and vocab_size > config.vocab_size:
+                raise ModelConfigError(
+                    f"the tokenizer has {vocab_size} tokens but {self.hf_path}/config.json has vocab_size="
+                    f"{config.vocab_size}; use the checkpoint's own tokenizer")
+            for key, value in extra.items():
+                setattr(config, key, value)
+            return config
+        vocab = self.vocab_size if self.vocab_size is not None else vocab_size
+        if vocab is None:
+            raise ModelConfigError("model.vocab_size is null and no tokenizer size was given; pass vocab_size")
+        if vocab_size is not None and vocab < vocab_size:
+            raise ModelConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} tokens; "
+                                   f"set it to at least {vocab_size} or null")
+        fields = {k: v for k, v in self.arch_values().items() if k != "vocab_size"}
+        return LlamaConfig(vocab_size=vocab, initializer_range=self.initializer_range, **fields, **extra)
+
+
+def read_hf_config(hf_path: str) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face model directory (``config.json``)."""
+    path = Path(hf_path) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{hf_path!r} has no config.json; give a Hugging Face model directory")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelConfigError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path} does not hold a JSON object")
+    return LlamaConfig.from_hf_dict(data)
+
+
+class ParallelSection(Section):
+    tp: Int = Field(1, ge=1, description="Tensor-parallel degree")
+    pp: Int = Field(1, ge=1, description="Pipeline-parallel degree (only 1 in this version)")
+    dp: Int | None = Field(None, ge=1, description="Data-parallel degree; null = world size / (tp * pp)")
+    vpp: Int = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank (needs pp > 1)")
+    sequence_parallel: Bool = Field(False, description="Split the activations outside attention and MLP over the "
+                                                       "sequence within the TP group (needs seq_len % tp == 0)")
+    kv_replication: Int | None = Field(None, ge=1, description="TP ranks that hold the same K/V heads; "
+                                                               "null = the smallest that needs no padding")
+    kv_placement: Literal["interleaved", "adjacent"] = Field(
+        "interleaved", description="Placement of K/V replicas in the TP group: 'interleaved' or 'adjacent'")
+    zero1: Bool = Field(False, description="Shard optimizer state over DP (ZeRO-1; not available with dp > 1 yet)")
+    microbatches: Int = Field(1, ge=1, description="Micro-batches per step (gradient accumulation; "
+                                                   "pipeline micro-batches when pp > 1)")
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
+        "1f1b", description="Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b' (used when pp > 1)")
+
+
+class PrecisionSection(Section):
+    preset: Literal["fp32", "bf16-mixed", "bf16-pure", "autocast"] = Field(
+        "fp32", description="Numeric precision: 'fp32', 'autocast' (fp32 weights, bf16 autocast); "
+                            "'bf16-mixed' and 'bf16-pure' are not available yet")
+
+
+class OptimizerSection(Section):
+    name: Literal["adamw"] = Field("adamw", description="Optimizer; only 'adamw'")
+    lr: Float = Field(3e-3, gt=0, description="Peak learning rate")
+    weight_decay: Float = Field(0.1, ge=0, description="Decoupled weight decay (not applied to norms and biases)")
+    beta1: Float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay")
+    beta2: Float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay")
+    eps: Float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
+    grad_clip: Float = Field(1.0, ge=0, description="Clip the global gradient norm to this value; 0 = off")
+
+
+class SchedulerSection(Section):
+    name: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warm-up: 'cosine', 'linear' or 'constant'")
+    warmup_steps: Int = Field(20, ge=0, description="Steps of linear warm-up from 0 to optimizer.lr")
+    min_lr_ratio: Float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of optimizer.lr")
+
+
+class DataSection(Section):
+    source: str = Field("shakespeare", min_length=1,
+                        description="Built-in corpus ('shakespeare', 'bible'), a .txt/.jsonl file, a directory "
+                                    "of them, or a prepared data directory")
+    tokenizer: str = Field("bpe", min_length=1, description="'bpe' = train a byte-level BPE on the source, or a "
+                                                            "path to a tokenizer.json")
+    vocab_size: Int = Field(2048, ge=257, description="Size of the trained BPE (tokenizer: bpe)")
+    seq_len: Int = Field(128, ge=1, description="Tokens per training sequence")
+    val_fraction: Float = Field(0.05, gt=0, lt=1, description="Share of the tokens held out for validation")
+    micro_batch_size: Int = Field(8, ge=1, description="Sequences per micro-batch on one DP rank")
+    global_batch_size: Int | None = Field(None, ge=1, description="Sequences per optimizer step; "
+                                                                  "null = micro_batch_size * microbatches * dp")
+    prefetch: Int = Field(2, ge=0, description="Batches loaded ahead by a background thread; 0 = none")
+    cache_dir: str | None = Field(None, description="Where prepared data is cached; null = $PLAIT_CACHE "
+                                                    "or ~/.cache/plait")
+
+
+class TrainSection(Section):
+    steps: Int = Field(300, ge=1, description="Optimizer steps")
+    eval_every: Int = Field(100, ge=1, description="Evaluate on the validation split every this many steps "
+                                                   "(and at the end)")
+    eval_batches: Int = Field(8, ge=1, description="Validation batches per evaluation")
+    log_every: Int = Field(10, ge=1, description="Log metrics every this many steps (and at the end)")
+    sample_prompt: str = Field("ROMEO:", description="Prompt of the text sample generated at the end")
+    sample_tokens: Int = Field(48, ge=0, description="Tokens generated for the final sample; 0 = no sample text")
+
+
+class CheckpointSection(Section):
+    save_final: Bool = Field(True, description="Write a Hugging Face model directory at the end")
+    dir: str = Field("{output_dir}/final", min_length=1,
+                     description="Directory of the final checkpoint; {output_dir} and {name} are substituted")
+
+
+class LoggingSection(Section):
+    jsonl: Bool = Field(True, description="Write metrics.jsonl in the output directory")
+    tensorboard: Bool = Field(True, description="Write TensorBoard event files")
+    progress_bar: Bool = Field(True, description="Show a progress bar on the terminal")
+    plot: Bool = Field(True, description="Plot the loss curves to loss.png at the end")
+
+
+class Recipe(Section):
+    """A whole training recipe. ``Recipe()`` is the built-in default."""
+
+    run: RunSection = Field(default_factory=RunSection, description="Name, output directory and seed")
+    model: ModelSection = Field(default_factory=ModelSection, description="Model architecture or checkpoint")
+    parallel: ParallelSection = Field(default_factory=ParallelSection, description="Parallel layout")
+    precision: PrecisionSection = Field(default_factory=PrecisionSection, description="Numeric precision")
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="Optimizer")
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Learning-rate schedule")
+    data: DataSection = Field(default_factory=DataSection, description="Corpus, tokenizer and batching")
+    train: TrainSection = Field(default_factory=TrainSection, description="Length, evaluation, logging cadence")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Final checkpoint")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="Metric sinks")
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: info.annotation for name, info in Recipe.model_fields.items()  # type: ignore[misc]
+}
+
+
+# ---------------------------------------------------------------------- reference documentation
+def _type_name(annotation: Any) -> str:
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return " \\| ".join(_type_name(a) for a in rest) + " \\| null"
+    if origin is dict:
+        return "mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(info: Any) -> str:
+    marks = []
+    for m in info.metadata:
+        for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                marks.append(f"{sign} {getattr(m, attr)}")
+        if getattr(m, "min_length", None):
+            marks.append("non-empty")
+    return ", ".join(marks)
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{value}`"
+
+
+def reference_markdown() -> str:
+    """The field reference of every section as Markdown tables (the source of docs/recipes.md)."""
+    out = []
+    for name, info in Recipe.model_fields.items():
+        cls = SECTIONS[name]
+        out += [f"### `{name}` — {info.description}", "",
+                "| field | type | default | description |", "|---|---|---|---|"]
+        for field_name, f in cls.model_fields.items():
+            bounds = _bounds(f)
+            kind = _type_name(f.annotation) + (f" ({bounds})" if bounds else "")
+            out.append(f"| `{name}.{field_name}` | {kind} | {_default_text(f.default)} | {f.description} |")
+        out.append("")
+    return "\n".join(out)

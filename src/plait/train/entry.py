@@ -1,0 +1,42 @@
+"""The function each launched rank runs for ``plait train``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def prepare_data(recipe, progress: bool = False) -> Path:
+    from plait.data.prepare import prepare_dataset
+
+    d = recipe.data
+    return prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                           out_dir=None, seed=recipe.run.seed, progress=progress)
+
+
+def train_worker(recipe_yaml: str) -> None:
+    import torch.distributed as dist
+
+    from plait.config import load_recipe_text, recipe_to_yaml, validate_recipe
+    from plait.launch import finish_worker, init_worker, local_world_size
+    from plait.train.trainer import Trainer
+
+    threads = max(1, (os.cpu_count() or 1) // local_world_size())
+    rank, world = init_worker(threads)
+    try:
+        resolved = validate_recipe(load_recipe_text(recipe_yaml), world)
+        # Rank 0 prepares (or finds) the data first; the others then find it ready.
+        if rank == 0:
+            prepared = prepare_data(resolved.recipe)
+        dist.barrier()
+        if rank != 0:
+            prepared = prepare_data(resolved.recipe)
+        if rank == 0:
+            out = Path(resolved.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "recipe.yaml").write_text(recipe_to_yaml(resolved.recipe))
+        trainer = Trainer(resolved, prepared, rank, world)
+        final = trainer.fit()
+        trainer.finish(final, prepared)
+    finally:
+        finish_worker()

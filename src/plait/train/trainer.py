@@ -1,0 +1,233 @@
+"""The training run of one rank: build, train, evaluate, log, and write the run's outputs.
+
+One code path for every layout the mesh supports. Inside a step nothing is read back to the
+host; the loss and gradient norm sums are read once per logging interval. Rank 0 writes the
+outputs (metrics, TensorBoard, plot, summary, final Hugging Face checkpoint, sample); every rank
+takes part in the collectives they need.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.mesh import ParallelMesh
+from plait.train.optim import build_adamw
+from plait.train.running_metrics import RunningMetrics
+from plait.train.schedules import build_scheduler
+from plait.train.step import autocast_context, train_step
+
+
+def build_mesh(resolved, rank: int, world: int) -> ParallelMesh:
+    p = resolved.recipe.parallel
+    return ParallelMesh(world, rank, tp=p.tp, pp=p.pp, dp=resolved.dp,
+                        kv_replication=resolved.kv_replication, kv_placement=p.kv_placement)
+
+
+def build_model(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device):
+    from plait.materialize import build_llama
+    from plait.models.llama.hf_io import load_llama_from_hf
+
+    r = resolved.recipe
+    sp = r.parallel.sequence_parallel
+    if r.model.hf_path:
+        model = load_llama_from_hf(r.model.hf_path, mesh, sequence_parallel=sp, device=device)
+    else:
+        model = build_llama(r.model.to_llama_config(vocab_size), mesh, seed=r.run.seed, device=device,
+                            sequence_parallel=sp)
+    return model
+
+
+@torch.no_grad()
+def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, precision: str) -> float:
+    """Mean validation loss over the first ``batches`` batches, split over DP ranks."""
+    device = next(model.parameters()).device
+    n = min(len(dataset), batches * micro_batch_size * dp.size)
+    idx = list(range(dp.rank, n, dp.size))
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(0, len(idx), micro_batch_size):
+        ids = torch.stack([dataset[j] for j in idx[i:i + micro_batch_size]]).to(device)
+        with autocast_context(precision, device):
+            loss = model(ids, ids)
+        total += torch.stack([loss.double() * ids.shape[0], torch.tensor(ids.shape[0], dtype=torch.float64,
+                                                                         device=device)])
+    if dp.size > 1:
+        dist.all_reduce(total, group=dp.group)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+class Trainer:
+    """Owns the state of one rank's run. ``fit()`` trains and returns the final metrics."""
+
+    def __init__(self, resolved, prepared_dir: str | Path, rank: int, world: int) -> None:
+        from plait.data.loader import BatchLoader
+        from plait.data.sampler import GlobalBatchSampler
+        from plait.data.token_shards import TokenDataset
+
+        self.resolved, self.recipe = resolved, resolved.recipe
+        r = self.recipe
+        self.rank, self.world = rank, world
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.out = Path(resolved.output_dir)
+        self.mesh = build_mesh(resolved, rank, world)
+        self.tp, self.dp = self.mesh.info("tp"), self.mesh.info("dp")
+        self.train_data = TokenDataset(prepared_dir, "train", r.data.seq_len)
+        self.val_data = TokenDataset(prepared_dir, "val", r.data.seq_len)
+        self.model = build_model(resolved, self.mesh, self.train_data.vocab_size, self.device)
+        self.config = self.model.config
+        o = r.optimizer
+        self.optimizer = build_adamw(self.model, lr=o.lr, weight_decay=o.weight_decay,
+                                     betas=(o.beta1, o.beta2), eps=o.eps)
+        s = r.scheduler
+        self.scheduler = build_scheduler(self.optimizer, name=s.name, warmup_steps=s.warmup_steps,
+                                         total_steps=r.train.steps, min_ratio=s.min_lr_ratio)
+        sampler = GlobalBatchSampler(len(self.train_data), resolved.global_batch_size, r.run.seed)
+        self.loader = BatchLoader(self.train_data, sampler, dp_rank=self.dp.rank, dp=self.dp.size,
+                                  microbatches=r.parallel.microbatches, prefetch=r.data.prefetch)
+        self.metrics = RunningMetrics(self.device)
+        self.peak_flops = self._measure_peak_once()
+        self.flops_per_token = None
+        self.is_writer = rank == 0
+        self.sinks = self._build_sinks() if self.is_writer else None
+
+    def _measure_peak_once(self) -> float:
+        """The per-device peak FLOP/s, measured (CPU) or looked up once, on rank 0, then shared.
+
+        Measuring on one rank while the others wait keeps the matmul probe from competing with
+        itself on a shared host; it also keeps the probe out of every timed interval.
+        """
+        from plait.devices import detect_device, peak_flops
+
+        dtype = "fp32" if self.recipe.precision.preset == "fp32" else "bf16"
+        value = torch.zeros(1, dtype=torch.float64)
+        if self.rank == 0:
+            value[0] = peak_flops(detect_device(), dtype, torch.get_num_threads())
+        if self.world > 1:
+            buf = value.to(self.device)  # NCCL needs a device tensor; gloo takes the CPU one
+            dist.broadcast(buf, src=0)
+            value = buf.cpu()
+        return float(value[0])
+
+    # ------------------------------------------------------------------ outputs
+    def _build_sinks(self):
+        from plait.train.loggers import JsonlSink, MultiSink, ProgressSink, TensorBoardSink
+
+        lg = self.recipe.logging
+        self.out.mkdir(parents=True, exist_ok=True)
+        sinks = []
+        if lg.jsonl:
+            sinks.append(JsonlSink(self.out / "metrics.jsonl"))
+        if lg.tensorboard:
+            sinks.append(TensorBoardSink(self.out / "tensorboard"))
+        sinks.append(ProgressSink(self.recipe.train.steps, enabled=lg.progress_bar))
+        return MultiSink(sinks)
+
+    def _throughput_fields(self, steps: int, seconds: float, data_wait: float) -> dict[str, float]:
+        from plait.train.flops import mfu, model_flops_per_token
+        from plait.train.loggers import peak_memory_bytes
+
+        tokens = steps * self.resolved.tokens_per_step
+        tps = tokens / max(seconds, 1e-9)
+        per_device = tps / self.world
+        fpt = model_flops_per_token(self.config, self.recipe.data.seq_len)
+        return {"tokens_per_s": tps, "tokens_per_s_per_device": per_device,
+                "mfu": mfu(per_device, fpt, self.peak_flops),
+                "peak_memory_gb": peak_memory_bytes(self.device) / 1e9,
+                "data_wait_share": data_wait / max(seconds, 1e-9)}
+
+    # ------------------------------------------------------------------ loop
+    def run_step(self, batch: torch.Tensor) -> float:
+        """One optimizer step and its device-side metrics; returns the learning rate it used.
+
+        Nothing in here reads a device value on the host (tests/test_trainer.py counts).
+        """
+        r = self.recipe
+        loss, norm = train_step(self.model, self.optimizer, batch, tp=self.tp, dp=self.dp,
+                                grad_clip=r.optimizer.grad_clip, precision=r.precision.preset)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.metrics.add(loss, norm)
+        return lr
+
+    def fit(self) -> dict[str, Any]:
+        r = self.recipe
+        steps, log_every, eval_every = r.train.steps, r.train.log_every, r.train.eval_every
+        last: dict[str, Any] = {}
+        interval_start, interval_wait0 = time.perf_counter(), 0.0
+        run_start = interval_start
+        batches = iter(self.loader)
+        try:
+            for step in range(steps):
+                lr = self.run_step(next(batches))
+                done = step + 1
+                if done % log_every == 0 or done == steps:
+                    now = time.perf_counter()
+                    n = self.metrics.steps
+                    record = {"step": done, **self.metrics.read(average_over=self.dp), "lr": lr}
+                    if not math.isfinite(record["loss"]):
+                        raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
+                                                 f"optimizer.lr or enable optimizer.grad_clip")
+                    wait = self.loader.wait_seconds - interval_wait0
+                    record.update(self._throughput_fields(n, now - interval_start, wait))
+                    interval_start, interval_wait0 = now, self.loader.wait_seconds
+                    if done % eval_every == 0 or done == steps:
+                        record.update(self._eval_fields())
+                    record["elapsed_s"] = now - run_start
+                    last = record
+                    if self.sinks is not None:
+                        self.sinks.log(done, record)
+        finally:
+            self.loader.close()
+            if self.sinks is not None:
+                self.sinks.close()
+        last["wall_seconds"] = time.perf_counter() - run_start
+        return last
+
+    def _eval_fields(self) -> dict[str, float]:
+        r = self.recipe
+        val = evaluate(self.model, self.val_data, batches=r.train.eval_batches,
+                       micro_batch_size=r.data.micro_batch_size, dp=self.dp, precision=r.precision.preset)
+        return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+
+    # ------------------------------------------------------------------ end of run
+    def finish(self, final: dict[str, Any], prepared_dir: str | Path) -> None:
+        """Final checkpoint, tokenizer, plot, summary and a generated sample."""
+        from plait.data.baseline import unigram_loss
+        from plait.generate import generate
+        from plait.models.llama.hf_io import save_hf_checkpoint
+        from plait.train.report import plot_run, summary_table
+
+        r = self.recipe
+        if r.checkpoint.save_final:
+            save_hf_checkpoint(self.model, self.resolved.checkpoint_dir, self.tp)
+        tokenizer = self.train_data.tokenizer()
+        prompt = tokenizer.encode(r.train.sample_prompt).ids or [self.train_data.eos_id]
+        ids = generate(self.model, torch.tensor([prompt]), r.train.sample_tokens, top_k=40, top_p=0.95,
+                       temperature=0.8, seed=r.run.seed, eos_id=self.train_data.eos_id)
+        sample = tokenizer.decode(ids[0].tolist())
+        if not self.is_writer:
+            return
+        shutil.copy(Path(prepared_dir) / "tokenizer.json", self.out / "tokenizer.json")
+        if r.checkpoint.save_final:
+            shutil.copy(Path(prepared_dir) / "tokenizer.json", Path(self.resolved.checkpoint_dir) / "tokenizer.json")
+        metrics_file = self.out / "metrics.jsonl"
+        if r.logging.plot and metrics_file.exists():
+            plot_run(metrics_file, self.out / "loss.png")
+        summary = summary_table(metrics_file) if metrics_file.exists() else json.dumps(final, indent=1)
+        baseline = unigram_loss(prepared_dir, self.train_data.vocab_size)
+        summary += f"\nunigram baseline val loss {baseline:.4f} (a model ignoring context)"
+        if "val_loss" in final:
+            summary += f"; this run: {final['val_loss']:.4f}"
+        (self.out / "summary.txt").write_text(summary + "\n")
+        (self.out / "sample.txt").write_text(sample + "\n")
+        print("\n" + summary, flush=True)
+        print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
+        print(f"outputs in {self.out}", flush=True)
