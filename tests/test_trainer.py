@@ -122,3 +122,41 @@ def test_bad_recipe_is_rejected_before_any_process_starts(tmp_path):
     assert "parallel.tp" in proc.stderr and "optimizer.lr" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "never").exists()
+
+
+def _losses_worker(rank, world, recipe_yaml, prepared, steps):
+    import yaml
+
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    batches, losses = iter(trainer.loader), []
+    for _ in range(steps):
+        trainer.run_step(next(batches))
+        losses.append(trainer.metrics.read(average_over=trainer.dp)["loss"])
+    trainer.loader.close()
+    return losses
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2xdp2-microbatches2"])
+def test_trainer_layouts_follow_single_process(corpus, tmp_path, layout):
+    """Same global batch of 8 sequences: one process vs DP=2 (and TP=2 x DP=2 with 2 microbatches)."""
+    import yaml
+
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    common = TINY + [f"data.source={corpus}", f"run.output_dir={tmp_path}", "optimizer.grad_clip=0.5"]
+    single = common + ["parallel.tp=1", "parallel.sequence_parallel=false", "data.micro_batch_size=8"]
+    if layout == "dp2":
+        world, other = 2, common + ["parallel.tp=1", "parallel.sequence_parallel=false", "data.micro_batch_size=4"]
+    else:
+        world, other = 4, common + ["parallel.tp=2", "parallel.microbatches=2", "data.micro_batch_size=2"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, single)))
+    ref = run_distributed(_losses_worker, 1, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, single)), prepared, 5)[0]
+    for rank, losses in enumerate(run_distributed(_losses_worker, world,
+                                                  yaml.safe_dump(recipe_data(DEFAULT_RECIPE, other)), prepared, 5)):
+        rel = max(abs(a - b) / b for a, b in zip(losses, ref))
+        assert rel <= 1e-5, f"rank {rank}: losses {losses} vs single process {ref}"

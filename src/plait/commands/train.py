@@ -17,7 +17,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "train", help="train a model from a recipe (no recipe: the built-in Shakespeare default)",
         description="Train from a YAML recipe. With no recipe, the built-in default: a small Llama on "
                     "Shakespeare with tensor parallelism over 2 processes. Overrides take the form "
-                    "section.field=value, e.g. parallel.tp=2 optimizer.lr=1e-3.")
+                    "section.field=value, e.g. parallel.tp=2 optimizer.lr=1e-3.",
+        epilog="Outputs go to run.output_dir: metrics.jsonl, tensorboard/, loss.png, summary.txt, "
+               "sample.txt, recipe.yaml and final/ (a Hugging Face directory). Multi-node: "
+               "torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+               "-m plait.cli train RECIPE (see docs/launching.md).")
     p.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]",
                    help="an optional recipe file followed by overrides")
     p.add_argument("--nproc", type=int, default=None,
@@ -67,11 +71,14 @@ def run(args) -> int:
         return 2
     for warning in resolved.warnings:
         print(f"plait train: warning: {warning}", file=sys.stderr)
-    from plait.config import recipe_to_yaml
+    import yaml
+
     from plait.launch import launch_local
     from plait.train.entry import prepare_data, train_worker
 
-    text = recipe_to_yaml(resolved.recipe)
+    # The ranks receive the recipe as the user wrote it (file + overrides) and validate it again
+    # for their world; defaults are not frozen in, so fields that come from model.hf_path stay free.
+    text = yaml.safe_dump(data, sort_keys=False)
     if not in_launched_world():
         prepare_data(resolved.recipe, progress=True)  # once, in the parent, before any rank starts
         print(f"launching {world} process(es): {resolved.summary_line()}", flush=True)

@@ -17,14 +17,16 @@ def prepare_data(recipe, progress: bool = False) -> Path:
 def train_worker(recipe_yaml: str) -> None:
     import torch.distributed as dist
 
-    from plait.config import load_recipe_text, recipe_to_yaml, validate_recipe
+    import yaml
+
+    from plait.config import recipe_to_yaml, validate_recipe
     from plait.launch import finish_worker, init_worker, local_world_size
     from plait.train.trainer import Trainer
 
     threads = max(1, (os.cpu_count() or 1) // local_world_size())
     rank, world = init_worker(threads)
     try:
-        resolved = validate_recipe(load_recipe_text(recipe_yaml), world)
+        resolved = validate_recipe(yaml.safe_load(recipe_yaml), world)
         # Rank 0 prepares (or finds) the data first; the others then find it ready.
         if rank == 0:
             prepared = prepare_data(resolved.recipe)
@@ -34,7 +36,7 @@ def train_worker(recipe_yaml: str) -> None:
         if rank == 0:
             out = Path(resolved.output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "recipe.yaml").write_text(recipe_to_yaml(resolved.recipe))
+            (out / "recipe.yaml").write_text(recipe_to_yaml(resolved, header="resolved recipe of this run"))
         trainer = Trainer(resolved, prepared, rank, world)
         final = trainer.fit()
         trainer.finish(final, prepared)

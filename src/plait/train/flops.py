@@ -27,12 +27,12 @@ def matmul_params(config: LlamaConfig) -> int:
     return non_embedding + head
 
 
-def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+def model_flops_per_token(config: LlamaConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token at sequence length ``seq_len``."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
-    return float(6 * matmul_params(config) + attention)
+    return int(6 * matmul_params(config) + attention)
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float) -> float:

@@ -1,6 +1,6 @@
 """A minimal tensor-parallel training loop: AdamW on fixed batches, one loss per step.
 
-This is the loop behind the demo and the loss-parity tests. Every rank of a TP group sees the
+This is the loop behind the loss-parity tests; the full trainer is :mod:`plait.train.trainer`. Every rank of a TP group sees the
 same batch; sharded and replicated parameters are updated locally (replicated ones receive
 identical gradients on every TP rank, so they stay identical).
 """

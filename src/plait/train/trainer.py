@@ -177,13 +177,15 @@ class Trainer:
                                                  f"optimizer.lr or enable optimizer.grad_clip")
                     wait = self.loader.wait_seconds - interval_wait0
                     record.update(self._throughput_fields(n, now - interval_start, wait))
-                    interval_start, interval_wait0 = now, self.loader.wait_seconds
                     if done % eval_every == 0 or done == steps:
                         record.update(self._eval_fields())
                     record["elapsed_s"] = now - run_start
                     last = record
                     if self.sinks is not None:
                         self.sinks.log(done, record)
+                    # the next interval starts after evaluation and logging, so they do not count
+                    # against the training throughput
+                    interval_start, interval_wait0 = time.perf_counter(), self.loader.wait_seconds
         finally:
             self.loader.close()
             if self.sinks is not None:
