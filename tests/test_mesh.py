@@ -19,6 +19,7 @@ def test_tp8_pp4_groups():
     assert m.group_ranks("pp") == [[i, i + 8, i + 16, i + 24] for i in range(8)]
     assert m.group_ranks("dp") == [[i] for i in range(32)]
     assert m.coords(13) == {"pp": 1, "dp": 0, "cp": 0, "tp": 5}
+    assert m.group_ranks("tied") == [[i, i + 24] for i in range(8)]
 
 
 def test_tp2_pp2_dp4_groups():

@@ -30,3 +30,31 @@ def build_llama(config: LlamaConfig, mesh: ParallelMesh, *, seed: int = 0, devic
     if init:
         init_parameters(model, seed, config.initializer_range)
     return model
+
+
+def build_llama_stages(config: LlamaConfig, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,
+                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                       sequence_parallel: bool = False, init: bool = True) -> list[torch.nn.Module]:
+    """This rank's pipeline stages (its virtual chunks, in chunk order), each allocated alone.
+
+    ``stage_layers[s]`` lists the decoder layers of global stage ``s`` (``len == pp * vpp``); rank
+    ``r`` holds stages ``r, r + pp, ...`` (chunk ``c`` is stage ``c * pp + r``). The full model is
+    only ever described on the meta device: nothing outside this rank's stages is allocated.
+    """
+    from plait.models.llama.pipeline_stage import LlamaStage
+
+    num_stages = len(stage_layers)
+    with torch.device("meta"):
+        full = LlamaForCausalLM(config, dtype=dtype)
+    if mesh.tp > 1:
+        parallelize(full, mesh, sequence_parallel=sequence_parallel)
+    stages = []
+    for s in range(mesh.pp_rank, num_stages, mesh.pp):
+        stage = LlamaStage(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)
+        stage.to_empty(device=device)
+        stage.tie_weights()
+        reset_buffers(stage)
+        if init:
+            init_parameters(stage, seed, config.initializer_range)
+        stages.append(stage)
+    return stages

@@ -176,8 +176,10 @@ class ParallelMesh:
         """All groups along ``axis`` (or ``"kv"`` for KV-shared groups), each a list of ranks."""
         if axis == "kv":
             return self._kv_group_ranks()
+        if axis == "tied":
+            return self._tied_group_ranks()
         if axis not in AXES:
-            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv',)}")
+            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv', 'tied')}")
         others = [a for a in AXES if a != axis]
         groups = []
         for fixed in itertools.product(*(range(self.degrees[a]) for a in others)):
@@ -186,6 +188,10 @@ class ParallelMesh:
                 [self._rank_at[tuple({**base, axis: i}[a] for a in AXES)] for i in range(self.degrees[axis])]
             )
         return sorted(groups)
+
+    def _tied_group_ranks(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline group (tied embedding / output head)."""
+        return sorted(sorted({g[0], g[-1]}) for g in self.group_ranks("pp"))
 
     def _kv_group_ranks(self) -> list[list[int]]:
         groups = []
@@ -202,6 +208,8 @@ class ParallelMesh:
         for g in self.group_ranks(axis):
             if self.rank in g:
                 return g
+        if axis == "tied":  # a middle pipeline stage holds neither end of the tied weights
+            return [self.rank]
         raise AssertionError("every rank belongs to exactly one group per axis")
 
     # ----------------------------------------------------------------- process groups
@@ -214,7 +222,7 @@ class ParallelMesh:
                 f"({dist.get_world_size()} ranks)"
             )
         # Every rank must create every group in the same order (a torch.distributed rule).
-        for axis in AXES + ("kv",):
+        for axis in AXES + ("kv", "tied"):
             mine = None
             for ranks in self.group_ranks(axis):
                 group = dist.new_group(ranks)
@@ -223,7 +231,8 @@ class ParallelMesh:
             self._groups[axis] = mine
 
     def group(self, axis: str):
-        """This rank's process group along ``axis`` (``"tp"``, ``"dp"``, ``"pp"``, ``"cp"``, ``"kv"``)."""
+        """This rank's group along ``axis``: ``"tp"``, ``"dp"``, ``"pp"``, ``"cp"``, ``"kv"`` (KV-shared)
+        or ``"tied"`` (first and last pipeline stage, for tied embeddings)."""
         if not self._groups:
             raise MeshError("this mesh was built with create_groups=False; it has no process groups")
         return self._groups[axis]

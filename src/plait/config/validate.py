@@ -325,16 +325,24 @@ def _check_pipeline(c: _Checker, arch: LlamaConfig | None) -> None:
         return
     if p.vpp > 1 and p.pp == 1:
         c.add("parallel.vpp", p.vpp, "virtual pipeline stages need parallel.pp > 1; use vpp=1")
-    if p.pp > 1:
-        c.add("parallel.pp", p.pp, f"pipeline parallelism {NOT_AVAILABLE}; use pp=1")
-        if arch is not None and arch.num_hidden_layers % (p.pp * p.vpp):
-            c.add("model.num_hidden_layers", arch.num_hidden_layers,
-                  f"must be divisible by pp*vpp = {p.pp}*{p.vpp} = {p.pp * p.vpp} (whole layers per stage)")
-        if c.ok("parallel.schedule") and p.vpp > 1 and p.schedule != "interleaved-1f1b":
-            c.add("parallel.schedule", p.schedule, f"vpp={p.vpp} needs the 'interleaved-1f1b' schedule")
-        elif c.ok("parallel.schedule") and p.vpp == 1 and p.schedule == "interleaved-1f1b":
-            c.add("parallel.schedule", p.schedule, "'interleaved-1f1b' needs parallel.vpp > 1; "
-                                                   "use '1f1b' or 'gpipe'")
+    if p.pp == 1:
+        return
+    stages = p.pp * p.vpp
+    if arch is not None and arch.num_hidden_layers < stages:
+        c.add("model.num_hidden_layers", arch.num_hidden_layers,
+              f"fewer decoder layers than pipeline stages pp*vpp = {p.pp}*{p.vpp} = {stages}; every stage "
+              f"needs at least one layer: lower parallel.pp or parallel.vpp")
+    if not c.ok("parallel.schedule", "parallel.microbatches"):
+        return
+    if p.vpp > 1 and p.schedule != "interleaved-1f1b":
+        c.add("parallel.schedule", p.schedule, f"vpp={p.vpp} needs the 'interleaved-1f1b' schedule")
+        return
+    from plait.pipeline.schedules import ScheduleError, validate_schedule
+
+    try:
+        validate_schedule(p.schedule, p.pp, p.microbatches, p.vpp)
+    except ScheduleError as e:
+        c.add("parallel.microbatches", p.microbatches, str(e))
 
 
 def _check_unavailable(c: _Checker, dp: int | None) -> None:

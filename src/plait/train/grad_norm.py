@@ -5,7 +5,9 @@ Each gradient entry must count exactly once, whatever the layout:
 * a TP-sharded parameter contributes its local shard; entries held by several ranks (K/V heads
   under KV replication, ``ShardSpec.replicas`` > 1) are divided by their replica count;
 * a TP-replicated parameter (norms, row-parallel biases) is counted on TP rank 0 only;
-* data-parallel replicas hold identical, already averaged gradients and are not summed.
+* data-parallel replicas hold identical, already averaged gradients and are not summed;
+* pipeline stages each count their own parameters (summed over the PP group), and an embedding
+  tied across the first and last stage is counted on the first stage only.
 
 The result stays a device tensor: no host synchronisation inside the step.
 """
@@ -20,29 +22,44 @@ from plait.comm.primitives import GroupInfo
 from plait.parallel_state import shard_specs
 
 
-def global_grad_norm(model: nn.Module, tp: GroupInfo) -> torch.Tensor:
-    specs = shard_specs(model)
+def _counted_once_elsewhere(module: nn.Module, name: str) -> bool:
+    """The tied embedding held by a last pipeline stage is counted on the first stage only."""
+    return (name == "model.embed_tokens.weight" and getattr(module, "last", False)
+            and not getattr(module, "first", True))
+
+
+def global_grad_norm(model: nn.Module | list[nn.Module], tp: GroupInfo, pp: GroupInfo | None = None) -> torch.Tensor:
+    """The L2 norm of every gradient of the model, whatever the TP/PP layout (see module doc).
+
+    ``model`` is the model, or this rank's list of pipeline stages; ``pp`` sums over stages.
+    """
+    modules = model if isinstance(model, (list, tuple)) else [model]
     total = None
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        spec = specs.get(name)
-        if spec is None and tp.rank != 0:
-            continue
-        sq = p.grad.detach().float().pow(2).sum()
-        if spec is not None and spec.replicas > 1:
-            sq = sq / spec.replicas
-        total = sq if total is None else total + sq
+    for module in modules:
+        specs = shard_specs(module)
+        for name, p in module.named_parameters():
+            if p.grad is None or _counted_once_elsewhere(module, name):
+                continue
+            spec = specs.get(name)
+            if spec is None and tp.rank != 0:
+                continue
+            sq = p.grad.detach().float().pow(2).sum()
+            if spec is not None and spec.replicas > 1:
+                sq = sq / spec.replicas
+            total = sq if total is None else total + sq
     if total is None:
-        total = torch.zeros((), device=next(model.parameters()).device)
+        total = torch.zeros((), device=next(modules[0].parameters()).device)
     if tp.size > 1:
         dist.all_reduce(total, group=tp.group)
+    if pp is not None and pp.size > 1:
+        dist.all_reduce(total, group=pp.group)
     return total.sqrt()
 
 
-def clip_by_norm_(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
+def clip_by_norm_(model: nn.Module | list[nn.Module], norm: torch.Tensor, max_norm: float) -> None:
     """Scale every gradient by ``min(1, max_norm / norm)`` without reading ``norm`` on the host."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     if not grads or max_norm <= 0:
         return
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -20,9 +20,18 @@ class RunningMetrics:
         self._sums += torch.stack([loss.detach().double(), grad_norm.detach().double()])
         self.steps += 1
 
-    def read(self, average_over=None) -> dict[str, float]:
-        """Means over the interval (averaged over ``average_over`` ranks' losses), then reset."""
+    def read(self, average_over=None, loss_from=None) -> dict[str, float]:
+        """Means over the interval, then reset.
+
+        ``loss_from``: the pipeline group, whose last stage alone holds the loss (the others add
+        zero); ``average_over``: the data-parallel group, whose ranks' values are averaged.
+        """
         sums = self._sums
+        if loss_from is not None and loss_from.size > 1:
+            sums = sums.clone()
+            loss = sums[:1].clone()
+            dist.all_reduce(loss, group=loss_from.group)
+            sums[0] = loss[0]
         if average_over is not None and average_over.size > 1:
             sums = sums.clone()
             dist.all_reduce(sums, group=average_over.group)

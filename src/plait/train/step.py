@@ -41,3 +41,23 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total / microbatches, norm
+
+
+def pipeline_train_step(stages: list[nn.Module], runtime, optimizer: torch.optim.Optimizer, batch: torch.Tensor, *,
+                        mesh, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step under pipeline parallelism: the schedule, then the same reductions as ``train_step``.
+
+    Returns (loss, grad norm) as device tensors; the loss is non-zero on the last stage only.
+    """
+    from plait.pipeline.tied import sync_tied_gradients
+
+    loss = runtime.run(batch, train=True)
+    for stage in stages:
+        average_gradients(stage, mesh.info("dp"))
+    sync_tied_gradients(stages, mesh)
+    norm = global_grad_norm(stages, mesh.info("tp"), mesh.info("pp"))
+    if grad_clip > 0:
+        clip_by_norm_(stages, norm, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, norm

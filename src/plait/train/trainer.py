@@ -22,7 +22,7 @@ from plait.mesh import ParallelMesh
 from plait.train.optim import build_adamw
 from plait.train.running_metrics import RunningMetrics
 from plait.train.schedules import build_scheduler
-from plait.train.step import autocast_context, train_step
+from plait.train.step import autocast_context, pipeline_train_step, train_step
 
 
 def build_mesh(resolved, rank: int, world: int) -> ParallelMesh:
@@ -63,6 +63,44 @@ def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, precisi
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device):
+    """This rank's stages (only they are allocated), the runtime that drives them, and the config."""
+    from plait.materialize import build_llama_stages
+    from plait.pipeline.layout import stage_layer_lists
+    from plait.pipeline.runtime import PipelineRuntime
+
+    r = resolved.recipe
+    p = r.parallel
+    config = r.model.to_llama_config(vocab_size)
+    layers = stage_layer_lists(config, p.pp * p.vpp, r.data.seq_len)
+    stages = build_llama_stages(config, mesh, layers, seed=r.run.seed, device=device,
+                                sequence_parallel=p.sequence_parallel)
+    runtime = PipelineRuntime(stages, mesh, schedule=p.schedule, microbatches=p.microbatches,
+                              micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
+                              hidden_size=config.hidden_size, sequence_parallel=p.sequence_parallel,
+                              dtype=torch.float32,
+                              precision_context=(lambda: autocast_context(r.precision.preset, device)))
+    return stages, runtime, config
+
+
+@torch.no_grad()
+def evaluate_pipeline(runtime, dataset, *, batches: int, dp, pp, microbatches: int, micro_batch_size: int) -> float:
+    """Mean validation loss through the pipeline (forward only), over DP ranks."""
+    per_step = microbatches * micro_batch_size
+    n = min(len(dataset) // (per_step * dp.size), batches)
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    for b in range(max(n, 1)):
+        start = (b * dp.size + dp.rank) * per_step
+        idx = [(start + j) % len(dataset) for j in range(per_step)]
+        batch = torch.stack([dataset[j] for j in idx]).view(microbatches, micro_batch_size, -1)
+        total += runtime.run(batch, train=False).double()
+    if pp.size > 1:
+        dist.all_reduce(total, group=pp.group)
+    if dp.size > 1:
+        dist.all_reduce(total, group=dp.group)
+    return (total / (max(n, 1) * dp.size)).item()
+
+
 class Trainer:
     """Owns the state of one rank's run. ``fit()`` trains and returns the final metrics."""
 
@@ -81,8 +119,15 @@ class Trainer:
         self.tp, self.dp = self.mesh.info("tp"), self.mesh.info("dp")
         self.train_data = TokenDataset(prepared_dir, "train", r.data.seq_len)
         self.val_data = TokenDataset(prepared_dir, "val", r.data.seq_len)
-        self.model = build_model(resolved, self.mesh, self.train_data.vocab_size, self.device)
-        self.config = self.model.config
+        self.pp = self.mesh.info("pp")
+        self.pipeline = None
+        if r.parallel.pp > 1:
+            self.stages, self.pipeline, self.config = build_pipeline(resolved, self.mesh, self.train_data.vocab_size,
+                                                                     self.device)
+            self.model = torch.nn.ModuleList(self.stages)  # the parameters this rank owns
+        else:
+            self.model = build_model(resolved, self.mesh, self.train_data.vocab_size, self.device)
+            self.config = self.model.config
         o = r.optimizer
         self.optimizer = build_adamw(self.model, lr=o.lr, weight_decay=o.weight_decay,
                                      betas=(o.beta1, o.beta2), eps=o.eps)
@@ -150,8 +195,12 @@ class Trainer:
         Nothing in here reads a device value on the host (tests/test_trainer.py counts).
         """
         r = self.recipe
-        loss, norm = train_step(self.model, self.optimizer, batch, tp=self.tp, dp=self.dp,
-                                grad_clip=r.optimizer.grad_clip, precision=r.precision.preset)
+        if self.pipeline is not None:
+            loss, norm = pipeline_train_step(self.stages, self.pipeline, self.optimizer, batch, mesh=self.mesh,
+                                             grad_clip=r.optimizer.grad_clip)
+        else:
+            loss, norm = train_step(self.model, self.optimizer, batch, tp=self.tp, dp=self.dp,
+                                    grad_clip=r.optimizer.grad_clip, precision=r.precision.preset)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.metrics.add(loss, norm)
@@ -171,7 +220,7 @@ class Trainer:
                 if done % log_every == 0 or done == steps:
                     now = time.perf_counter()
                     n = self.metrics.steps
-                    record = {"step": done, **self.metrics.read(average_over=self.dp), "lr": lr}
+                    record = {"step": done, **self.metrics.read(average_over=self.dp, loss_from=self.pp), "lr": lr}
                     if not math.isfinite(record["loss"]):
                         raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
                                                  f"optimizer.lr or enable optimizer.grad_clip")
@@ -195,8 +244,13 @@ class Trainer:
 
     def _eval_fields(self) -> dict[str, float]:
         r = self.recipe
-        val = evaluate(self.model, self.val_data, batches=r.train.eval_batches,
-                       micro_batch_size=r.data.micro_batch_size, dp=self.dp, precision=r.precision.preset)
+        if self.pipeline is not None:
+            val = evaluate_pipeline(self.pipeline, self.val_data, batches=r.train.eval_batches, dp=self.dp,
+                                    pp=self.pp, microbatches=r.parallel.microbatches,
+                                    micro_batch_size=r.data.micro_batch_size)
+        else:
+            val = evaluate(self.model, self.val_data, batches=r.train.eval_batches,
+                           micro_batch_size=r.data.micro_batch_size, dp=self.dp, precision=r.precision.preset)
         return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
 
     # ------------------------------------------------------------------ end of run
@@ -208,6 +262,9 @@ class Trainer:
         from plait.train.report import plot_run, summary_table
 
         r = self.recipe
+        if self.pipeline is not None:
+            self._finish_pipeline(prepared_dir)
+            return
         if r.checkpoint.save_final:
             save_hf_checkpoint(self.model, self.resolved.checkpoint_dir, self.tp)
         tokenizer = self.train_data.tokenizer()
@@ -233,3 +290,21 @@ class Trainer:
         print("\n" + summary, flush=True)
         print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
         print(f"outputs in {self.out}", flush=True)
+
+    def _finish_pipeline(self, prepared_dir: str | Path) -> None:
+        """Under pipeline parallelism: tokenizer, plot and summary (no final checkpoint or sample yet)."""
+        from plait.data.baseline import unigram_loss
+        from plait.train.report import plot_run, summary_table
+
+        if not self.is_writer:
+            return
+        shutil.copy(Path(prepared_dir) / "tokenizer.json", self.out / "tokenizer.json")
+        metrics_file = self.out / "metrics.jsonl"
+        if self.recipe.logging.plot and metrics_file.exists():
+            plot_run(metrics_file, self.out / "loss.png")
+        summary = summary_table(metrics_file) if metrics_file.exists() else ""
+        summary += f"\nunigram baseline val loss {unigram_loss(prepared_dir, self.train_data.vocab_size):.4f}"
+        (self.out / "summary.txt").write_text(summary + "\n")
+        print("\n" + summary, flush=True)
+        print("note: under pipeline parallelism this version writes no final Hugging Face checkpoint and "
+              "generates no sample", flush=True)

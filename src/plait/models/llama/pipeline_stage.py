@@ -1,0 +1,56 @@
+"""One pipeline stage of the Llama model: a contiguous run of decoder layers, plus the embedding
+on the first stage and the final norm, output head and loss on the last.
+
+Parameters keep the full model's names (``model.layers.7.mlp.up_proj.weight`` stays that on
+whatever stage holds layer 7), because the stage is built by moving the full model's own
+submodules into it. With tied embeddings the last stage also holds ``model.embed_tokens``
+(its weight is the output head's), so the tied tensor has its canonical name on both ends.
+No communication happens here; the pipeline runtime moves activations between stages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.models.llama.model import LlamaForCausalLM
+
+
+class LlamaStage(nn.Module):
+    def __init__(self, full: LlamaForCausalLM, layer_ids: list[int], *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = full.config
+        self.first, self.last = first, last
+        self.layer_ids = list(layer_ids)
+        self.model = nn.Module()
+        tied = full.config.tie_word_embeddings
+        if first or (last and tied):
+            self.model.embed_tokens = full.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in layer_ids})
+        self.model.rotary_emb = full.model.rotary_emb
+        if last:
+            self.model.norm = full.model.norm
+            self.lm_head = full.lm_head
+            self.output = full.output
+        for attr in ("head_layout", "tensor_parallel", "sequence_parallel"):
+            if hasattr(full, attr):
+                setattr(self, attr, getattr(full, attr))
+
+    def tie_weights(self) -> None:
+        if self.last and self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor, seq_len: int, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: token ids on the first stage, hidden states otherwise. The last stage returns the
+        loss when ``labels`` are given, else the logits; other stages return hidden states."""
+        h = self.model.embed_tokens(x) if self.first else x
+        cos, sin = self.model.rotary_emb(h, seq_len)
+        for layer in self.model.layers.values():
+            h = layer(h, cos, sin)
+        if not self.last:
+            return h
+        return self.output(self.lm_head(self.model.norm(h)), labels)
+
+    def extra_repr(self) -> str:
+        span = f"{self.layer_ids[0]}-{self.layer_ids[-1]}" if self.layer_ids else "none"
+        return f"layers {span}, first={self.first}, last={self.last}"

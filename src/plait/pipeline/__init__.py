@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as pure task lists (`tasks`, `schedules`, `simulate`) and their runtime."""

@@ -1,0 +1,157 @@
+"""Executes a rank's pipeline schedule: forward/backward of its stages and point-to-point transfers.
+
+The schedule (:mod:`plait.pipeline.schedules`) is a list of typed tasks; this runtime only
+carries them out. Sends are non-blocking (their handles are waited on at the end of the step),
+receives block, which is deadlock-free for any schedule whose task order respects the data
+dependencies (the schedules are checked by a simulator with exactly these semantics).
+
+Shapes and dtypes of the tensors that cross stages are fixed once, at construction, from the
+micro-batch shape: ``[micro_batch, seq_len / tp (sequence parallel) or seq_len, hidden]``.
+An activation is dropped as soon as its backward has run; a sent activation's buffer is kept only
+until its send completes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.mesh import ParallelMesh
+from plait.pipeline import tasks as T
+from plait.pipeline.schedules import schedule_tasks
+
+
+@dataclass
+class _InFlight:
+    """What a forward leaves for its backward."""
+
+    inputs: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None
+
+
+@dataclass
+class StepResult:
+    """Loss sum over this rank's last-stage microbatches (zero elsewhere), on the device."""
+
+    loss_sum: torch.Tensor
+    pending: list = field(default_factory=list)
+
+
+class PipelineRuntime:
+    def __init__(self, stages: list[nn.Module], mesh: ParallelMesh, *, schedule: str, microbatches: int,
+                 micro_batch_size: int, seq_len: int, hidden_size: int, sequence_parallel: bool,
+                 dtype: torch.dtype, precision_context=None) -> None:
+        self.stages, self.mesh = stages, mesh
+        self.pp, self.rank = mesh.pp, mesh.pp_rank
+        self.vpp = len(stages)
+        self.num_stages = self.pp * self.vpp
+        self.microbatches, self.schedule = microbatches, schedule
+        self.tasks = schedule_tasks(schedule, self.rank, self.pp, microbatches, self.vpp)
+        self.pp_ranks = mesh.my_group_ranks("pp")
+        self.pp_group = mesh.group("pp") if self.pp > 1 else None
+        local_seq = seq_len // mesh.tp if sequence_parallel and mesh.tp > 1 else seq_len
+        self.act_shape = (micro_batch_size, local_seq, hidden_size)  # agreed once, for every transfer
+        self.seq_len, self.dtype = seq_len, dtype
+        self.device = next(stages[0].parameters()).device
+        self.precision_context = precision_context
+
+    # ------------------------------------------------------------------ topology
+    def _global_stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    def _peer(self, stage: int) -> int:
+        return self.pp_ranks[stage % self.pp]
+
+    def _tag(self, kind: int, microbatch: int, stage: int) -> int:
+        """A message's tag: activation (0) or gradient (1), microbatch, and the *receiving* stage."""
+        return (microbatch * self.num_stages + stage) * 2 + kind
+
+    # ------------------------------------------------------------------ execution
+    def _context(self):
+        import contextlib
+
+        return self.precision_context() if self.precision_context else contextlib.nullcontext()
+
+    def run(self, batch: torch.Tensor, *, train: bool = True) -> torch.Tensor:
+        """Run one step's schedule over ``batch`` (``[microbatches, micro_batch, seq]``).
+
+        Training: gradients accumulate in the stages' parameters (loss of each microbatch divided
+        by the number of microbatches). Returns the device-side loss sum of the last stage's
+        microbatches (already divided by the microbatch count), zero on other ranks.
+        """
+        ids = batch.to(self.device, non_blocking=True)
+        m = self.microbatches
+        loss_sum = torch.zeros((), device=self.device)
+        state: dict[tuple[int, int], _InFlight] = {}
+        received: dict[tuple[int, int], torch.Tensor] = {}
+        pending: list = []
+        tasks = self.tasks if train else self._forward_only_tasks()
+        for task in tasks:
+            if isinstance(task, T.ReduceGradients):
+                continue
+            key = (task.microbatch, task.chunk)
+            stage_id = self._global_stage(task.chunk)
+            if isinstance(task, T.RecvActivation):
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                dist.recv(buf, src=self._peer(stage_id - 1), group=self.pp_group,
+                          tag=self._tag(0, task.microbatch, stage_id))
+                received[key] = buf
+            elif isinstance(task, T.Forward):
+                stage = self.stages[task.chunk]
+                x = ids[task.microbatch] if stage.first else received.pop(key)
+                if train and not stage.first:
+                    x.requires_grad_()
+                with torch.set_grad_enabled(train), self._context():
+                    out = stage(x, self.seq_len, labels=ids[task.microbatch] if stage.last else None)
+                if stage.last:
+                    out = out / m
+                    loss_sum = loss_sum + out.detach().float()
+                state[key] = _InFlight(inputs=None if stage.first else x, output=out)
+            elif isinstance(task, T.SendActivation):
+                out = state[key].output.detach()
+                if not train:
+                    state.pop(key)
+                pending.append(dist.isend(out.contiguous(), dst=self._peer(stage_id + 1), group=self.pp_group,
+                                          tag=self._tag(0, task.microbatch, stage_id + 1)))
+                pending.append(out)
+            elif isinstance(task, T.RecvGradient):
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                dist.recv(buf, src=self._peer(stage_id + 1), group=self.pp_group,
+                          tag=self._tag(1, task.microbatch, stage_id))
+                state[key].output_grad = buf
+            elif isinstance(task, T.Backward):
+                st = state[key]
+                if self.stages[task.chunk].last:
+                    st.output.backward()
+                else:
+                    torch.autograd.backward(st.output, grad_tensors=st.output_grad)
+                st.output, st.output_grad = None, None  # activations released after their backward
+                if st.inputs is None:
+                    state.pop(key)
+            elif isinstance(task, T.SendGradient):
+                st = state.pop(key)
+                grad = st.inputs.grad.contiguous()
+                pending.append(dist.isend(grad, dst=self._peer(stage_id - 1), group=self.pp_group,
+                                          tag=self._tag(1, task.microbatch, stage_id - 1)))
+                pending.append(grad)
+        for work in pending:
+            if hasattr(work, "wait"):
+                work.wait()
+        return loss_sum
+
+    def _forward_only_tasks(self) -> list:
+        """Forward-only order for evaluation: microbatch by microbatch, chunk by chunk."""
+        out = []
+        for mb in range(self.microbatches):
+            for chunk in range(self.vpp):
+                s = self._global_stage(chunk)
+                if s > 0:
+                    out.append(T.RecvActivation(mb, chunk))
+                out.append(T.Forward(mb, chunk))
+                if s < self.num_stages - 1:
+                    out.append(T.SendActivation(mb, chunk))
+        return out
