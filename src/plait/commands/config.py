@@ -82,6 +82,11 @@ def render_show(resolved, recipe_path: str | None, overrides: list[str]) -> str:
         if key in ("parameters", "non_embedding_parameters", "flops_per_token", "flops_per_step"):
             value = _format_number(value)
         lines.append(f"#   {key}: {value}")
+    if resolved.pp > 1:
+        from plait.pipeline.layout import partition_for
+
+        lines.append("# pipeline split:")
+        lines.extend(f"#   {line}" for line in partition_for(resolved).describe().splitlines())
     return "\n".join(lines) + "\n"
 
 

@@ -111,7 +111,7 @@ def read_hf_config(hf_path: str) -> LlamaConfig:
 
 class ParallelSection(Section):
     tp: Int = Field(1, ge=1, description="Tensor-parallel degree")
-    pp: Int = Field(1, ge=1, description="Pipeline-parallel degree (only 1 in this version)")
+    pp: Int = Field(1, ge=1, description="Pipeline-parallel degree (pipeline stages across ranks)")
     dp: Int | None = Field(None, ge=1, description="Data-parallel degree; null = world size / (tp * pp)")
     vpp: Int = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank (needs pp > 1)")
     sequence_parallel: Bool = Field(False, description="Split the activations outside attention and MLP over the "
@@ -125,6 +125,12 @@ class ParallelSection(Section):
                                                    "pipeline micro-batches when pp > 1)")
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
         "1f1b", description="Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b' (used when pp > 1)")
+    partition: Literal["balanced", "even", "manual"] = Field(
+        "balanced", description="Pipeline split: 'balanced' by cost, 'even' by layer count, 'manual' at pipeline_cuts")
+    partition_cost: Literal["flops", "params"] = Field(
+        "flops", description="Per-unit cost the balanced split evens out (embedding and head included)")
+    pipeline_cuts: list[str] | None = Field(
+        None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)")
 
 
 class PrecisionSection(Section):

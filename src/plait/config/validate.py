@@ -343,6 +343,25 @@ def _check_pipeline(c: _Checker, arch: LlamaConfig | None) -> None:
         validate_schedule(p.schedule, p.pp, p.microbatches, p.vpp)
     except ScheduleError as e:
         c.add("parallel.microbatches", p.microbatches, str(e))
+    if not c.ok("parallel.partition", "parallel.partition_cost", "parallel.pipeline_cuts"):
+        return
+    if p.partition == "manual" and not p.pipeline_cuts:
+        c.add("parallel.pipeline_cuts", p.pipeline_cuts, "partition='manual' needs the layers that start "
+                                                          f"stages 1..{stages - 1}, e.g. ['model.layers.4']")
+        return
+    if p.partition != "manual" and p.pipeline_cuts:
+        c.add("parallel.pipeline_cuts", p.pipeline_cuts, "cuts are used only with partition='manual'")
+        return
+    if arch is not None and arch.num_hidden_layers >= stages and c.ok("data.seq_len"):
+        from plait.pipeline.layout import plan_partition
+        from plait.pipeline.partition import PartitionError
+
+        try:
+            plan_partition(arch, stages, c.r.data.seq_len, method=p.partition, cost=p.partition_cost,
+                           cuts=p.pipeline_cuts)
+        except PartitionError as e:
+            c.add("parallel.pipeline_cuts" if p.pipeline_cuts else "parallel.partition",
+                  p.pipeline_cuts or p.partition, str(e))
 
 
 def _check_unavailable(c: _Checker, dp: int | None) -> None:

@@ -23,7 +23,7 @@ def plan_partition(config: LlamaConfig, num_stages: int, seq_len: int, *, method
         model = LlamaForCausalLM(config)
     units = trace_units(model)
     costs = unit_costs(config, units, seq_len, kind=cost)
-    return partition_model(units, costs, num_stages, method=method, cuts=cuts)
+    return partition_model(units, costs, num_stages, method=method, cuts=cuts, cost_kind=cost)
 
 
 def stage_layer_lists(config: LlamaConfig, num_stages: int, seq_len: int, **kw) -> list[list[int]]:
@@ -31,3 +31,13 @@ def stage_layer_lists(config: LlamaConfig, num_stages: int, seq_len: int, **kw) 
     partition = plan_partition(config, num_stages, seq_len, **kw)
     prefix = "model.layers."
     return [[int(name[len(prefix):]) for name in stage if name.startswith(prefix)] for stage in partition.stages]
+
+
+def partition_for(resolved, vocab_size: int | None = None):
+    """The partition a resolved recipe asks for (``None`` without pipeline parallelism)."""
+    p = resolved.recipe.parallel
+    if p.pp == 1:
+        return None
+    config = resolved.llama_config(vocab_size)
+    return plan_partition(config, p.pp * p.vpp, resolved.recipe.data.seq_len, method=p.partition,
+                          cost=p.partition_cost, cuts=p.pipeline_cuts)

@@ -66,13 +66,16 @@ def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, precisi
 def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device):
     """This rank's stages (only they are allocated), the runtime that drives them, and the config."""
     from plait.materialize import build_llama_stages
-    from plait.pipeline.layout import stage_layer_lists
+    from plait.pipeline.layout import partition_for
     from plait.pipeline.runtime import PipelineRuntime
 
     r = resolved.recipe
     p = r.parallel
     config = r.model.to_llama_config(vocab_size)
-    layers = stage_layer_lists(config, p.pp * p.vpp, r.data.seq_len)
+    partition = partition_for(resolved, vocab_size)
+    if mesh.rank == 0:
+        print(f"pipeline split ({p.pp} ranks x {p.vpp} virtual stages):\n{partition.describe()}", flush=True)
+    layers = partition.stage_layers()
     stages = build_llama_stages(config, mesh, layers, seed=r.run.seed, device=device,
                                 sequence_parallel=p.sequence_parallel)
     runtime = PipelineRuntime(stages, mesh, schedule=p.schedule, microbatches=p.microbatches,
