@@ -70,6 +70,8 @@ LAYOUTS = {
     "pp2-vpp2": (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
                   "model.num_hidden_layers=4"], 2),
     "pp2xtp2": (["parallel.pp=2", "parallel.tp=2", "model.num_hidden_layers=4"], 4),
+    "pp2xtp2-sp": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                    "model.num_hidden_layers=4"], 4),
     "pp3-7layers": (["parallel.pp=3", "model.num_hidden_layers=7"], 3),
     "pp2-tied": (["parallel.pp=2", "model.num_hidden_layers=4", "model.tie_word_embeddings=true"], 2),
     "pp2-gpipe": (["parallel.pp=2", "parallel.schedule=gpipe", "model.num_hidden_layers=4"], 2),
@@ -81,7 +83,7 @@ LAYOUTS = {
 #: steps amplify that round-off in near-zero gradients (measured: worst tensor 1.7e-5 for PP=2 x TP=2;
 #: TP=2 alone already differs by a few 1e-6); 5e-5 keeps a margin while a real error (a wrong shard,
 #: a lost gradient) is orders of magnitude larger.
-WEIGHT_TOL = {"pp2xtp2": 5e-5, "tp2-only": 5e-5}
+WEIGHT_TOL = {"pp2xtp2": 5e-5, "pp2xtp2-sp": 5e-5, "tp2-only": 5e-5}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

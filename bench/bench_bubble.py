@@ -1,0 +1,383 @@
+"""Measured pipeline bubble of plait's runtime vs theory, and stage-time balance of the partitioner.
+
+**Part 1, bubble.** For each pipeline size ``p`` in ``--pps`` the script starts ``p`` gloo ranks on the
+CPU (one intra-op thread each) and runs plait's :class:`~plait.pipeline.runtime.PipelineRuntime`
+with ``1f1b`` and with ``interleaved-1f1b`` (``vpp=2``) for every ``m`` in ``--microbatches``, on a
+Llama whose blocks dominate (small vocabulary, decoder layers split evenly over the ``p * vpp``
+stages). Training schedule only: no optimizer step (gradients are set to ``None`` between steps).
+
+The runtime is not modified: :class:`TimedRuntime` replaces its task list by an iterable that
+timestamps each task (a task ends when the runtime's loop asks for the next one). Per step and
+rank: ``compute`` = wall time inside ``Forward`` and ``Backward`` tasks; the step's makespan ``T`` =
+the slowest rank's ``run()`` time (all ranks leave a barrier together). Measured bubble of rank
+``r`` = ``1 - compute_r / T`` (the definition of ``plait.pipeline.simulate``); the table gives the
+mean over ranks and the per-rank range, medians over ``--rounds`` steps. Columns to compare with:
+
+* ``theory``: ``theoretical_bubble(p, m)`` / ``theoretical_bubble(p, m, vpp)``: equal stages, no
+  communication cost;
+* ``sim``: ``plait.pipeline.simulate.simulate`` with the *measured* median forward and backward time
+  of one chunk and the measured one-way p2p time of one activation (gloo ping-pong), i.e. what
+  the schedule gives with this run's real task times but equal stages and no CPU contention;
+* ``CPU-busy bubble``: the same as the measured bubble but with compute counted as the thread CPU
+  time inside the tasks. It differs from the wall-based figure only when ranks compete for cores
+  (``p`` ranks on fewer cores: a descheduled rank's task takes longer in wall time, not in CPU time).
+
+**Part 2, stage balance** (one process, one thread). A model with a large vocabulary relative to
+its blocks (default vocab 32000, hidden 256, 8 layers, seq 128) is split into ``--balance-stages``
+stages by ``plan_partition`` with ``balanced``/``flops`` (plait's default), ``balanced``/``params``
+and ``even``. Each stage is built with ``build_llama_stages`` and its forward + backward (including
+the embedding on stage 0 and norm, head and loss on the last) is timed on one micro-batch; the
+table gives each stage's median time and max/mean (1.0 = perfectly balanced; a pipeline's steady
+state runs at the pace of the slowest stage). For reference also the predicted cost share and
+the sum of ``measure_unit_times`` over each stage's units (which omits the loss).
+
+Run (from the repository root, venv active)::
+
+    python bench/bench_bubble.py            # both parts
+    python bench/bench_bubble.py --smoke    # tiny end-to-end check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import markdown_table, random_batch  # noqa: E402
+
+from plait.materialize import build_llama, build_llama_stages  # noqa: E402
+from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
+from plait.models.llama.config import LlamaConfig  # noqa: E402
+from plait.pipeline import tasks as T  # noqa: E402
+from plait.pipeline.layout import plan_partition  # noqa: E402
+from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
+from plait.pipeline.simulate import simulate, theoretical_bubble  # noqa: E402
+
+DEFAULTS = dict(
+    # part 1: blocks dominate, one chunk forward (1 layer, 1 x 256 tokens) ~16 ms on one thread
+    vocab=512, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, seq=256, micro_batch_size=1,
+    pps="2,4", microbatches="4,8", vpp=2, rounds=4, warmup=1,
+    # part 2
+    bal_vocab=32000, bal_hidden=256, bal_intermediate=688, bal_layers=8, bal_heads=4, bal_kv_heads=2,
+    bal_seq=128, balance_stages=4, bal_iters=5,
+)
+SMOKE = dict(vocab=256, hidden=64, intermediate=128, layers=8, heads=4, kv_heads=2, seq=32, micro_batch_size=1,
+             pps="2,4", microbatches="4", vpp=2, rounds=2, warmup=1,
+             bal_vocab=2048, bal_hidden=64, bal_intermediate=128, bal_layers=8, bal_heads=4, bal_kv_heads=2,
+             bal_seq=32, balance_stages=4, bal_iters=2)
+
+
+def llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+          seq: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       max_position_embeddings=max(seq, 128), rope_theta=10000.0, tie_word_embeddings=False)
+
+
+# ------------------------------------------------------------------------------- timed runtime
+class _TimedTasks:
+    """The runtime's task list, iterated with a timestamp around each task.
+
+    ``PipelineRuntime.run`` does ``for task in self.tasks``; the generator resumes after the loop
+    body of a task has run, so ``(wall, thread CPU)`` before the yield and after it bracket exactly
+    that task's execution (a receive includes its wait).
+    """
+
+    def __init__(self, tasks: list) -> None:
+        self.tasks = list(tasks)
+        self.records: list[tuple[object, float, float]] = []
+
+    def __iter__(self):
+        self.records = []
+        for task in self.tasks:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            yield task
+            self.records.append((task, time.perf_counter() - w0, time.thread_time() - c0))
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+class TimedRuntime(PipelineRuntime):
+    """``PipelineRuntime`` that records the wall and CPU time of every task of the last ``run``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tasks = _TimedTasks(self.tasks)
+
+    def timed_step(self, batch: torch.Tensor) -> dict:
+        for stage in self.stages:
+            stage.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.run(batch, train=True)
+        wall = time.perf_counter() - t0
+        rec = self.tasks.records
+        compute = [(t, w, c) for t, w, c in rec if isinstance(t, (T.Forward, T.Backward))]
+        return dict(
+            wall=wall,
+            compute_wall=sum(w for _, w, _ in compute),
+            compute_cpu=sum(c for _, _, c in compute),
+            recv_wall=sum(w for t, w, _ in rec if isinstance(t, (T.RecvActivation, T.RecvGradient))),
+            send_wall=sum(w for t, w, _ in rec if isinstance(t, (T.SendActivation, T.SendGradient))),
+            fwd=[w for t, w, _ in compute if isinstance(t, T.Forward)],
+            bwd=[w for t, w, _ in compute if isinstance(t, T.Backward)],
+            fwd_cpu=[c for t, _, c in compute if isinstance(t, T.Forward)],
+            bwd_cpu=[c for t, _, c in compute if isinstance(t, T.Backward)],
+        )
+
+
+def p2p_one_way(shape: tuple[int, ...], group, peers: list[int], rank: int, iters: int = 20) -> float:
+    """Median one-way time of one activation-sized message between the first two pipeline ranks."""
+    buf = torch.randn(shape)
+    samples = []
+    if rank not in peers[:2]:
+        return float("nan")
+    other = peers[1] if rank == peers[0] else peers[0]
+    for i in range(iters + 2):
+        t0 = time.perf_counter()
+        if rank == peers[0]:
+            dist.send(buf, other, group=group)
+            dist.recv(buf, other, group=group)
+        else:
+            dist.recv(buf, other, group=group)
+            dist.send(buf, other, group=group)
+        if i >= 2:
+            samples.append((time.perf_counter() - t0) / 2)
+    return statistics.median(samples)
+
+
+def bubble_worker(rank: int, world: int, args: argparse.Namespace, out_path: str) -> None:
+    config = llama(args.vocab, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.seq)
+    ms = [int(x) for x in args.microbatches.split(",")]
+    mbs, seq = args.micro_batch_size, args.seq
+    ids = random_batch(config, max(ms) * mbs, seq, 0)
+    mesh = ParallelMesh(world, rank, pp=world)
+    pp_group = mesh.group("pp")
+    configs = []  # (label, vpp, m, runtime)
+    for vpp in (1, args.vpp):
+        num = world * vpp
+        if config.num_hidden_layers < num:
+            raise SystemExit(f"{config.num_hidden_layers} layers cannot fill {num} stages")
+        layers = plan_partition(config, num, seq, method="even").stage_layers()
+        stages = [s.train() for s in build_llama_stages(config, mesh, layers, seed=0)]
+        for m in ms:
+            name = "1f1b" if vpp == 1 else "interleaved-1f1b"
+            rt = TimedRuntime(stages, mesh, schedule=name, microbatches=m, micro_batch_size=mbs, seq_len=seq,
+                              hidden_size=config.hidden_size, sequence_parallel=False, dtype=torch.float32)
+            configs.append((name, vpp, m, rt, ids[: m * mbs].view(m, mbs, seq)))
+    lat = p2p_one_way((mbs, seq, config.hidden_size), pp_group, mesh.my_group_ranks("pp"), rank)
+    lat_t = torch.tensor([0.0 if lat != lat else lat], dtype=torch.float64)
+    dist.all_reduce(lat_t, op=dist.ReduceOp.MAX)
+    for _ in range(args.warmup):
+        for *_, rt, batch in configs:
+            rt.timed_step(batch)
+    samples: list[list[dict]] = [[] for _ in configs]
+    for r in range(args.rounds):  # configurations interleaved, one step each per round
+        for i, (*_, rt, batch) in enumerate(configs):
+            samples[i].append(rt.timed_step(batch))
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(samples, gathered, dst=0)
+    if rank == 0:
+        rows = []
+        for i, (name, vpp, m, _, _) in enumerate(configs):
+            per_rank = [g[i] for g in gathered]  # [rank][round] -> record
+            rows.append(dict(p=world, m=m, vpp=vpp, schedule=name, p2p_s=lat_t.item(), steps=[
+                [per_rank[rk][k] for rk in range(world)] for k in range(args.rounds)]))
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def summarize(row: dict) -> dict:
+    p, m, vpp = row["p"], row["m"], row["vpp"]
+    bub, bub_cpu, per_rank, makespans, recv_share = [], [], [], [], []
+    for step in row["steps"]:  # one record per rank
+        t = max(r["wall"] for r in step)
+        makespans.append(t)
+        b = [1 - r["compute_wall"] / t for r in step]
+        per_rank.append(b)
+        bub.append(statistics.fmean(b))
+        bub_cpu.append(statistics.fmean(1 - r["compute_cpu"] / t for r in step))
+        recv_share.append(statistics.fmean(r["recv_wall"] / t for r in step))
+    fwd = statistics.median(x for step in row["steps"] for r in step for x in r["fwd"])
+    bwd = statistics.median(x for step in row["steps"] for r in step for x in r["bwd"])
+    fwd_cpu = statistics.median(x for step in row["steps"] for r in step for x in r["fwd_cpu"])
+    name = row["schedule"]
+    sim = simulate(p, m, vpp, name, forward_time=fwd * vpp, backward_time=bwd * vpp,
+                   p2p_time=row["p2p_s"]).mean_bubble
+    rank_med = [statistics.median(pr[rk] for pr in per_rank) for rk in range(p)]
+    return dict(p=p, m=m, vpp=vpp, schedule=name, theory=theoretical_bubble(p, m, vpp), sim=sim,
+                measured=statistics.median(bub), cpu=statistics.median(bub_cpu), rank_min=min(rank_med),
+                rank_max=max(rank_med), step_ms=1e3 * statistics.median(makespans), fwd_ms=1e3 * fwd,
+                bwd_ms=1e3 * bwd, fwd_cpu_ms=1e3 * fwd_cpu, recv=statistics.median(recv_share),
+                p2p_ms=1e3 * row["p2p_s"])
+
+
+def bubble_table(rows: list[dict]) -> str:
+    header = ["p", "m", "schedule", "theory", "sim (measured F/B/p2p)", "measured bubble", "per-rank range",
+              "CPU-busy bubble", "recv-wait share", "step ms", "F ms/chunk", "B ms/chunk", "F CPU ms/chunk",
+              "p2p ms"]
+    out = []
+    for s in rows:
+        sched = "1F1B" if s["vpp"] == 1 else f"interleaved vpp={s['vpp']}"
+        out.append([str(s["p"]), str(s["m"]), sched, f"{s['theory']:.3f}", f"{s['sim']:.3f}", f"{s['measured']:.3f}",
+                    f"{s['rank_min']:.3f}-{s['rank_max']:.3f}", f"{s['cpu']:.3f}", f"{s['recv']:.3f}",
+                    f"{s['step_ms']:.0f}", f"{s['fwd_ms']:.1f}", f"{s['bwd_ms']:.1f}", f"{s['fwd_cpu_ms']:.1f}",
+                    f"{s['p2p_ms']:.2f}"])
+    return markdown_table(header, out)
+
+
+# ------------------------------------------------------------------------------- stage balance
+def _time_stage(stage, config: LlamaConfig, ids: torch.Tensor, seq: int, iters: int) -> float:
+    """Median seconds of one forward + backward of ``stage`` on one micro-batch."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(ids.shape[0], seq, config.hidden_size, generator=gen)
+    grad = torch.randn(ids.shape[0], seq, config.hidden_size, generator=gen)
+    samples = []
+    for i in range(iters + 1):
+        stage.zero_grad(set_to_none=True)
+        x = ids if stage.first else hidden.clone().requires_grad_()
+        t0 = time.perf_counter()
+        out = stage(x, seq, labels=ids if stage.last else None)
+        if stage.last:
+            out.backward()
+        else:
+            out.backward(grad)
+        if i:
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def balance(args: argparse.Namespace) -> str:
+    from plait.pipeline.partition import measure_unit_times
+    from plait.pipeline.trace import trace_units
+
+    torch.set_num_threads(1)
+    config = llama(args.bal_vocab, args.bal_hidden, args.bal_intermediate, args.bal_layers, args.bal_heads,
+                   args.bal_kv_heads, args.bal_seq)
+    seq, n = args.bal_seq, args.balance_stages
+    ids = random_batch(config, args.micro_batch_size, seq, 0)
+    full = build_llama(config, single_process_mesh(), seed=0).train()
+    units = trace_units(full)
+    unit_s = dict(zip((u.name for u in units),
+                      measure_unit_times(full, units, (ids, ids), warmup=1, iters=args.bal_iters)))
+    del full
+    rows = []
+    for method, cost in (("balanced", "flops"), ("balanced", "params"), ("even", "flops")):
+        part = plan_partition(config, n, seq, method=method, cost=cost)
+        layers = part.stage_layers()
+        times = []
+        for s in range(n):
+            mesh = ParallelMesh(n, s, pp=n, create_groups=False)
+            (stage,) = build_llama_stages(config, mesh, layers, seed=0)
+            times.append(_time_stage(stage.train(), config, ids, seq, args.bal_iters))
+            del stage
+        unit_sum = [sum(unit_s[name] for name in names) for names in part.stages]
+        fcost = plan_partition(config, n, seq, method="manual", cost="flops", cuts=part.cuts()).costs
+        label = f"{method} ({cost})" if method == "balanced" else "even (by layer count)"
+        rows.append([label, " / ".join(str(len(x)) for x in layers),
+                     f"{max(fcost) / statistics.fmean(fcost):.3f}",
+                     " / ".join(f"{1e3 * t:.1f}" for t in times), f"{max(times) / statistics.fmean(times):.3f}",
+                     f"{1e3 * max(times):.1f}",
+                     " / ".join(f"{1e3 * t:.1f}" for t in unit_sum),
+                     f"{max(unit_sum) / statistics.fmean(unit_sum):.3f}"])
+    desc = (f"model: vocab {config.vocab_size}, hidden {config.hidden_size}, intermediate "
+            f"{config.intermediate_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
+            f"{config.num_key_value_heads} kv heads, untied; micro-batch {args.micro_batch_size} x {seq}; "
+            f"{n} stages; medians of {args.bal_iters} runs, 1 thread")
+    header = ["split", "blocks per stage", "FLOP-cost max/mean", "measured stage F+B ms", "measured max/mean",
+              "slowest stage ms", "measure_unit_times sum ms (no loss)", "unit-sum max/mean"]
+    return desc + "\n\n" + markdown_table(header, rows)
+
+
+# ------------------------------------------------------------------------------- processes
+def _entry(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        bubble_worker(rank, world, args, out_path)
+    except BaseException:  # noqa: BLE001 - reported, then the process exits non-zero
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for key, value in DEFAULTS.items():
+        parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
+                            help=f"default {value} (smoke {SMOKE[key]})")
+    parser.add_argument("--skip-bubble", action="store_true", help="only part 2 (stage balance)")
+    parser.add_argument("--skip-balance", action="store_true", help="only part 1 (bubble)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, end-to-end check only")
+    args = parser.parse_args(argv)
+    base = SMOKE if args.smoke else DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(f"torch {torch.__version__}; 1 intra-op thread per rank; os.cpu_count()={os.cpu_count()}; "
+          f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    if not args.skip_bubble:
+        config = llama(args.vocab, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.seq)
+        print(f"bubble model: {config.num_parameters() / 1e6:.1f}M params (vocab {args.vocab}, hidden {args.hidden}, "
+              f"intermediate {args.intermediate}, {args.layers} layers, {args.heads}/{args.kv_heads} heads), layers "
+              f"split evenly; micro-batch {args.micro_batch_size} x {args.seq}; {args.warmup} warm-up + "
+              f"{args.rounds} timed steps per configuration (configurations interleaved); no optimizer step",
+              flush=True)
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in (int(x) for x in args.pps.split(",")):
+                out_path = os.path.join(tmp, f"p{p}.json")
+                ctx = mp.start_processes(_entry, args=(p, _free_port(), args, out_path), nprocs=p, join=False,
+                                         start_method="spawn")
+                try:
+                    while not ctx.join():
+                        pass
+                except mp.ProcessExitedException as exc:
+                    raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
+                with open(out_path) as f:
+                    rows += [summarize(r) for r in json.load(f)]
+                print(f"p={p} done (load average {os.getloadavg()[0]:.2f})", flush=True)
+        print()
+        print(bubble_table(rows), flush=True)
+        print()
+    if not args.skip_balance:
+        print(balance(args), flush=True)
+    print(f"\nload average at end {os.getloadavg()[0]:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Pipeline-parallel (PP=2, 1F1B) training throughput: plait vs ``torch.distributed.pipelining``.
+
+What is measured: wall time of a full fp32 training step (``zero_grad``, one 1F1B pipeline
+schedule over ``--microbatches`` micro-batches with the mean next-token loss, ``torch.optim.AdamW``
+step; the optimizer step **is included** on both sides) on 2 gloo ranks on the CPU, one intra-op
+thread per rank, for
+
+* **plait**: :func:`plait.materialize.build_llama_stages` on ``ParallelMesh(2, rank, pp=2)`` driven by
+  :class:`plait.pipeline.runtime.PipelineRuntime` with ``schedule="1f1b"``;
+* **torch.pipelining**: ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B`` around
+  :class:`TorchStageModule`, a thin module that runs *the same* plait ``LlamaStage`` (same layers,
+  same weights: built by the same ``build_llama_stages`` call) with the signature pipelining wants
+  (one tensor in, one tensor out). The last stage returns logits and ``loss_fn`` is plait's own
+  ``CausalLMOutput`` (label-shifting mean cross-entropy); ``scale_grads=True`` divides the
+  gradients by the number of micro-batches, as plait does by dividing each micro-batch loss.
+  ``return_outputs=False``, so the last stage does not concatenate the logits of all micro-batches.
+
+Both sides split the model at the same decoder-layer boundary (``--split``: ``balanced`` by FLOPs,
+plait's default, or ``even`` by layer count; the embedding is on stage 0, the final norm, head and
+loss on stage 1), use the same micro-batches (the same fixed random batch every step) and
+identically configured AdamW. The first-step losses of both (and of the unsplit single-process
+model) are printed and must agree, as must the losses after the last step. After ``--warmup``
+untimed steps each, the implementations alternate (the one going first alternates too) for
+``--rounds`` rounds of ``--steps`` steps; a round's time is the slowest rank's (a barrier precedes
+each run). Table: medians over rounds, the plait/torch ratio (> 1: plait faster), CPU time per
+step summed over both ranks, per-round range.
+
+Run (from the repository root, venv active)::
+
+    python bench/bench_pipeline.py                 # spawns the 2 ranks itself
+    python bench/bench_pipeline.py --smoke         # tiny end-to-end check
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/bench_pipeline.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import socket
+import statistics
+import sys
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    Result,
+    adamw,
+    add_model_args,
+    comparison_header,
+    comparison_row,
+    describe,
+    make_config,
+    markdown_table,
+    random_batch,
+    resolve_args,
+    time_steps,
+)
+
+from plait.materialize import build_llama, build_llama_stages  # noqa: E402
+from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
+from plait.pipeline.layout import stage_layer_lists  # noqa: E402
+from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
+
+PP = 2
+#: Pipeline-specific defaults (the model size is ``_common.DEFAULTS``).
+PP_DEFAULTS = dict(microbatches=8, micro_batch_size=1, rounds=5, steps=2, warmup=2)
+PP_SMOKE = dict(microbatches=4, micro_batch_size=1, rounds=2, steps=1, warmup=1)
+
+
+class TorchStageModule(nn.Module):
+    """A plait ``LlamaStage`` with the one-tensor signature ``torch.distributed.pipelining`` wants.
+
+    Runs exactly ``LlamaStage.forward`` except the loss: the last stage returns logits, and the
+    schedule's ``loss_fn`` (:meth:`loss`) applies the stage's own ``CausalLMOutput``.
+    """
+
+    def __init__(self, stage: nn.Module, seq_len: int) -> None:
+        super().__init__()
+        self.stage, self.seq_len = stage, seq_len
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stage
+        h = s.model.embed_tokens(x) if s.first else x
+        cos, sin = s.model.rotary_emb(h, self.seq_len)
+        for layer in s.model.layers.values():
+            h = layer(h, cos, sin)
+        if not s.last:
+            return h
+        return s.lm_head(s.model.norm(h))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.stage.output(logits, labels)
+
+
+def _step_fn(run: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = run()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _last_stage_loss(loss: torch.Tensor | float) -> float:
+    """The loss (held by the last rank, zero elsewhere) on every rank."""
+    t = torch.tensor(float(loss), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(args.seed)
+    config = make_config(args)
+    m, mbs, seq = args.microbatches, args.micro_batch_size, args.seq
+    ids = random_batch(config, m * mbs, seq, args.seed)  # [m * mbs, seq]
+    batch = ids.view(m, mbs, seq)
+    layers = stage_layer_lists(config, PP, seq, method=args.split, cost="flops")
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(describe(config, args) + f"; PP={world} gloo ranks x 1 thread, 1F1B, {m} micro-batches of {mbs} x {seq}; "
+        f"split {args.split}: stage layers {layers}; AdamW {'foreach' if args.foreach else 'for-loop'} "
+        f"step included", flush=True)
+
+    ref_loss = float("nan")
+    if rank == 0:  # unsplit single-process model, same init: mean loss over the micro-batches
+        reference = build_llama(config, single_process_mesh(), seed=args.seed)
+        with torch.no_grad():
+            ref_loss = statistics.fmean(reference(batch[i], batch[i]).item() for i in range(m))
+        del reference
+
+    # plait: the pipeline runtime over this rank's stage.
+    mesh = ParallelMesh(world, rank, pp=world)
+    plait_stages = build_llama_stages(config, mesh, layers, seed=args.seed)
+    for s in plait_stages:
+        s.train()
+    runtime = PipelineRuntime(plait_stages, mesh, schedule="1f1b", microbatches=m, micro_batch_size=mbs,
+                              seq_len=seq, hidden_size=config.hidden_size, sequence_parallel=False,
+                              dtype=torch.float32)
+    plait_opt = adamw([[p for s in plait_stages for p in s.parameters()]], args.foreach)
+
+    # torch.distributed.pipelining: the same stage (a second copy, same weights), 1F1B.
+    (torch_inner,) = build_llama_stages(config, mesh, layers, seed=args.seed)
+    torch_module = TorchStageModule(torch_inner, seq).train()
+    pipe_stage = PipelineStage(torch_module, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(pipe_stage, m, loss_fn=torch_module.loss)
+    torch_opt = adamw([list(torch_module.parameters())], args.foreach)
+    last = rank == world - 1
+
+    def torch_run() -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(ids, return_outputs=False)
+        else:
+            schedule.step(target=ids, losses=losses, return_outputs=False)
+        return torch.stack(losses).mean().detach() if last else torch.zeros(())
+
+    runs = {
+        "plait": (_step_fn(lambda: runtime.run(batch, train=True), plait_opt), Result("plait")),
+        "torch.pipelining": (_step_fn(torch_run, torch_opt), Result("torch.pipelining")),
+    }
+    for step, result in runs.values():
+        result.first_loss = _last_stage_loss(step())
+        for _ in range(args.warmup - 1):
+            step()
+    first = {n: res.first_loss for n, (_, res) in runs.items()}
+    log(f"first-step loss (mean over micro-batches): plait PP {first['plait']:.6f}  torch.pipelining PP "
+        f"{first['torch.pipelining']:.6f}  (unsplit reference {ref_loss:.6f}); |diff| "
+        f"{abs(first['plait'] - first['torch.pipelining']):.2e}", flush=True)
+
+    tokens = args.steps * m * mbs * seq
+    order = list(runs)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            step, result = runs[name]
+            dist.barrier()
+            wall, cpu = time_steps(step, args.steps)
+            stats = torch.tensor([wall, cpu], dtype=torch.float64)
+            slowest = stats.clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(stats)  # sum: CPU time of both ranks
+            result.add(tokens, args.steps, slowest[0].item(), stats[1].item())
+        log(f"round {r + 1}/{args.rounds}: "
+            + "  ".join(f"{n} {1e3 * m * mbs * seq / res.tokens_per_s[-1]:.0f} ms/step" for n, (_, res) in runs.items()),
+            flush=True)
+
+    final = {n: _last_stage_loss(step()) for n, (step, _) in runs.items()}
+    log(f"loss after {args.warmup + args.rounds * args.steps + 1} steps: plait PP {final['plait']:.6f}  "
+        f"torch.pipelining PP {final['torch.pipelining']:.6f}", flush=True)
+    log()
+    log(markdown_table(comparison_header("PP=2 1F1B, fp32", "torch"),
+                       [[f"m={m} x {mbs}x{seq}"] + comparison_row(runs["plait"][1], runs["torch.pipelining"][1],
+                                                                  m * mbs * seq)]), flush=True)
+
+
+def _entry(rank: int, world: int, port: int | None, args: argparse.Namespace) -> None:
+    """Process entry: one thread, gloo init, worker, then ``destroy_process_group`` and ``os._exit``."""
+    torch.set_num_threads(1)
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        worker(rank, world, args)
+    except BaseException:  # noqa: BLE001 - reported, then the process exits non-zero
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
+    p = parser.add_argument_group("pipeline")
+    p.add_argument("--microbatches", type=int, help=f"micro-batches per step (default {PP_DEFAULTS['microbatches']})")
+    p.add_argument("--micro-batch-size", type=int,
+                   help=f"sequences per micro-batch (default {PP_DEFAULTS['micro_batch_size']})")
+    p.add_argument("--split", choices=("balanced", "even"), default="balanced",
+                   help="layer split: plait's FLOP-balanced partition (default) or even by layer count")
+    args = parser.parse_args(argv)
+    if args.batch is not None:
+        parser.error("--batch does not apply here: use --microbatches and --micro-batch-size")
+    base = PP_SMOKE if args.smoke else PP_DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args = resolve_args(args)
+    args.batch = args.microbatches * args.micro_batch_size  # for describe(): sequences per step
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        if world != PP:
+            raise SystemExit(f"run with exactly {PP} ranks (got WORLD_SIZE={world})")
+        _entry(int(os.environ["RANK"]), world, None, args)
+    ctx = mp.start_processes(_entry, args=(PP, _free_port(), args), nprocs=PP, join=False, start_method="spawn")
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessExitedException as exc:
+        raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
+
+
+if __name__ == "__main__":
+    main()
