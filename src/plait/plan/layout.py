@@ -1,0 +1,41 @@
+"""A parallel layout as the planner sees it: degrees and the memory-relevant switches."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate way to run a model on ``world = tp * pp * dp`` devices."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    kv_replication: int = 1
+    sequence_parallel: bool = False
+    zero1: bool = False
+    activation_checkpointing: str = "none"  # "none" | "full" | "selective"
+    schedule: str = "1f1b"                  # "gpipe" | "1f1b" | "interleaved-1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def short(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.kv_replication > 1:
+            parts.append(f"kv{self.kv_replication}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.zero1:
+            parts.append("zero1")
+        if self.activation_checkpointing != "none":
+            parts.append(f"ckpt-{self.activation_checkpointing}")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
