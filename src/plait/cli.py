@@ -1,4 +1,4 @@
-"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``."""
+"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``, ``plan``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import sys
 
 #: subcommand modules, each with ``add_parser(subparsers)`` and ``run(args) -> int``
-COMMANDS = ("train", "data", "generate", "config")
+COMMANDS = ("train", "data", "generate", "config", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,249 @@
+"""Measured per-rank peak memory of real training steps vs :func:`plait.plan.memory.estimate_memory`.
+
+What is measured: for each layout and precision preset, ``world`` spawned gloo ranks on the CPU
+(one intra-op thread each) build the model exactly as the trainer does
+(:func:`plait.materialize.build_llama`, or :func:`~plait.materialize.build_llama_stages` driven by
+:class:`~plait.pipeline.runtime.PipelineRuntime` with the balanced FLOP split), build the fused
+AdamW (:func:`plait.train.optim.build_adamw`) and run ``--steps`` optimizer steps with
+:func:`plait.train.step.train_step` / :func:`~plait.train.step.pipeline_train_step` on random
+tokens. A rank's measured peak is its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) at the end
+minus its RSS just before the model is built (the bare runtime: interpreter, torch, gloo groups).
+At least two steps are needed: AdamW allocates its states in the first ``optimizer.step()``, so
+only the second step's forward/backward runs with every model state live.
+
+glibc's allocator: by default glibc serves blocks up to a *dynamic* threshold (growing to 32 MiB
+after the first large free) from its heap and keeps freed heap memory mapped, so RSS would also
+count freed tensors the allocator kept (measured: 100-150 MiB per rank here). The script pins
+``MALLOC_MMAP_THRESHOLD_`` (default 64 KiB; ``--mmap-threshold 0`` leaves glibc's defaults) and
+``MALLOC_TRIM_THRESHOLD_`` (128 KiB) so every tensor above 64 KiB is its own mapping, returned to
+the OS when freed: RSS then tracks live tensors, which is what the model estimates.
+
+Run (repository root, venv active; ~5 minutes on 2 cores)::
+
+    python bench/measure_memory.py
+    python bench/measure_memory.py --smoke                      # tiny end-to-end check
+    python bench/measure_memory.py --layouts tp2-sp,pp2 --precisions fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+MiB = 1024**2
+
+#: name -> (Layout kwargs, microbatches). Pipeline layouts use more micro-batches than stages so
+#: the 1F1B steady state (gradients already accumulated) is reached.
+LAYOUTS = {
+    "tp1": (dict(), 2),
+    "tp2": (dict(tp=2), 2),
+    "tp2-sp": (dict(tp=2, sequence_parallel=True), 2),
+    "dp2": (dict(dp=2), 2),
+    "pp2": (dict(pp=2), 4),
+    "pp2-gpipe": (dict(pp=2, schedule="gpipe"), 4),
+    "tp2xpp2": (dict(tp=2, pp=2, sequence_parallel=True), 4),
+}
+DEFAULT_LAYOUTS = "tp1,tp2,tp2-sp,dp2,pp2,pp2-gpipe,tp2xpp2"
+#: ~56M parameters (32.8M of them in the untied embedding and head), GQA 8 query / 4 K/V heads.
+MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+SMOKE_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def worker(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: str, micro_batch_size: int,
+           seq_len: int, microbatches: int, steps: int, warmup: bool = True) -> dict:
+    """Warm up the runtime on a tiny model (optional), then measure ``steps`` steps of the real one."""
+    import gc
+
+    if warmup:
+        tiny = dict(model_kw, vocab_size=256, hidden_size=8 * model_kw["num_attention_heads"],
+                    intermediate_size=32, num_hidden_layers=max(2, layout_kw.get("pp", 1)))
+        _train(rank, world, tiny, layout_kw, precision, 1, 16, microbatches, 2)
+        gc.collect()
+    return _train(rank, world, model_kw, layout_kw, precision, micro_batch_size, seq_len, microbatches, steps)
+
+
+def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: str, micro_batch_size: int,
+           seq_len: int, microbatches: int, steps: int) -> dict:
+    import torch.distributed as dist
+
+    from plait.materialize import build_llama, build_llama_stages
+    from plait.mesh import ParallelMesh
+    from plait.models.llama.config import LlamaConfig
+    from plait.models.llama.parallelize import kv_replication_for
+    from plait.pipeline.layout import plan_partition
+    from plait.pipeline.runtime import PipelineRuntime
+    from plait.plan.layout import Layout
+    from plait.train.optim import build_adamw
+    from plait.train.step import autocast_context, pipeline_train_step, train_step
+
+    config = LlamaConfig(**model_kw)
+    kv = kv_replication_for(config, layout_kw.get("tp", 1))
+    layout = Layout(kv_replication=kv, **layout_kw)
+    mesh = ParallelMesh(world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, kv_replication=kv)
+    sp = layout.sequence_parallel and layout.tp > 1
+    gen = torch.Generator().manual_seed(1234 + mesh.dp_rank)
+    batches = [torch.randint(0, config.vocab_size, (microbatches, micro_batch_size, seq_len), generator=gen)
+               for _ in range(steps)]
+    device = torch.device("cpu")
+    dist.barrier()
+    before = rss_bytes()
+    peak_before = peak_rss_bytes()
+    t0 = time.perf_counter()
+    if layout.pp > 1:
+        split = plan_partition(config, layout.pp * layout.vpp, seq_len).stage_layers()
+        stages = build_llama_stages(config, mesh, split, device=device, sequence_parallel=sp)
+        runtime = PipelineRuntime(stages, mesh, schedule=layout.schedule, microbatches=microbatches,
+                                  micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                  hidden_size=config.hidden_size, sequence_parallel=sp, dtype=torch.float32,
+                                  precision_context=lambda: autocast_context(precision, device))
+        model = torch.nn.ModuleList(stages)
+    else:
+        model = build_llama(config, mesh, device=device, sequence_parallel=sp)
+    optimizer = build_adamw(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    for batch in batches:
+        if layout.pp > 1:
+            loss, _ = pipeline_train_step(stages, runtime, optimizer, batch, mesh=mesh, grad_clip=1.0)
+        else:
+            loss, _ = train_step(model, optimizer, batch, tp=mesh.info("tp"), dp=mesh.info("dp"), grad_clip=1.0,
+                                 precision=precision)
+    seconds = time.perf_counter() - t0
+    peak = peak_rss_bytes()
+    return {"rank": rank, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
+            "before": before, "peak": peak, "peak_before": peak_before, "measured": peak - before,
+            "params": sum(p.numel() for p in model.parameters()), "seconds": seconds, "loss": float(loss)}
+
+
+# ------------------------------------------------------------------------------ process launch
+def _entry(rank, world, port, args, queue):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = worker(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            queue.close()
+            queue.join_thread()
+            sys.stdout.flush()
+            os._exit(0)
+
+
+def run_ranks(world: int, args: tuple, timeout: float = 1800.0) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("worker failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+# ------------------------------------------------------------------------------ main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list of {', '.join(LAYOUTS)}")
+    ap.add_argument("--precisions", default="fp32,autocast")
+    ap.add_argument("--batch", type=int, default=2, help="micro-batch size (sequences)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--mmap-threshold", type=int, default=64 << 10,
+                    help="MALLOC_MMAP_THRESHOLD_ for the ranks in bytes (0: glibc's dynamic defaults)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the tiny-model warm-up steps that load kernels and lazily initialised libraries "
+                         "before the baseline RSS is read")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, short sequences")
+    ap.add_argument("--details", action="store_true", help="also print each estimate's components")
+    args = ap.parse_args()
+    if args.steps < 2:
+        ap.error("--steps must be >= 2 (AdamW allocates its states in the first step)")
+    if args.mmap_threshold > 0:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # inherited by the spawned ranks
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(128 << 10)
+    model_kw = SMOKE_MODEL if args.smoke else MODEL
+    seq = 32 if args.smoke else args.seq
+
+    from plait.models.llama.config import LlamaConfig
+    from plait.models.llama.parallelize import kv_replication_for
+    from plait.plan.layout import Layout
+    from plait.plan.memory import estimate_memory
+
+    config = LlamaConfig(**model_kw)
+    print(f"model: {config.num_parameters() / 1e6:.1f}M parameters ({model_kw}); micro-batch {args.batch} x {seq} "
+          f"tokens, {args.steps} steps; torch {torch.__version__}; MALLOC_MMAP_THRESHOLD_="
+          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'glibc default')}", flush=True)
+    rows, details = [], {}
+    for name in args.layouts.split(","):
+        layout_kw, m = LAYOUTS[name]
+        for precision in args.precisions.split(","):
+            layout = Layout(kv_replication=kv_replication_for(config, layout_kw.get("tp", 1)), **layout_kw)
+            start = time.perf_counter()
+            results = run_ranks(layout.world, (model_kw, layout_kw, precision, args.batch, seq, m, args.steps,
+                                                    not args.no_warmup))
+            for res in results:
+                est = estimate_memory(config, layout, precision=precision, micro_batch_size=args.batch, seq_len=seq,
+                                      microbatches=m, stage=res["pp_rank"])
+                assert est.parameter_count == res["params"], (name, est.parameter_count, res["params"])
+                ratio = est.total / res["measured"]
+                rows.append(f"| {name} (m={m}) | {precision} | {res['rank']} (pp {res['pp_rank']}) | "
+                            f"{est.total / MiB:.1f} | {res['measured'] / MiB:.1f} | {ratio:.3f} |")
+                details[(name, precision, res["pp_rank"])] = est.table_row().replace(
+                    f"| {layout.short()} |", f"| {name} (m={m}) |", 1)
+                print(rows[-1] + f"  <!-- {time.perf_counter() - start:.0f}s, baseline {res['before'] / MiB:.0f} MiB, "
+                      f"model states {est.model_states / MiB:.1f} MiB -->", flush=True)
+    print("\n| layout | precision | rank | estimate MiB | measured MiB | estimate / measured |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.details:
+        from plait.plan.memory import MemoryBreakdown
+
+        print("\n" + MemoryBreakdown.table_header())
+        print("\n".join(details.values()))
+
+
+if __name__ == "__main__":
+    main()

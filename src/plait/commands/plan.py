@@ -1,0 +1,284 @@
+"""``plait plan RECIPE --world N``: rank every parallel layout of a recipe's model on N devices.
+
+Prints a table (layout, parameter / gradient / optimizer / activation / total GiB per rank, the
+estimated step time and MFU, whether it fits) sorted by step time, then the recommended layout:
+the fastest that fits in device memory less a 10% headroom. ``--dry-run`` then builds the
+recommended layout's model for some ranks on a fake process group (nothing allocated, no data)
+and checks the parameter bytes against the memory model. Only the recipe's model, data shape
+and precision are used; its parallel section is what this command chooses. Errors are one line
+on stderr and exit with status 2; a dry-run mismatch exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+GiB = 1024**3
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan", help="rank the parallel layouts of a recipe's model on N devices (memory, step time, fit)",
+        description="Enumerate every valid (tp, pp, vpp, dp, kv_replication, sequence parallel, ZeRO-1, "
+                    "activation checkpointing) layout of the recipe's model on --world devices, estimate memory "
+                    "per rank and step time for each, and recommend the fastest that fits. TP stays inside a "
+                    "node. The global batch is fixed in sequences (--global-batch, else the recipe's "
+                    "data.global_batch_size, else 4Mi tokens, at most 1024 sequences), unless --microbatches "
+                    "fixes the micro-batches per DP rank instead. Overrides (section.field=value) may follow "
+                    "the recipe.")
+    p.add_argument("recipe", metavar="RECIPE", help="recipe file whose model, data.seq_len, data.micro_batch_size "
+                                                    "and precision are planned for")
+    p.add_argument("items", nargs="*", metavar="section.field=value", help="recipe overrides")
+    p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices (ranks)")
+    p.add_argument("--device", default="h100", metavar="NAME",
+                   help="device from plait's table (h100, h200, a100, trn1, trn2, cpu); default h100")
+    p.add_argument("--memory", type=float, default=None, metavar="GB",
+                   help="memory per device in GB (1e9 bytes); default: the device's")
+    p.add_argument("--headroom", type=float, default=0.10, metavar="FRACTION",
+                   help="share of the memory kept free (allocator, context, NCCL); default 0.10")
+    p.add_argument("--nodes-of", type=int, default=None, metavar="N", dest="nodes_of",
+                   help="devices per node; TP degrees divide it (default 8; 16 for trn1/trn2, 1 for cpu)")
+    p.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES", dest="global_batch",
+                   help="sequences per optimizer step, the same for every layout")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="micro-batches per step per DP rank instead of a fixed global batch")
+    p.add_argument("--precision", default=None, metavar="PRESET",
+                   help="precision preset to plan for; default: the recipe's precision.preset")
+    p.add_argument("--top", type=int, default=10, metavar="K",
+                   help="rows of layouts that fit in the table (default 10)")
+    p.add_argument("--unfit", type=int, default=3, metavar="K",
+                   help="also show up to K layouts faster than the recommendation that do not fit (default 3)")
+    p.add_argument("--no-zero1", action="store_true", dest="no_zero1",
+                   help="leave ZeRO-1 out (the trainer does not shard optimizer states over dp > 1 yet)")
+    p.add_argument("--no-checkpointing", action="store_true", dest="no_checkpointing",
+                   help="leave activation checkpointing out (the trainer has no recipe switch for it yet)")
+    p.add_argument("--all", action="store_true", dest="every",
+                   help="list every layout, also those a faster layout beats on memory")
+    p.add_argument("--dry-run", action="store_true", dest="dry_run",
+                   help="build the recommended layout on a fake process group and check parameter bytes")
+    p.add_argument("--rank", type=int, action="append", default=None, metavar="R", dest="ranks",
+                   help="rank(s) to dry-run (repeatable; default: 0 and the last rank)")
+    return p
+
+
+def default_devices_per_node(device_name: str) -> int:
+    """Devices per node of the time model's table (8 GPUs; 16 Trainium chips; 1 CPU host)."""
+    from plait.plan.timing import DEVICES_PER_NODE
+
+    return DEVICES_PER_NODE.get(device_name, 8)
+
+
+def load_plan_inputs(recipe_path: str, overrides: list[str]):
+    """``(recipe, llama config)``: the recipe type-checked and its model validated. The parallel
+    section is not checked (the planner chooses it)."""
+    from plait.config import load_recipe, validate_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
+    data = recipe.model_dump()
+    data["parallel"] = {}
+    data["data"]["global_batch_size"] = None
+    data["precision"] = {}  # presets that are not trainable yet may still be planned for
+    resolved = validate_recipe(data, 1, check_paths=False)
+    return recipe, resolved.llama_config()
+
+
+def activation_phase(mem) -> int:
+    """Everything at the activation peak besides model states: saved activations, autocast weight
+    copies, logits, p2p and TP buffers, workspace. (The total is the larger of this phase plus the
+    gradients alive then, and the optimizer-step phase; the columns need not add up to it.)"""
+    return mem.activations + mem.weight_copies + mem.logits + mem.comm_buffers + mem.workspace
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def layout_label(layout) -> str:
+    label = layout.short()
+    if layout.pp > 1 and layout.schedule == "gpipe":
+        label += " gpipe"
+    return label
+
+
+def _pareto(candidates) -> list:
+    """The candidates (fastest first) that no other one beats on memory without being slower."""
+    out, least = [], None
+    for c in candidates:
+        if least is None or c.memory.total < least:
+            out.append(c)
+            least = c.memory.total
+    return out
+
+
+def table_rows(plan, top: int, unfit: int = 3, every: bool = False) -> list[int]:
+    """Indices (into ``plan.candidates``, fastest first) of the rows to show: the ``top`` fastest
+    layouts that fit and the ``unfit`` fastest that do not, among those faster than the
+    recommendation (when nothing fits: the ``top`` fastest overall). Unless ``every``, a layout is
+    left out when a faster one (or an equally fast one listed before it) needs no more memory."""
+    pick = (lambda cs: cs) if every else _pareto
+    index = {id(c): i for i, c in enumerate(plan.candidates)}
+    if plan.recommended is None:
+        return sorted(index[id(c)] for c in pick(plan.candidates)[:max(top, 0)])
+    rec_at = index[id(plan.recommended)]
+    fit = pick([c for c in plan.candidates if c.fits])[:max(top, 0)]
+    no = pick([c for c in plan.candidates[:rec_at] if not c.fits])[:max(unfit, 0)]
+    return sorted({index[id(c)] for c in fit + no} | {rec_at})
+
+
+def render_table(plan, top: int, unfit: int = 3, every: bool = False) -> str:
+    shown = table_rows(plan, top, unfit, every)
+    rec = plan.recommended
+    header = ["#", "layout", "m", "params", "grads", "optim", "act", "total GiB", "step s", "MFU", "fits"]
+    body = []
+    for i in shown:
+        c = plan.candidates[i]
+        mem, t = c.memory, c.time
+        mark = "yes" if c.fits else "no"
+        if c is rec:
+            mark += " *"
+        body.append([str(i + 1), layout_label(c.layout), str(c.microbatches), _gib(mem.parameters),
+                     _gib(mem.gradients), _gib(mem.optimizer + mem.master_weights), _gib(activation_phase(mem)),
+                     _gib(mem.total), f"{t.total_s:.2f}", f"{100 * t.mfu:.1f}%", mark])
+    widths = [max(len(r[k]) for r in [header] + body) for k in range(len(header))]
+    left = {1}
+
+    def fmt(r):
+        return "  ".join(v.ljust(w) if k in left else v.rjust(w) for k, (v, w) in enumerate(zip(r, widths))).rstrip()
+
+    lines = [fmt(header)]
+    lines.extend(fmt(r) for r in body)
+    return "\n".join(lines)
+
+
+def recipe_overrides(candidate) -> str:
+    lay = candidate.layout
+    items = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}"]
+    if lay.pp > 1:
+        items += [f"parallel.vpp={lay.vpp}", f"parallel.schedule={lay.schedule}"]
+    items += [f"parallel.microbatches={candidate.microbatches}", f"parallel.kv_replication={lay.kv_replication}",
+              f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
+              f"parallel.zero1={'true' if lay.zero1 else 'false'}"]
+    return " ".join(items)
+
+
+def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every: bool = False) -> str:
+    n_params = config.num_parameters()
+    spec = plan.device
+    g = plan.candidates[0].global_batch_size if plan.candidates else 0
+    same_batch = len({c.global_batch_size for c in plan.candidates}) == 1
+    batch = (f"global batch {g} sequences x {plan.seq_len} tokens ({g * plan.seq_len / 1e6:.1f}M tokens/step)"
+             if same_batch else f"{plan.candidates[0].microbatches} micro-batches per DP rank (global batch varies "
+                                f"with dp; ranked by time per sequence)")
+    lines = [
+        f"plan: {recipe_name} ({n_params / 1e9:.2f}B parameters) on {plan.world} x {spec.name} "
+        f"({plan.memory_bytes / 1e9:.1f} GB, {plan.devices_per_node} per node); budget "
+        f"{plan.budget_bytes / GiB:.1f} GiB per rank after {plan.headroom:.0%} headroom",
+        f"{batch}, micro-batch {plan.micro_batch_size}, precision {plan.precision}",
+        f"{len(plan.candidates)} layouts, {len(plan.fitting)} fit. Fastest first; # = rank among all "
+        f"{len(plan.candidates)}" + ("" if every else "; a layout that a faster one beats on memory is left out "
+                                                       "(--all lists it)") + ".",
+        "GiB per rank, peak over pipeline ranks: optim = optimizer states + master weights, act = activations "
+        "and buffers; * = recommended.",
+        render_table(plan, top, unfit, every),
+    ]
+    rec = plan.recommended
+    if rec is None:
+        lines.append("recommended: none fits")
+    else:
+        t = rec.time
+        lines += [
+            f"recommended: {layout_label(rec.layout)}, {rec.microbatches} micro-batches: {t.total_s:.2f} s/step, "
+            f"MFU {100 * t.mfu:.1f}%, {rec.memory.total / GiB:.1f} GiB per rank "
+            f"(compute {t.compute_s:.2f} s, TP comm {t.tp_comm_s:.2f} s, DP comm {t.dp_comm_s:.2f} s, "
+            f"PP comm {t.pp_comm_s:.2f} s, bubble {100 * t.bubble_share:.1f}%)",
+            f"  recipe overrides: {recipe_overrides(rec)}"
+            + ("" if rec.layout.activation_checkpointing == "none"
+               else f" (and activation checkpointing: {rec.layout.activation_checkpointing})"),
+        ]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from plait.config import RecipeError
+    from plait.models.llama.config import ModelConfigError
+    from plait.plan.search import PlanError, SearchOptions, rank_layouts, resolve_device
+
+    def fail(message: str) -> int:
+        print(f"plait plan: {' '.join(str(message).split())}", file=sys.stderr)
+        return 2
+
+    try:
+        overrides = []
+        for item in args.items:
+            if "=" not in item:
+                raise ValueError(f"{item!r} is not of the form section.field=value (the recipe file comes first)")
+            overrides.append(item)
+        if args.world < 1:
+            raise ValueError(f"--world={args.world} must be a positive integer")
+        for name in ("top", "unfit"):
+            if getattr(args, name) < 0:
+                raise ValueError(f"--{name}={getattr(args, name)} must be >= 0")
+        recipe, config = load_plan_inputs(args.recipe, overrides)
+        spec = resolve_device(args.device)
+        per_node = args.nodes_of or default_devices_per_node(spec.name)
+        if per_node < 1:
+            raise ValueError(f"--nodes-of={per_node} must be a positive integer")
+        if args.microbatches is not None and args.global_batch is not None:
+            raise ValueError("give --global-batch or --microbatches, not both")
+        global_batch = args.global_batch
+        if global_batch is None and args.microbatches is None:
+            global_batch = recipe.data.global_batch_size
+        precision = args.precision or recipe.precision.preset
+        # the recipe's split method; manual cuts fix one stage count, so layouts use the balanced split
+        method = "balanced" if recipe.parallel.partition == "manual" else recipe.parallel.partition
+        memory = None if args.memory is None else int(args.memory * 1e9)
+        plan = rank_layouts(config, args.world, spec, devices_per_node=per_node,
+                            micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
+                            microbatches=args.microbatches, global_batch_size=global_batch, precision=precision,
+                            memory_bytes=memory, headroom=args.headroom,
+                            options=SearchOptions(kv_placement=recipe.parallel.kv_placement, partition=method,
+                                                  partition_cost=recipe.parallel.partition_cost,
+                                                  try_zero1=not args.no_zero1,
+                                                  activation_checkpointing=("none",) if args.no_checkpointing
+                                                  else ("none", "full")))
+    except RecipeError as e:
+        return fail(f"the recipe has problems: {'; '.join(str(p) for p in e.problems)}")
+    except (PlanError, ModelConfigError, ValueError) as e:
+        return fail(str(e))
+    print(render_plan(plan, config, recipe.run.name, args.top, args.unfit, args.every), flush=True)
+    if not args.dry_run:
+        return 0
+
+    from plait.plan.dry_run import dry_run
+
+    rec = plan.recommended
+    ranks = args.ranks if args.ranks else sorted({0, args.world - 1})
+    bad = [r for r in ranks if not 0 <= r < args.world]
+    if bad:
+        return fail(f"--rank {bad[0]} is outside the world: valid 0..{args.world - 1}")
+    p = recipe.parallel
+    stage_layers = None
+    if rec.layout.pp > 1:
+        from plait.pipeline.layout import plan_partition
+
+        try:
+            stage_layers = plan_partition(config, rec.layout.pp * rec.layout.vpp, recipe.data.seq_len,
+                                          method=method, cost=p.partition_cost).stage_layers()
+        except ValueError as e:
+            return fail(f"dry run: pipeline split: {e}")
+    print(f"dry run of {layout_label(rec.layout)} on {args.world} fake ranks (meta device, no data):", flush=True)
+    ok = True
+    for r in ranks:
+        try:
+            report = dry_run(config, rec.layout, args.world, r, precision=precision,
+                             micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
+                             microbatches=rec.microbatches, partition=method, partition_cost=p.partition_cost,
+                             kv_placement=p.kv_placement, stage_layers=stage_layers)
+        except (PlanError, ValueError) as e:
+            return fail(f"dry run of rank {r}: {e}")
+        ok = ok and report.matches
+        print("  " + report.check_line(), flush=True)
+    print("dry run: parameter bytes match the memory model" if ok
+          else "dry run: parameter bytes DIFFER from the memory model", flush=True)
+    return 0 if ok else 1

@@ -1,0 +1,595 @@
+"""Per-rank memory model of a training step: model states, saved activations, buffers.
+
+:func:`estimate_memory` prices one pipeline rank (or the worst one) of a :class:`Layout` in
+bytes, component by component, following what plait's code allocates (checked against
+``torch.autograd`` saved-tensor hooks in ``tests/test_plan_memory.py`` and against measured peak
+RSS in ``docs/plan_memory.md``).
+
+Notation: ``B`` micro-batch size, ``S`` sequence length, ``h`` hidden size, ``T`` the TP degree,
+``m`` micro-batches per step; per TP rank ``q = local_q_heads * head_dim`` (padding heads
+included), ``k = local_kv_heads * head_dim`` (K/V replication included), ``n_q`` local query heads,
+``i = intermediate_size / T``, ``V' = ceil(vocab / T)`` (the vocabulary padded to a multiple of
+``T``; exactly ``vocab`` at ``T = 1``, where plait does not swap in parallel modules).
+``S' = S / T`` under sequence parallelism, else ``S``. Byte sizes per precision preset
+(:data:`PRECISIONS`): ``p`` parameter, ``g`` gradient, ``o`` one optimizer state, ``w`` master
+weight, ``c`` compute (matmul inputs, attention, MLP), ``r`` residual stream (pipeline transfers).
+
+Model states (per rank, ``P`` = local parameters, :func:`rank_parameter_count`)::
+
+    parameters     = P * p
+    gradients      = P * g
+    optimizer      = 2 * P * o              (AdamW exp_avg, exp_avg_sq)
+                   = 2 * ceil(P / dp) * o   with ZeRO-1 (the flat buffer padded to a multiple of dp)
+    master_weights = P * w                  (only bf16-mixed: w = 4; / dp with ZeRO-1 likewise)
+
+Activations are the tensors autograd saves, per micro-batch (:func:`layer_activation_bytes`
+for one decoder layer, :func:`chunk_cost` for a chunk), times the micro-batches in flight on the
+rank at the peak, found by walking the rank's schedule (:func:`schedule_peak`; 1F1B holds at most
+``min(pp - r, m)``, GPipe ``m``, interleaved 1F1B what its task list gives; without pipeline
+parallelism one). The other activation-phase fields, at that same peak:
+
+* ``weight_copies``: autocast's bf16 copies of the matmul weights, saved for backward once per
+  in-flight micro-batch (``2 * matmul params`` per chunk); 0 without autocast.
+* ``logits``: last stage only: the softmax (vocab-parallel loss) or log-softmax (``T = 1``) saved
+  for backward, ``4 * B * S * V'`` per in-flight micro-batch.
+* ``comm_buffers``: pipeline p2p buffers as plait's runtime keeps them (every sent activation and
+  sent input gradient is kept until the step's end: ``B * S' * h * r`` per Forward done on a
+  non-last chunk and per Backward done on a non-first chunk, plus one received gradient during a
+  backward) and, under sequence parallelism, one gathered ``[B, S, h]`` input in the compute dtype
+  (the all-gather of a column-parallel layer). TP all-reduces run in place: counted 0.
+* ``workspace``: the transient at the peak: the loss's working set on the last stage, or a new
+  weight gradient before it is accumulated into ``.grad`` (:func:`chunk_cost`).
+* ``gradients_at_peak``: the gradients already allocated at the peak. ``zero_grad(set_to_none=True)``
+  frees them every step, so they only exist after a chunk's first backward of the step: from the
+  second micro-batch on without pipeline, in 1F1B's steady state, never at GPipe's peak.
+
+After the last backward (activations gone) the step phase needs the full gradients plus
+``step_buffers``: the coalesced data-parallel all-reduce flattens one chunk's gradients into a new
+buffer (``grad bytes of the largest chunk`` when ``dp > 1``), and the gradient norm squares each
+gradient into an fp32 temporary (``4 * numel`` of the largest weight). Fused AdamW allocates
+nothing beyond its states (checked on the CPU).
+
+``total = parameters + optimizer + master_weights + max(activation phase, step phase)`` with
+``activation phase = gradients_at_peak + activations + weight_copies + logits + comm_buffers +
+workspace`` and ``step phase = gradients + step_buffers``.
+
+Not modelled: allocator caching and fragmentation (the CUDA caching allocator, glibc arenas), the
+CUDA context / NCCL buffers, backward-pass transients other than ``workspace`` (each layer's
+activation gradients, a few ``[B, S, i]`` tensors), int64 token ids and masks, collective
+libraries' internal staging copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from plait.models.llama.config import LlamaConfig
+from plait.plan.layout import Layout
+
+MiB = 1024**2
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of each kind of tensor under one precision preset (see module doc)."""
+
+    name: str
+    param: int
+    grad: int
+    optimizer_state: int
+    master: int
+    compute: int
+    residual: int
+    autocast: bool
+
+
+#: ``fp32``: everything fp32. ``autocast``: fp32 weights, gradients and residual stream, bf16
+#: matmuls/attention/MLP (torch.autocast). ``bf16-mixed``: bf16 weights and gradients, fp32 master
+#: weights and optimizer states (the ZeRO paper's 2 + 2 + 12 bytes). ``bf16-pure``: everything
+#: bf16, optimizer states included.
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "fp32": PrecisionBytes("fp32", 4, 4, 4, 0, 4, 4, False),
+    "autocast": PrecisionBytes("autocast", 4, 4, 4, 0, 2, 4, True),
+    "bf16-mixed": PrecisionBytes("bf16-mixed", 2, 2, 4, 4, 2, 2, False),
+    "bf16-pure": PrecisionBytes("bf16-pure", 2, 2, 2, 0, 2, 2, False),
+}
+
+
+def precision_bytes(precision: str) -> PrecisionBytes:
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise ValueError(f"precision={precision!r} is not valid; valid: {', '.join(map(repr, PRECISIONS))}") from None
+
+
+# ------------------------------------------------------------------------------ local shapes
+@dataclass(frozen=True)
+class LocalShapes:
+    """Per-TP-rank widths of one decoder layer and the vocabulary (see module doc for symbols)."""
+
+    tp: int
+    hidden: int
+    q: int            # local query width, padding heads included
+    kv: int           # local K (= V) width, replicated KV heads included
+    q_heads: int      # local query heads
+    intermediate: int
+    vocab: int        # local vocabulary rows (padded)
+    head_padding: bool
+    vocab_padding: bool
+
+
+def local_shapes(config: LlamaConfig, layout: Layout) -> LocalShapes:
+    """Local sizes exactly as :func:`plait.models.llama.parallelize.parallelize` builds them.
+
+    ``tp = 1`` keeps the unparallelized model. Otherwise heads follow
+    :meth:`HeadLayout.plan` (``layout.kv_replication`` when above 1, else the automatic factor, as
+    :func:`~plait.models.llama.parallelize.head_layout_for` does) and the vocabulary is split in
+    ``ceil(V / T)`` rows per rank.
+    """
+    from plait.tensor_parallel.heads import HeadLayout
+
+    c, tp = config, layout.tp
+    if tp == 1:
+        return LocalShapes(1, c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                           c.num_attention_heads, c.intermediate_size, c.vocab_size, False, False)
+    if c.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={tp}")
+    heads = HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, tp,
+                            layout.kv_replication if layout.kv_replication > 1 else None)
+    vocab = -(-c.vocab_size // tp)
+    return LocalShapes(tp, c.hidden_size, heads.local_q_heads * c.head_dim, heads.local_kv_heads * c.head_dim,
+                       heads.local_q_heads, c.intermediate_size // tp, vocab, heads.needs_padding,
+                       vocab * tp != c.vocab_size)
+
+
+def layer_parameter_count(config: LlamaConfig, sh: LocalShapes) -> int:
+    """Local parameters of one decoder layer: q/k/v (+ biases), o (+ replicated bias), gate/up
+    (+ biases), down (+ replicated bias), two RMSNorm weights."""
+    c, h = config, sh.hidden
+    attn = h * sh.q + 2 * h * sh.kv + sh.q * h
+    if c.attention_bias:
+        attn += sh.q + 2 * sh.kv
+    if c.o_proj_bias:
+        attn += h
+    mlp = 3 * h * sh.intermediate + ((2 * sh.intermediate + h) if c.mlp_bias else 0)
+    return attn + mlp + 2 * h
+
+
+def layer_matmul_parameter_count(config: LlamaConfig, sh: LocalShapes) -> int:
+    """The part of :func:`layer_parameter_count` that matmuls read (everything but the norms)."""
+    return layer_parameter_count(config, sh) - 2 * sh.hidden
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk (global pipeline stage) held by a rank."""
+
+    stage: int
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+
+def rank_chunks(config: LlamaConfig, layout: Layout, seq_len: int, pp_rank: int, *,
+                stage_layers: list[list[int]] | None = None) -> list[Chunk]:
+    """The chunks pipeline rank ``pp_rank`` holds: global stages ``pp_rank, pp_rank + pp, ...``.
+
+    The split is :func:`plait.pipeline.layout.plan_partition` (balanced, FLOP cost), as the
+    trainer's default recipe uses, unless ``stage_layers`` is given. ``pp * vpp == 1``: one chunk
+    with every layer, first and last.
+    """
+    n = layout.pp * layout.vpp
+    if n == 1:
+        return [Chunk(0, tuple(range(config.num_hidden_layers)), True, True)]
+    if stage_layers is None:
+        stage_layers = default_stage_layers(config, n, seq_len)
+    return [Chunk(s, tuple(stage_layers[s]), s == 0, s == n - 1) for s in range(pp_rank, n, layout.pp)]
+
+
+def default_stage_layers(config: LlamaConfig, num_stages: int, seq_len: int) -> list[list[int]]:
+    """:func:`plait.pipeline.layout.plan_partition`'s balanced FLOP split (the trainer's default),
+    cached per (config, stages, sequence length): a layout search prices many layouts."""
+    return [list(s) for s in _cached_split(repr(config), config, num_stages, seq_len)]
+
+
+_SPLITS: dict[tuple[str, int, int], tuple[tuple[int, ...], ...]] = {}
+
+
+def _cached_split(key: str, config: LlamaConfig, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    k = (key, num_stages, seq_len)
+    if k not in _SPLITS:
+        from plait.pipeline.layout import plan_partition
+
+        split = plan_partition(config, num_stages, seq_len, method="balanced", cost="flops").stage_layers()
+        if len(_SPLITS) > 256:
+            _SPLITS.clear()
+        _SPLITS[k] = tuple(tuple(s) for s in split)
+    return _SPLITS[k]
+
+
+def chunk_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Chunk) -> int:
+    """Local parameters of one chunk: its layers; the embedding on the first stage, and on the last
+    stage too when embeddings are tied (each end keeps a copy, see :mod:`plait.pipeline.tied`);
+    the final norm and the output head (unless tied: then it is the embedding) on the last."""
+    n = len(chunk.layers) * layer_parameter_count(config, sh)
+    embed = sh.vocab * sh.hidden
+    if chunk.first or (chunk.last and config.tie_word_embeddings):
+        n += embed
+    if chunk.last:
+        n += sh.hidden + (0 if config.tie_word_embeddings else embed)
+    return n
+
+
+def rank_parameter_count(config: LlamaConfig, layout: Layout, seq_len: int, pp_rank: int = 0) -> int:
+    """Exact local parameter count of one rank (every TP rank of a stage holds the same count)."""
+    sh = local_shapes(config, layout)
+    return sum(chunk_parameter_count(config, sh, ch) for ch in rank_chunks(config, layout, seq_len, pp_rank))
+
+
+def _largest_weight(config: LlamaConfig, sh: LocalShapes, chunks: list[Chunk]) -> int:
+    sizes = []
+    if any(ch.layers for ch in chunks):
+        sizes += [sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate]
+    if any(ch.first or ch.last for ch in chunks):
+        sizes.append(sh.vocab * sh.hidden)
+    return max(sizes, default=0)
+
+
+# ------------------------------------------------------------------------------ activations
+def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, micro_batch_size: int,
+                           seq_len: int) -> int:
+    """Bytes one decoder layer saves for backward per micro-batch (per TP rank).
+
+    ``activation_checkpointing="none"`` (what plait's Llama saves; flash/memory-efficient SDPA,
+    so no ``S x S`` score matrix)::
+
+        2 norms      2 * B*S'*h*(4 + r) + 2 * 4*B*S'     fp32 input (the residual itself when
+                                                         r = 4, else an fp32 copy), the
+                                                         normalised tensor in the residual dtype,
+                                                         the per-token rsqrt
+        matmul in    (n_in + n_mlp) * B*S'*h*c           the norm outputs as the q/k/v and gate/up
+                                                         matmuls save them: one tensor each when
+                                                         c = r or T > 1 (plait's column matmul
+                                                         casts once); at T = 1 under autocast
+                                                         every nn.Linear casts its own copy
+                                                         (n_in = 3, n_mlp = 2), else 1 and 1
+        attention    B*S*c*(2q + 2k) + 4*B*n_q*S         rotated q and k, v, the output (o_proj's
+                                                         input), the fp32 logsumexp
+                     + B*S*c*q with padding heads        the masked output copy
+        MLP          4 * B*S*i*c                         gate, up, silu(gate), silu(gate)*up
+
+    ``"selective"`` recomputes the attention core (rotary, SDPA) and the SwiGLU product in
+    backward: attention keeps only the q/k/v projections, ``B*S*c*(q + 2k)``, and the MLP only
+    gate and up, ``2*B*S*i*c``. ``"full"`` keeps only the layer input, ``B*S'*h*r`` (the one layer
+    being recomputed is added once, by :func:`estimate_memory`).
+    """
+    pb = precision_bytes(precision)
+    sh = local_shapes(config, layout)
+    B, S, h = micro_batch_size, seq_len, sh.hidden
+    S_r = _replicated_seq(layout, seq_len)
+    r, c = pb.residual, pb.compute
+    if layout.activation_checkpointing == "full":
+        return B * S_r * h * r
+    if layout.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing={layout.activation_checkpointing!r} is not valid; "
+                         f"valid: {', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
+    norms = 2 * (B * S_r * h * (4 + r) + 4 * B * S_r)
+    n_in, n_mlp = (3, 2) if (pb.autocast and sh.tp == 1) else (1, 1)
+    matmul_in = (n_in + n_mlp) * B * S_r * h * c
+    if layout.activation_checkpointing == "selective":
+        attn = B * S * c * (sh.q + 2 * sh.kv)
+        mlp = 2 * B * S * sh.intermediate * c
+    else:
+        attn = B * S * c * (2 * sh.q + 2 * sh.kv) + 4 * B * sh.q_heads * S
+        if sh.head_padding:
+            attn += B * S * c * sh.q
+        mlp = 4 * B * S * sh.intermediate * c
+    return norms + matmul_in + attn + mlp
+
+
+def _replicated_seq(layout: Layout, seq_len: int) -> int:
+    """Sequence length of the tensors outside the TP-sharded blocks (``S / T`` under SP)."""
+    if layout.sequence_parallel and layout.tp > 1:
+        return -(-seq_len // layout.tp)
+    return seq_len
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """What one chunk costs during the activation phase (bytes; see :func:`chunk_cost`)."""
+
+    activations: int      # saved per in-flight micro-batch (layers, rotary tables, final norm)
+    weight_copies: int    # autocast's bf16 weight copies per in-flight micro-batch
+    logits_saved: int     # last stage: the saved softmax / log-softmax per in-flight micro-batch
+    gradients: int        # the chunk's gradients, live once its first backward of the step is done
+    forward_transient: int    # while a forward runs (the loss working set on the last stage)
+    backward_transient: int   # at the start of a backward (loss working set, largest new gradient)
+    backward_end_transient: int  # at the end of a backward (the embedding's new gradient)
+
+
+def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk, micro_batch_size: int,
+               seq_len: int) -> ChunkCost:
+    """Activation-phase costs of one chunk (module doc; ``N = B * S`` tokens, ``V'`` local vocab).
+
+    * activations: ``len(layers) * layer_activation_bytes`` + the rotary ``cos``/``sin`` tables
+      (``2 * S * head_dim * r``); last stage: the final norm as a layer norm saves it
+      (``B*S'*h*(4 + r) + 4*B*S'``) and the output head's input (``B*S'*h*c``).
+    * weight_copies (autocast only): ``2 * matmul params`` of the layers (none under full
+      checkpointing: the recomputation casts again), and of the output head on the last stage.
+    * logits_saved (last stage): ``4 * N * V'``.
+    * forward_transient (last stage): the loss's working set besides the saved softmax. TP > 1
+      (vocab-parallel loss): the logits and the shifted logits, ``(c + 4) * N * V'`` (the fp32
+      upcast of bf16 logits is dropped before ``exp``). TP = 1 (``F.cross_entropy`` on
+      ``logits.float()``): the logits and their fp32 copy, ``(c + 4) N V'`` when ``c != 4`` else
+      ``4 N V'``.
+    * backward_transient: the largest of (last stage) the loss backward's working set (TP = 1:
+      NLL and log-softmax input gradients, ``8 N V'``; TP > 1: in place, ``c N V'`` for the cast
+      when ``c != 4``), (last stage) the output head's new weight gradient plus the logits
+      gradient, less the saved softmax already released (``V' h (g + c_a) + (c - 4) N V'``,
+      ``c_a = c`` under autocast: the bf16 product before its cast to the gradient dtype), and the
+      largest decoder weight's new gradient (``numel * (g + c_a)``).
+    * backward_end_transient (first stage): the embedding's dense gradient ``V' h g``, created
+      after the stage's activations are freed.
+    """
+    pb = precision_bytes(precision)
+    sh = local_shapes(config, layout)
+    B, S, h = micro_batch_size, seq_len, sh.hidden
+    S_r = _replicated_seq(layout, S)
+    N = B * S
+    c, r, g = pb.compute, pb.residual, pb.grad
+    c_a = c if pb.autocast else 0
+    act = len(chunk.layers) * layer_activation_bytes(config, layout, precision, B, S)
+    act += 2 * S * config.head_dim * r
+    copies = 0
+    if pb.autocast and layout.activation_checkpointing != "full":
+        copies = 2 * len(chunk.layers) * layer_matmul_parameter_count(config, sh)
+    logits = fwd = 0
+    bwd = max(sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate) * (g + c_a) if chunk.layers else 0
+    if chunk.last:
+        act += B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
+        logits = 4 * N * sh.vocab
+        if pb.autocast:
+            copies += 2 * sh.vocab * h
+        if sh.tp > 1:
+            fwd = (c + 4) * N * sh.vocab
+            loss_bwd = (c if c != 4 else 0) * N * sh.vocab
+        else:
+            fwd = ((c + 4) if c != 4 else 4) * N * sh.vocab
+            loss_bwd = 8 * N * sh.vocab
+        # the head's new weight gradient and the logits gradient; this micro-batch's saved softmax
+        # (counted in logits_saved) is released by then, or reused as the gradient in place
+        head = sh.vocab * h * (g + c_a) + (c - 4) * N * sh.vocab
+        bwd = max(bwd, loss_bwd, head)
+    end = sh.vocab * h * g if chunk.first else 0
+    grads = chunk_parameter_count(config, sh, chunk) * g
+    return ChunkCost(act, copies, logits, grads, fwd, bwd, end)
+
+
+@dataclass(frozen=True)
+class SchedulePeak:
+    """The activation-phase peak of one rank, by component (bytes)."""
+
+    in_flight: dict[int, int]   # chunk index on the rank -> in-flight micro-batches at the peak
+    gradients: int              # gradients already allocated at the peak
+    activations: int
+    weight_copies: int
+    logits: int
+    p2p: int
+    workspace: int
+    max_in_flight: int = 0      # most (micro-batch, chunk) pairs in flight at any point of the step
+
+    @property
+    def total(self) -> int:
+        return self.gradients + self.activations + self.weight_copies + self.logits + self.p2p + self.workspace
+
+
+def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[ChunkCost], chunks: list[Chunk], *,
+                  act_bytes: int, extra_layer: int = 0) -> SchedulePeak:
+    """Walk the rank's compute order and return the largest activation-phase footprint.
+
+    The order is the schedule's (:func:`plait.pipeline.schedules.compute_order`; without pipeline
+    parallelism ``F0 B0 F1 B1 ...``, one micro-batch in flight). Three kinds of points:
+
+    * after a Forward: the in-flight micro-batches' saved bytes (this one included) and the
+      chunk's ``forward_transient``;
+    * at the start of a Backward: the same plus ``backward_transient``, one received output
+      gradient (``act_bytes``) on a non-last chunk, and under full checkpointing the recomputed
+      layer (``extra_layer``);
+    * at the end of a Backward on the first stage: the remaining in-flight bytes plus the
+      embedding's ``backward_end_transient`` when its gradient already existed (accumulation).
+
+    Everywhere: the gradients of the chunks whose first backward of the step has completed
+    (``zero_grad(set_to_none=True)`` frees them every step; GPipe's peak therefore has none),
+    and the p2p buffers plait's runtime keeps until the step's end: ``act_bytes`` per Forward done
+    on a non-last chunk (the sent output) and per Backward done on a non-first chunk (the sent
+    input gradient).
+    """
+    from plait.pipeline.schedules import compute_order
+    from plait.pipeline.tasks import Forward
+
+    if layout.pp == 1:
+        order = [(fwd, mb, 0) for mb in range(microbatches) for fwd in (True, False)]
+    else:
+        order = [(isinstance(t, Forward), t.microbatch, t.chunk)
+                 for t in compute_order(layout.schedule, pp_rank, layout.pp, microbatches, layout.vpp)]
+    in_flight = {i: 0 for i in range(len(chunks))}
+    has_grads = {i: False for i in range(len(chunks))}
+    sent = 0
+    most = 0
+    best: SchedulePeak | None = None
+
+    def point(transient: int, p2p_extra: int = 0, act_extra: int = 0) -> None:
+        nonlocal best
+        p = SchedulePeak(
+            in_flight=dict(in_flight),
+            gradients=sum(costs[c].gradients for c, done in has_grads.items() if done),
+            activations=sum(n * costs[c].activations for c, n in in_flight.items()) + act_extra,
+            weight_copies=sum(n * costs[c].weight_copies for c, n in in_flight.items()),
+            logits=sum(n * costs[c].logits_saved for c, n in in_flight.items()),
+            p2p=sent * act_bytes + p2p_extra,
+            workspace=transient,
+        )
+        if best is None or p.total > best.total:
+            best = p
+
+    for is_fwd, _mb, c in order:
+        ch, cost = chunks[c], costs[c]
+        if is_fwd:
+            in_flight[c] += 1
+            most = max(most, sum(in_flight.values()))
+            if not ch.last and layout.pp > 1:
+                sent += 1
+            point(cost.forward_transient)
+            continue
+        point(cost.backward_transient, 0 if (ch.last or layout.pp == 1) else act_bytes, extra_layer)
+        in_flight[c] -= 1
+        had_grads, has_grads[c] = has_grads[c], True
+        if ch.first:
+            point(cost.backward_end_transient if had_grads else 0)
+        elif layout.pp > 1:
+            sent += 1
+    assert best is not None
+    return dataclasses.replace(best, max_in_flight=most)
+
+
+# ------------------------------------------------------------------------------ breakdown
+@dataclass
+class MemoryBreakdown:
+    """Bytes per rank of one layout (one pipeline rank, or the worst one); see the module doc.
+
+    ``gradients`` is the full size of the rank's gradients; ``gradients_at_peak`` the part of it
+    already allocated at the activation-phase peak. ``workspace`` holds the transient at the peak
+    (the loss's working set on the last stage, or a new gradient before accumulation).
+    """
+
+    layout: Layout
+    precision: str
+    pp_rank: int
+    parameter_count: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    master_weights: int
+    activations: int
+    weight_copies: int
+    logits: int
+    comm_buffers: int
+    workspace: int
+    step_buffers: int
+    gradients_at_peak: int = 0
+    #: global stage -> in-flight micro-batches at the peak (not necessarily the most ever in flight:
+    #: a later point with gradients allocated can be the larger one)
+    in_flight: dict[int, int] = field(default_factory=dict)
+    #: most (micro-batch, chunk) pairs in flight at any point of the step (the simulator's
+    #: ``peak_in_flight``)
+    max_in_flight: int = 0
+
+    FIELDS = ("parameters", "gradients", "optimizer", "master_weights", "activations", "weight_copies",
+              "logits", "comm_buffers", "workspace", "step_buffers")
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.master_weights
+
+    @property
+    def activation_phase(self) -> int:
+        """Bytes above the persistent states (parameters, optimizer, master) at the activation peak."""
+        return (self.gradients_at_peak + self.activations + self.weight_copies + self.logits + self.comm_buffers
+                + self.workspace)
+
+    @property
+    def step_phase(self) -> int:
+        """Bytes above the persistent states while gradients are reduced, clipped and applied."""
+        return self.gradients + self.step_buffers
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.optimizer + self.master_weights + max(self.activation_phase, self.step_phase)
+
+    def as_dict(self) -> dict:
+        d = {"layout": self.layout.as_dict(), "precision": self.precision, "pp_rank": self.pp_rank,
+             "parameter_count": self.parameter_count, "in_flight": dict(self.in_flight),
+             "max_in_flight": self.max_in_flight}
+        d.update({k: int(getattr(self, k)) for k in self.FIELDS})
+        d["gradients_at_peak"] = int(self.gradients_at_peak)
+        d["total"] = int(self.total)
+        return d
+
+    @staticmethod
+    def table_header(unit: str = "MiB") -> str:
+        cols = ["layout", "precision", "pp rank", *MemoryBreakdown.FIELDS[:2], "grads at peak",
+                *MemoryBreakdown.FIELDS[2:], f"total ({unit})"]
+        return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+    def table_row(self, unit: str = "MiB") -> str:
+        """One markdown table row (sizes in ``unit``: "MiB", "GiB" or "B"), matching :meth:`table_header`."""
+        div = {"B": 1, "MiB": MiB, "GiB": 1024**3}[unit]
+        fmt = (lambda v: f"{v / div:.1f}") if unit != "B" else str
+        cells = [self.layout.short(), self.precision, str(self.pp_rank)]
+        values = [getattr(self, k) for k in self.FIELDS]
+        values.insert(2, self.gradients_at_peak)
+        cells += [fmt(v) for v in values] + [fmt(self.total)]
+        return "| " + " | ".join(cells) + " |"
+
+
+def estimate_memory(config: LlamaConfig, layout: Layout, *, precision: str = "fp32", micro_batch_size: int,
+                    seq_len: int, microbatches: int, stage: int | None = None,
+                    stage_layers: list[list[int]] | None = None) -> MemoryBreakdown:
+    """Peak bytes on one rank of ``layout`` for a training step (see the module doc for every term).
+
+    ``stage``: the pipeline rank (``0 .. pp - 1``) to price; ``None`` prices every pipeline rank
+    and returns the one with the largest ``total``. ``stage_layers`` overrides the pipeline split
+    (default: :func:`plait.pipeline.layout.plan_partition`, balanced by FLOPs).
+    """
+    pb = precision_bytes(precision)
+    for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len), ("microbatches", microbatches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if layout.pp * layout.vpp > 1 and stage_layers is None:
+        stage_layers = default_stage_layers(config, layout.pp * layout.vpp, seq_len)
+    if stage is None:
+        ranks = [_estimate_rank(config, layout, pb, micro_batch_size, seq_len, microbatches, r, stage_layers)
+                 for r in range(layout.pp)]
+        return max(ranks, key=lambda b: (b.total, -b.pp_rank))
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < layout.pp:
+        raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{layout.pp - 1}")
+    return _estimate_rank(config, layout, pb, micro_batch_size, seq_len, microbatches, stage, stage_layers)
+
+
+def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> MemoryBreakdown:
+    sh = local_shapes(config, layout)
+    chunks = rank_chunks(config, layout, S, pp_rank, stage_layers=stage_layers)
+    counts = [chunk_parameter_count(config, sh, ch) for ch in chunks]
+    P = sum(counts)
+    dp = layout.dp
+    sharded = (lambda n: -(-n // dp)) if (layout.zero1 and dp > 1) else (lambda n: n)
+
+    costs = [chunk_cost(config, layout, pb.name, ch, B, S) for ch in chunks]
+    act_bytes = B * _replicated_seq(layout, S) * sh.hidden * pb.residual
+    extra_layer = 0
+    if layout.activation_checkpointing == "full":
+        # the layer being recomputed holds its full activations (and its weight copies under autocast)
+        extra_layer = layer_activation_bytes(config, dataclasses.replace(layout, activation_checkpointing="none"),
+                                             pb.name, B, S)
+        if pb.autocast:
+            extra_layer += 2 * layer_matmul_parameter_count(config, sh)
+    peak = schedule_peak(layout, m, pp_rank, costs, chunks, act_bytes=act_bytes, extra_layer=extra_layer)
+    tp_gather = B * S * sh.hidden * pb.compute if (layout.sequence_parallel and layout.tp > 1) else 0
+    step_buffers = (max(counts) * pb.grad if dp > 1 else 0) + _largest_weight(config, sh, chunks) * 4
+    return MemoryBreakdown(
+        layout=layout, precision=pb.name, pp_rank=pp_rank, parameter_count=P,
+        parameters=P * pb.param, gradients=P * pb.grad,
+        optimizer=2 * sharded(P) * pb.optimizer_state, master_weights=sharded(P) * pb.master,
+        activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
+        comm_buffers=peak.p2p + tp_gather, workspace=peak.workspace, step_buffers=step_buffers,
+        gradients_at_peak=peak.gradients, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},
+        max_in_flight=peak.max_in_flight,
+    )
+
+
+__all__ = ["Chunk", "ChunkCost", "LocalShapes", "MemoryBreakdown", "PRECISIONS", "PrecisionBytes", "SchedulePeak",
+           "chunk_cost", "chunk_parameter_count", "default_stage_layers", "estimate_memory",
+           "layer_activation_bytes", "layer_matmul_parameter_count", "layer_parameter_count", "local_shapes",
+           "precision_bytes", "rank_chunks", "rank_parameter_count", "schedule_peak"]
