@@ -61,6 +61,8 @@ libraries' internal staging copies.
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -385,6 +387,19 @@ class SchedulePeak:
         return self.gradients + self.activations + self.weight_copies + self.logits + self.p2p + self.workspace
 
 
+@functools.lru_cache(maxsize=4096)
+def _compute_order(schedule: str, pp_rank: int, pp: int, microbatches: int, vpp: int) -> tuple:
+    """``(is_forward, microbatch, chunk)`` in a rank's compute order, cached: the layout search asks
+    for the same schedules many times."""
+    from plait.pipeline.schedules import compute_order
+    from plait.pipeline.tasks import Forward
+
+    if pp == 1:
+        return tuple((fwd, mb, 0) for mb in range(microbatches) for fwd in (True, False))
+    return tuple((isinstance(t, Forward), t.microbatch, t.chunk)
+                 for t in compute_order(schedule, pp_rank, pp, microbatches, vpp))
+
+
 def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[ChunkCost], chunks: list[Chunk], *,
                   act_bytes: int, extra_layer: int = 0) -> SchedulePeak:
     """Walk the rank's compute order and return the largest activation-phase footprint.
@@ -406,14 +421,7 @@ def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[C
     on a non-last chunk (the sent output) and per Backward done on a non-first chunk (the sent
     input gradient).
     """
-    from plait.pipeline.schedules import compute_order
-    from plait.pipeline.tasks import Forward
-
-    if layout.pp == 1:
-        order = [(fwd, mb, 0) for mb in range(microbatches) for fwd in (True, False)]
-    else:
-        order = [(isinstance(t, Forward), t.microbatch, t.chunk)
-                 for t in compute_order(layout.schedule, pp_rank, layout.pp, microbatches, layout.vpp)]
+    order = _compute_order(layout.schedule if layout.pp > 1 else "", pp_rank, layout.pp, microbatches, layout.vpp)
     in_flight = {i: 0 for i in range(len(chunks))}
     has_grads = {i: False for i in range(len(chunks))}
     sent = 0
