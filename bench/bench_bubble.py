@@ -10,17 +10,27 @@ The runtime is not modified: :class:`TimedRuntime` replaces its task list by an 
 timestamps each task (a task ends when the runtime's loop asks for the next one). Per step and
 rank: ``compute`` = wall time inside ``Forward`` and ``Backward`` tasks; the step's makespan ``T`` =
 the slowest rank's ``run()`` time (all ranks leave a barrier together). Measured bubble of rank
-``r`` = ``1 - compute_r / T`` (the definition of ``plait.pipeline.simulate``); the table gives the
-mean over ranks and the per-rank range, medians over ``--rounds`` steps. Columns to compare with:
+``r`` = ``1 - compute_r / T`` (the definition of ``plait.pipeline.simulate``); the table gives each
+rank's median over ``--rounds`` steps, averaged over ranks, and the range of those per-rank medians.
+Columns to compare with:
 
 * ``theory``: ``theoretical_bubble(p, m)`` / ``theoretical_bubble(p, m, vpp)``: equal stages, no
   communication cost;
-* ``sim``: ``plait.pipeline.simulate.simulate`` with the *measured* median forward and backward time
-  of one chunk and the measured one-way p2p time of one activation (gloo ping-pong), i.e. what
-  the schedule gives with this run's real task times but equal stages and no CPU contention;
+* ``sim: uniform stages``: ``plait.pipeline.simulate.simulate`` with this run's median forward and
+  backward time of one chunk and the measured one-way p2p time of one activation (gloo
+  ping-pong between ranks 0 and 1);
+* ``sim: measured stages``: the same schedules simulated with each *global stage's* own median
+  forward/backward time (:func:`simulate_stages`): adds the imbalance of the end stages
+  (embedding on stage 0, norm + head + loss on the last); ``stage F+B max/mean`` quantifies it;
+* the measured bubble split into where the idle time goes (shares of ``T``, mean over ranks):
+  inside receive tasks (waiting for the peer, and the transfer), inside send tasks (issuing
+  ``isend``), inside ``run()`` but outside any task (runtime loop overhead, the final wait on
+  pending sends), and after ``run()`` returned, until the slowest rank's did (``done early``: the
+  cool-down tail of the schedule);
 * ``CPU-busy bubble``: the same as the measured bubble but with compute counted as the thread CPU
   time inside the tasks. It differs from the wall-based figure only when ranks compete for cores
-  (``p`` ranks on fewer cores: a descheduled rank's task takes longer in wall time, not in CPU time).
+  (``p`` ranks on fewer cores: a descheduled rank's task takes longer in wall time, not in CPU
+  time); ``F wall/CPU`` (median forward wall time / CPU time) > 1 shows the same contention.
 
 **Part 2, stage balance** (one process, one thread). A model with a large vocabulary relative to
 its blocks (default vocab 32000, hidden 256, 8 layers, seq 128) is split into ``--balance-stages``
@@ -64,6 +74,7 @@ from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.pipeline import tasks as T  # noqa: E402
 from plait.pipeline.layout import plan_partition  # noqa: E402
 from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
+from plait.pipeline.schedules import schedule_tasks  # noqa: E402
 from plait.pipeline.simulate import simulate, theoretical_bubble  # noqa: E402
 
 DEFAULTS = dict(
@@ -72,7 +83,7 @@ DEFAULTS = dict(
     pps="2,4", microbatches="4,8", vpp=2, rounds=4, warmup=1,
     # part 2
     bal_vocab=32000, bal_hidden=256, bal_intermediate=688, bal_layers=8, bal_heads=4, bal_kv_heads=2,
-    bal_seq=128, balance_stages=4, bal_iters=5,
+    bal_seq=128, balance_stages=4, bal_iters=7,
 )
 SMOKE = dict(vocab=256, hidden=64, intermediate=128, layers=8, heads=4, kv_heads=2, seq=32, micro_batch_size=1,
              pps="2,4", microbatches="4", vpp=2, rounds=2, warmup=1,
@@ -127,16 +138,19 @@ class TimedRuntime(PipelineRuntime):
         wall = time.perf_counter() - t0
         rec = self.tasks.records
         compute = [(t, w, c) for t, w, c in rec if isinstance(t, (T.Forward, T.Backward))]
+        fwd: dict[str, list[float]] = {}
+        bwd: dict[str, list[float]] = {}
+        for t, w, _ in compute:  # per global stage (JSON keys are strings)
+            (fwd if isinstance(t, T.Forward) else bwd).setdefault(str(self._global_stage(t.chunk)), []).append(w)
         return dict(
             wall=wall,
+            tasks_wall=sum(w for _, w, _ in rec),
             compute_wall=sum(w for _, w, _ in compute),
             compute_cpu=sum(c for _, _, c in compute),
             recv_wall=sum(w for t, w, _ in rec if isinstance(t, (T.RecvActivation, T.RecvGradient))),
             send_wall=sum(w for t, w, _ in rec if isinstance(t, (T.SendActivation, T.SendGradient))),
-            fwd=[w for t, w, _ in compute if isinstance(t, T.Forward)],
-            bwd=[w for t, w, _ in compute if isinstance(t, T.Backward)],
+            fwd=fwd, bwd=bwd,
             fwd_cpu=[c for t, _, c in compute if isinstance(t, T.Forward)],
-            bwd_cpu=[c for t, _, c in compute if isinstance(t, T.Backward)],
         )
 
 
@@ -201,64 +215,108 @@ def bubble_worker(rank: int, world: int, args: argparse.Namespace, out_path: str
             json.dump(rows, f)
 
 
+def simulate_stages(pp: int, m: int, vpp: int, name: str, f: list[float], b: list[float], p2p: float) -> float:
+    """Mean bubble of ``schedule_tasks(name, ...)`` on all ranks with per-*stage* forward/backward
+    times ``f[s]``/``b[s]`` and a fixed one-way p2p time (``plait.pipeline.simulate`` semantics:
+    sends are free and non-blocking, a receive waits for its send + ``p2p``). Unlike
+    ``simulate``, stages may differ (embedding on stage 0, head and loss on the last)."""
+    lists = [schedule_tasks(name, r, pp, m, vpp) for r in range(pp)]
+    sent: dict[tuple[str, int, int], float] = {}
+    pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while pos[r] < len(lists[r]):
+                t = lists[r][pos[r]]
+                if not isinstance(t, T.ReduceGradients):
+                    s = t.chunk * pp + r
+                    if isinstance(t, T.SendActivation):
+                        sent["a", t.microbatch, s + 1] = clock[r]
+                    elif isinstance(t, T.SendGradient):
+                        sent["g", t.microbatch, s - 1] = clock[r]
+                    elif isinstance(t, (T.RecvActivation, T.RecvGradient)):
+                        key = ("a" if isinstance(t, T.RecvActivation) else "g", t.microbatch, s)
+                        if key not in sent:
+                            break
+                        clock[r] = max(clock[r], sent[key] + p2p)
+                    else:
+                        d = f[s] if isinstance(t, T.Forward) else b[s]
+                        clock[r] += d
+                        busy[r] += d
+                pos[r] += 1
+                progress = True
+    assert all(pos[r] == len(lists[r]) for r in range(pp)), "deadlock in simulate_stages"
+    return 1.0 - sum(busy) / (pp * max(clock))
+
+
 def summarize(row: dict) -> dict:
-    p, m, vpp = row["p"], row["m"], row["vpp"]
-    bub, bub_cpu, per_rank, makespans, recv_share = [], [], [], [], []
+    p, m, vpp, name = row["p"], row["m"], row["vpp"], row["schedule"]
+    per_rank, cpu_rank, makespans = [], [], []
+    shares = {"recv": [], "send": [], "other": [], "early": []}
     for step in row["steps"]:  # one record per rank
         t = max(r["wall"] for r in step)
         makespans.append(t)
-        b = [1 - r["compute_wall"] / t for r in step]
-        per_rank.append(b)
-        bub.append(statistics.fmean(b))
-        bub_cpu.append(statistics.fmean(1 - r["compute_cpu"] / t for r in step))
-        recv_share.append(statistics.fmean(r["recv_wall"] / t for r in step))
-    fwd = statistics.median(x for step in row["steps"] for r in step for x in r["fwd"])
-    bwd = statistics.median(x for step in row["steps"] for r in step for x in r["bwd"])
+        per_rank.append([1 - r["compute_wall"] / t for r in step])
+        cpu_rank.append([1 - r["compute_cpu"] / t for r in step])
+        shares["recv"].append(statistics.fmean(r["recv_wall"] / t for r in step))
+        shares["send"].append(statistics.fmean(r["send_wall"] / t for r in step))
+        # inside run() but outside any task: loop overhead, the final wait on pending sends
+        shares["other"].append(statistics.fmean((r["wall"] - r["tasks_wall"]) / t for r in step))
+        # run() returned before the slowest rank's (the cool-down tail of the schedule)
+        shares["early"].append(statistics.fmean((t - r["wall"]) / t for r in step))
+    stages = range(p * vpp)
+
+    def stage_median(kind: str, s: int) -> float:
+        return statistics.median(x for step in row["steps"] for r in step for x in r[kind].get(str(s), []))
+
+    f = [stage_median("fwd", s) for s in stages]
+    b = [stage_median("bwd", s) for s in stages]
+    fb = [x + y for x, y in zip(f, b)]
+    fwd_all = statistics.median(x for step in row["steps"] for r in step for v in r["fwd"].values() for x in v)
+    bwd_all = statistics.median(x for step in row["steps"] for r in step for v in r["bwd"].values() for x in v)
     fwd_cpu = statistics.median(x for step in row["steps"] for r in step for x in r["fwd_cpu"])
-    name = row["schedule"]
-    sim = simulate(p, m, vpp, name, forward_time=fwd * vpp, backward_time=bwd * vpp,
-                   p2p_time=row["p2p_s"]).mean_bubble
     rank_med = [statistics.median(pr[rk] for pr in per_rank) for rk in range(p)]
-    return dict(p=p, m=m, vpp=vpp, schedule=name, theory=theoretical_bubble(p, m, vpp), sim=sim,
-                measured=statistics.median(bub), cpu=statistics.median(bub_cpu), rank_min=min(rank_med),
-                rank_max=max(rank_med), step_ms=1e3 * statistics.median(makespans), fwd_ms=1e3 * fwd,
-                bwd_ms=1e3 * bwd, fwd_cpu_ms=1e3 * fwd_cpu, recv=statistics.median(recv_share),
-                p2p_ms=1e3 * row["p2p_s"])
+    return dict(p=p, m=m, vpp=vpp, schedule=name, theory=theoretical_bubble(p, m, vpp),
+                sim_uniform=simulate(p, m, vpp, name, forward_time=fwd_all * vpp, backward_time=bwd_all * vpp,
+                                     p2p_time=row["p2p_s"]).mean_bubble,
+                sim_stages=simulate_stages(p, m, vpp, name, f, b, row["p2p_s"]),
+                imbalance=max(fb) / statistics.fmean(fb),
+                measured=statistics.fmean(rank_med), rank_min=min(rank_med), rank_max=max(rank_med),
+                cpu=statistics.fmean(statistics.median(pr[rk] for pr in cpu_rank) for rk in range(p)),
+                **{k: statistics.median(v) for k, v in shares.items()},
+                step_ms=1e3 * statistics.median(makespans), fwd_ms=1e3 * fwd_all, bwd_ms=1e3 * bwd_all,
+                contention=fwd_all / fwd_cpu, p2p_ms=1e3 * row["p2p_s"])
 
 
 def bubble_table(rows: list[dict]) -> str:
-    header = ["p", "m", "schedule", "theory", "sim (measured F/B/p2p)", "measured bubble", "per-rank range",
-              "CPU-busy bubble", "recv-wait share", "step ms", "F ms/chunk", "B ms/chunk", "F CPU ms/chunk",
-              "p2p ms"]
+    header = ["p", "m", "schedule", "theory", "sim: uniform stages", "sim: measured stages", "measured bubble",
+              "per-rank range", "= recv wait", "+ send", "+ outside tasks", "+ done early", "CPU-busy bubble",
+              "stage F+B max/mean", "step ms", "F ms/chunk", "B ms/chunk", "F wall/CPU", "p2p ms"]
     out = []
     for s in rows:
         sched = "1F1B" if s["vpp"] == 1 else f"interleaved vpp={s['vpp']}"
-        out.append([str(s["p"]), str(s["m"]), sched, f"{s['theory']:.3f}", f"{s['sim']:.3f}", f"{s['measured']:.3f}",
-                    f"{s['rank_min']:.3f}-{s['rank_max']:.3f}", f"{s['cpu']:.3f}", f"{s['recv']:.3f}",
-                    f"{s['step_ms']:.0f}", f"{s['fwd_ms']:.1f}", f"{s['bwd_ms']:.1f}", f"{s['fwd_cpu_ms']:.1f}",
-                    f"{s['p2p_ms']:.2f}"])
+        out.append([str(s["p"]), str(s["m"]), sched, f"{s['theory']:.3f}", f"{s['sim_uniform']:.3f}",
+                    f"{s['sim_stages']:.3f}", f"**{s['measured']:.3f}**", f"{s['rank_min']:.3f}-{s['rank_max']:.3f}",
+                    f"{s['recv']:.3f}", f"{s['send']:.3f}", f"{s['other']:.3f}", f"{s['early']:.3f}", f"{s['cpu']:.3f}",
+                    f"{s['imbalance']:.3f}", f"{s['step_ms']:.0f}", f"{s['fwd_ms']:.1f}", f"{s['bwd_ms']:.1f}",
+                    f"{s['contention']:.2f}", f"{s['p2p_ms']:.2f}"])
     return markdown_table(header, out)
 
 
 # ------------------------------------------------------------------------------- stage balance
-def _time_stage(stage, config: LlamaConfig, ids: torch.Tensor, seq: int, iters: int) -> float:
-    """Median seconds of one forward + backward of ``stage`` on one micro-batch."""
-    gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(ids.shape[0], seq, config.hidden_size, generator=gen)
-    grad = torch.randn(ids.shape[0], seq, config.hidden_size, generator=gen)
-    samples = []
-    for i in range(iters + 1):
-        stage.zero_grad(set_to_none=True)
-        x = ids if stage.first else hidden.clone().requires_grad_()
-        t0 = time.perf_counter()
-        out = stage(x, seq, labels=ids if stage.last else None)
-        if stage.last:
-            out.backward()
-        else:
-            out.backward(grad)
-        if i:
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+def _stage_step(stage, config: LlamaConfig, ids: torch.Tensor, seq: int, hidden: torch.Tensor,
+                grad: torch.Tensor) -> float:
+    """Seconds of one forward + backward of ``stage`` on one micro-batch."""
+    stage.zero_grad(set_to_none=True)
+    x = ids if stage.first else hidden.clone().requires_grad_()
+    t0 = time.perf_counter()
+    out = stage(x, seq, labels=ids if stage.last else None)
+    if stage.last:
+        out.backward()
+    else:
+        out.backward(grad)
+    return time.perf_counter() - t0
 
 
 def balance(args: argparse.Namespace) -> str:
@@ -275,20 +333,30 @@ def balance(args: argparse.Namespace) -> str:
     unit_s = dict(zip((u.name for u in units),
                       measure_unit_times(full, units, (ids, ids), warmup=1, iters=args.bal_iters)))
     del full
-    rows = []
+    splits = []  # (label, partition, [stage per global stage])
     for method, cost in (("balanced", "flops"), ("balanced", "params"), ("even", "flops")):
         part = plan_partition(config, n, seq, method=method, cost=cost)
         layers = part.stage_layers()
-        times = []
-        for s in range(n):
-            mesh = ParallelMesh(n, s, pp=n, create_groups=False)
-            (stage,) = build_llama_stages(config, mesh, layers, seed=0)
-            times.append(_time_stage(stage.train(), config, ids, seq, args.bal_iters))
-            del stage
+        stages = [build_llama_stages(config, ParallelMesh(n, s, pp=n, create_groups=False), layers, seed=0)[0].train()
+                  for s in range(n)]
+        label = f"{method} ({cost})" if method == "balanced" else "even (by layer count)"
+        splits.append((label, part, stages))
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(ids.shape[0], seq, config.hidden_size, generator=gen)
+    grad = torch.randn(ids.shape[0], seq, config.hidden_size, generator=gen)
+    samples = {(i, s): [] for i in range(len(splits)) for s in range(n)}
+    for it in range(args.bal_iters + 1):  # every stage of every split once per round; round 0 is warm-up
+        for i, (_, _, stages) in enumerate(splits):
+            for s, stage in enumerate(stages):
+                t = _stage_step(stage, config, ids, seq, hidden, grad)
+                if it:
+                    samples[i, s].append(t)
+    rows = []
+    for i, (label, part, _) in enumerate(splits):
+        times = [statistics.median(samples[i, s]) for s in range(n)]
         unit_sum = [sum(unit_s[name] for name in names) for names in part.stages]
         fcost = plan_partition(config, n, seq, method="manual", cost="flops", cuts=part.cuts()).costs
-        label = f"{method} ({cost})" if method == "balanced" else "even (by layer count)"
-        rows.append([label, " / ".join(str(len(x)) for x in layers),
+        rows.append([label, " / ".join(str(len(x)) for x in part.stage_layers()),
                      f"{max(fcost) / statistics.fmean(fcost):.3f}",
                      " / ".join(f"{1e3 * t:.1f}" for t in times), f"{max(times) / statistics.fmean(times):.3f}",
                      f"{1e3 * max(times):.1f}",
@@ -297,7 +365,7 @@ def balance(args: argparse.Namespace) -> str:
     desc = (f"model: vocab {config.vocab_size}, hidden {config.hidden_size}, intermediate "
             f"{config.intermediate_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
             f"{config.num_key_value_heads} kv heads, untied; micro-batch {args.micro_batch_size} x {seq}; "
-            f"{n} stages; medians of {args.bal_iters} runs, 1 thread")
+            f"{n} stages; medians of {args.bal_iters} runs (all stages of all splits interleaved), 1 thread")
     header = ["split", "blocks per stage", "FLOP-cost max/mean", "measured stage F+B ms", "measured max/mean",
               "slowest stage ms", "measure_unit_times sum ms (no loss)", "unit-sum max/mean"]
     return desc + "\n\n" + markdown_table(header, rows)
