@@ -35,7 +35,6 @@ Run (from the repository root, venv active)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import socket
@@ -191,8 +190,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
             dist.all_reduce(stats)  # sum: CPU time of both ranks
             result.add(tokens, args.steps, slowest[0].item(), stats[1].item())
         log(f"round {r + 1}/{args.rounds}: "
-            + "  ".join(f"{n} {1e3 * m * mbs * seq / res.tokens_per_s[-1]:.0f} ms/step" for n, (_, res) in runs.items()),
-            flush=True)
+            + "  ".join(f"{n} {1e3 * m * mbs * seq / res.tokens_per_s[-1]:.0f} ms/step"
+                        for n, (_, res) in runs.items()), flush=True)
 
     final = {n: _last_stage_loss(step()) for n, (step, _) in runs.items()}
     log(f"loss after {args.warmup + args.rounds * args.steps + 1} steps: plait PP {final['plait']:.6f}  "

@@ -7,8 +7,10 @@ dependencies (the schedules are checked by a simulator with exactly these semant
 
 Shapes and dtypes of the tensors that cross stages are fixed once, at construction, from the
 micro-batch shape: ``[micro_batch, seq_len / tp (sequence parallel) or seq_len, hidden]``.
-An activation is dropped as soon as its backward has run; a sent activation's buffer is kept only
-until its send completes.
+An activation is dropped as soon as its backward has run. A sent activation's buffer is released
+when the matching gradient comes back (the send is then known to be complete; gloo reports a send
+complete only once it is waited on), so at most the schedule's in-flight microbatches are held.
+Sent input gradients are still kept until the end of the step.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class PipelineRuntime:
         state: dict[tuple[int, int], _InFlight] = {}
         received: dict[tuple[int, int], torch.Tensor] = {}
         pending: list = []
+        act_sends: dict[tuple[int, int], tuple] = {}
         tasks = self.tasks if train else self._forward_only_tasks()
         for task in tasks:
             if isinstance(task, T.ReduceGradients):
@@ -115,14 +118,19 @@ class PipelineRuntime:
                 out = state[key].output.detach()
                 if not train:
                     state.pop(key)
-                pending.append(dist.isend(out.contiguous(), dst=self._peer(stage_id + 1), group=self.pp_group,
-                                          tag=self._tag(0, task.microbatch, stage_id + 1)))
-                pending.append(out)
+                work = dist.isend(out.contiguous(), dst=self._peer(stage_id + 1), group=self.pp_group,
+                                  tag=self._tag(0, task.microbatch, stage_id + 1))
+                act_sends[key] = (work, out)
             elif isinstance(task, T.RecvGradient):
                 buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
                 dist.recv(buf, src=self._peer(stage_id + 1), group=self.pp_group,
                           tag=self._tag(1, task.microbatch, stage_id))
                 state[key].output_grad = buf
+                # The gradient exists only because the next stage received this activation, so the
+                # send is complete: wait (returns at once) and release the sent buffer now.
+                sent = act_sends.pop(key, None)
+                if sent is not None:
+                    sent[0].wait()
             elif isinstance(task, T.Backward):
                 st = state[key]
                 if self.stages[task.chunk].last:
@@ -138,6 +146,8 @@ class PipelineRuntime:
                 pending.append(dist.isend(grad, dst=self._peer(stage_id - 1), group=self.pp_group,
                                           tag=self._tag(1, task.microbatch, stage_id - 1)))
                 pending.append(grad)
+        for work, _ in act_sends.values():  # evaluation (no gradients come back) and the last sends
+            work.wait()
         for work in pending:
             if hasattr(work, "wait"):
                 work.wait()
