@@ -7,12 +7,18 @@ by being run as ``python bench/<script>.py``).
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import socket
+import sys
+import traceback
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.models.llama.config import LlamaConfig
@@ -160,3 +166,33 @@ def describe(config: LlamaConfig, args: argparse.Namespace) -> str:
             f"batch {args.batch} x seq {args.seq} = {args.batch * args.seq} tokens/step; "
             f"{args.rounds} rounds x {args.steps} timed steps after {args.warmup} warm-up steps; "
             f"torch {torch.__version__}")
+
+
+def gloo_rank_entry(rank: int, world: int, port: int | None, fn: Callable, fn_args: tuple) -> None:
+    """Process entry shared by the multi-rank benchmarks: one thread, gloo init, ``fn(rank, world,
+    *fn_args)``, then ``destroy_process_group`` and ``os._exit`` (gloo can abort at interpreter exit).
+    ``port=None`` means the launcher (torchrun) already set MASTER_ADDR/MASTER_PORT."""
+    torch.set_num_threads(1)
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        fn(rank, world, *fn_args)
+    except BaseException:  # noqa: BLE001 - reported, then the process exits non-zero
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

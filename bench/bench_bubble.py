@@ -50,15 +50,12 @@ Run (from the repository root, venv active)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -66,7 +63,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import markdown_table, random_batch  # noqa: E402
+from _common import free_port, gloo_rank_entry, markdown_table, random_batch  # noqa: E402
 
 from plait.materialize import build_llama, build_llama_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
@@ -372,32 +369,6 @@ def balance(args: argparse.Namespace) -> str:
 
 
 # ------------------------------------------------------------------------------- processes
-def _entry(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    code = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        bubble_worker(rank, world, args, out_path)
-    except BaseException:  # noqa: BLE001 - reported, then the process exits non-zero
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for key, value in DEFAULTS.items():
@@ -429,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for p in (int(x) for x in args.pps.split(",")):
                 out_path = os.path.join(tmp, f"p{p}.json")
-                ctx = mp.start_processes(_entry, args=(p, _free_port(), args, out_path), nprocs=p, join=False,
+                ctx = mp.start_processes(gloo_rank_entry, args=(p, free_port(), bubble_worker, (args, out_path)), nprocs=p, join=False,
                                          start_method="spawn")
                 try:
                     while not ctx.join():

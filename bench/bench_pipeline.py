@@ -35,12 +35,9 @@ Run (from the repository root, venv active)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
-import traceback
 from typing import Callable
 
 import torch
@@ -51,6 +48,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
+    free_port,
+    gloo_rank_entry,
     Result,
     adamw,
     add_model_args,
@@ -202,34 +201,6 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                                                                   m * mbs * seq)]), flush=True)
 
 
-def _entry(rank: int, world: int, port: int | None, args: argparse.Namespace) -> None:
-    """Process entry: one thread, gloo init, worker, then ``destroy_process_group`` and ``os._exit``."""
-    torch.set_num_threads(1)
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    code = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        worker(rank, world, args)
-    except BaseException:  # noqa: BLE001 - reported, then the process exits non-zero
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
@@ -257,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         world = int(os.environ["WORLD_SIZE"])
         if world != PP:
             raise SystemExit(f"run with exactly {PP} ranks (got WORLD_SIZE={world})")
-        _entry(int(os.environ["RANK"]), world, None, args)
-    ctx = mp.start_processes(_entry, args=(PP, _free_port(), args), nprocs=PP, join=False, start_method="spawn")
+        gloo_rank_entry(int(os.environ["RANK"]), world, None, worker, (args,))
+    ctx = mp.start_processes(gloo_rank_entry, args=(PP, free_port(), worker, (args,)), nprocs=PP, join=False, start_method="spawn")
     try:
         while not ctx.join():
             pass

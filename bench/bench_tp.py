@@ -43,11 +43,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
-import socket
 import sys
-import traceback
 from typing import Callable
 
 import torch
@@ -58,6 +55,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
+    free_port,
+    gloo_rank_entry,
     Result,
     adamw,
     add_model_args,
@@ -196,34 +195,6 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                        [["fp32"] + comparison_row(plait_res, dt_res, args.batch * args.seq)]), flush=True)
 
 
-def _entry(rank: int, world: int, port: int | None, args: argparse.Namespace) -> None:
-    """Process entry: one thread, gloo init, worker, then ``destroy_process_group`` and ``os._exit``."""
-    torch.set_num_threads(1)
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    code = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        worker(rank, world, args)
-    except BaseException:  # noqa: BLE001 - reported, then the process exits non-zero
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
@@ -232,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         world = int(os.environ["WORLD_SIZE"])
         if world != TP:
             raise SystemExit(f"run with exactly {TP} ranks (got WORLD_SIZE={world})")
-        _entry(int(os.environ["RANK"]), world, None, args)
-    ctx = mp.start_processes(_entry, args=(TP, _free_port(), args), nprocs=TP, join=False, start_method="spawn")
+        gloo_rank_entry(int(os.environ["RANK"]), world, None, worker, (args,))
+    ctx = mp.start_processes(gloo_rank_entry, args=(TP, free_port(), worker, (args,)), nprocs=TP, join=False, start_method="spawn")
     try:
         while not ctx.join():
             pass
