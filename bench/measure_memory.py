@@ -4,7 +4,7 @@ What is measured: for each layout and precision preset, ``world`` spawned gloo r
 (one intra-op thread each) build the model exactly as the trainer does
 (:func:`plait.materialize.build_llama`, or :func:`~plait.materialize.build_llama_stages` driven by
 :class:`~plait.pipeline.runtime.PipelineRuntime` with the balanced FLOP split), build the fused
-AdamW (:func:`plait.train.optim.build_adamw`) and run ``--steps`` optimizer steps with
+AdamW (:class:`plait.data_parallel.optimizer.DistributedOptimizer`) and run ``--steps`` optimizer steps with
 :func:`plait.train.step.train_step` / :func:`~plait.train.step.pipeline_train_step` on random
 tokens. A rank's measured peak is its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) at the end
 minus its RSS just before the model is built (the bare runtime: interpreter, torch, gloo groups).
@@ -92,8 +92,9 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     from plait.pipeline.layout import plan_partition
     from plait.pipeline.runtime import PipelineRuntime
     from plait.plan.layout import Layout
-    from plait.train.optim import build_adamw
-    from plait.train.step import autocast_context, pipeline_train_step, train_step
+    from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+    from plait.train.precision import policy_for
+    from plait.train.step import pipeline_train_step, train_step
 
     config = LlamaConfig(**model_kw)
     kv = kv_replication_for(config, layout_kw.get("tp", 1))
@@ -104,6 +105,7 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     batches = [torch.randint(0, config.vocab_size, (microbatches, micro_batch_size, seq_len), generator=gen)
                for _ in range(steps)]
     device = torch.device("cpu")
+    policy = policy_for(precision)
     dist.barrier()
     before = rss_bytes()
     peak_before = peak_rss_bytes()
@@ -113,18 +115,23 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
         stages = build_llama_stages(config, mesh, split, device=device, sequence_parallel=sp)
         runtime = PipelineRuntime(stages, mesh, schedule=layout.schedule, microbatches=microbatches,
                                   micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                  hidden_size=config.hidden_size, sequence_parallel=sp, dtype=torch.float32,
-                                  precision_context=lambda: autocast_context(precision, device))
+                                  hidden_size=config.hidden_size, sequence_parallel=sp, dtype=policy.param_dtype,
+                                  precision_context=lambda: policy.compute_context(device))
         model = torch.nn.ModuleList(stages)
     else:
         model = build_llama(config, mesh, device=device, sequence_parallel=sp)
-    optimizer = build_adamw(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    modules = stages if layout.pp > 1 else [model]
+    optimizer = DistributedOptimizer(modules, policy, OptimizerHyper(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                                                                     eps=1e-8),
+                                     dp=mesh.info("dp"), tp=mesh.info("tp"), pp=mesh.info("pp"),
+                                     tied=mesh.info("tied") if layout.pp > 1 else None, zero=layout.zero1)
+    if layout.pp > 1:
+        runtime.before_last_backward = lambda chunk: optimizer.grads.mark_final([stages[chunk]])
     for batch in batches:
         if layout.pp > 1:
-            loss, _ = pipeline_train_step(stages, runtime, optimizer, batch, mesh=mesh, grad_clip=1.0)
+            loss, _ = pipeline_train_step(runtime, optimizer, batch, grad_clip=1.0)
         else:
-            loss, _ = train_step(model, optimizer, batch, tp=mesh.info("tp"), dp=mesh.info("dp"), grad_clip=1.0,
-                                 precision=precision)
+            loss, _ = train_step(model, optimizer, batch, grad_clip=1.0, policy=policy)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
     return {"rank": rank, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,

@@ -12,10 +12,8 @@ learning rate, which a per-element relative measure would report as noise.
 from __future__ import annotations
 
 import pytest
-import torch
-import yaml
 
-from distributed import run_distributed
+from trainer_runs import corpus_dir, max_relative, merged_weights, run_recipe, weight_errors
 
 STEPS = 20
 BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
@@ -27,41 +25,7 @@ BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attent
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from plait.data.corpora import shakespeare_files
-
-    d = tmp_path_factory.mktemp("corpus")
-    for f in shakespeare_files()[:2]:
-        (d / f.name).write_text(f.read_text(encoding="latin-1")[:60000], encoding="utf-8")
-    return d
-
-
-def _train_worker(rank, world, recipe_yaml, prepared):
-    from plait.config import validate_recipe
-    from plait.parallel_state import full_state_dict
-    from plait.train.trainer import Trainer
-
-    torch.manual_seed(0)
-    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    batches, losses = iter(trainer.loader), []
-    for _ in range(STEPS):
-        trainer.run_step(next(batches))
-        losses.append(trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)["loss"])
-    trainer.loader.close()
-    modules = trainer.stages if trainer.pipeline is not None else [trainer.model]
-    weights = {}
-    for module in modules:
-        weights.update(full_state_dict(module, trainer.tp))
-    return losses, weights
-
-
-def _run(corpus, tmp_path, overrides, world):
-    from plait.config import load_recipe, recipe_data
-    from plait.config.load import DEFAULT_RECIPE
-    from plait.train.entry import prepare_data
-
-    items = BASE + [f"data.source={corpus}", f"run.output_dir={tmp_path}"] + overrides
-    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
-    return run_distributed(_train_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared)
+    return corpus_dir(tmp_path_factory)
 
 
 LAYOUTS = {
@@ -94,15 +58,12 @@ def test_pipeline_matches_single_process(corpus, tmp_path, name):
     if "model.tie_word_embeddings=true" not in overrides:
         single.append("model.tie_word_embeddings=false")
         overrides = overrides + ["model.tie_word_embeddings=false"]
-    ref_losses, ref_weights = _run(corpus, tmp_path / "ref", single, 1)[0]
+    ref = run_recipe(corpus, tmp_path / "ref", BASE + single, 1, STEPS)[0]
+    ref_losses = ref["losses"]
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference must learn for the comparison to mean anything"
-    results = _run(corpus, tmp_path / "pp", overrides, world)
-    merged = {}
-    for rank, (losses, weights) in enumerate(results):
-        rel = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
-        assert rel <= 1e-5, f"rank {rank}: relative loss difference {rel:.2e}\n{losses}\n{ref_losses}"
-        merged.update(weights)
-    assert set(merged) == set(ref_weights), set(merged) ^ set(ref_weights)
-    for key, ref in ref_weights.items():
-        err = ((merged[key] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+    results = run_recipe(corpus, tmp_path / "pp", BASE + overrides, world, STEPS)
+    for rank, r in enumerate(results):
+        rel = max_relative(r["losses"], ref_losses)
+        assert rel <= 1e-5, f"rank {rank}: relative loss difference {rel:.2e}\n{r['losses']}\n{ref_losses}"
+    for key, err in weight_errors(merged_weights(results), ref["weights"]).items():
         assert err <= WEIGHT_TOL.get(name, 1e-5), f"{key}: relative weight difference {err:.2e}"

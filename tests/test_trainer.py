@@ -139,7 +139,7 @@ def _losses_worker(rank, world, recipe_yaml, prepared, steps):
     return losses
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2xdp2-microbatches2"])
+@pytest.mark.parametrize("layout", ["tp2xdp2-microbatches2"])
 def test_trainer_layouts_follow_single_process(corpus, tmp_path, layout):
     """Same global batch of 8 sequences: one process vs DP=2 (and TP=2 x DP=2 with 2 microbatches)."""
     import yaml

@@ -62,6 +62,9 @@ class ModelSection(Section):
                                                                   "(rope_type 'default' or 'llama3'); null = none")
     attention_bias: Bool = Field(False, description="Biases on the q/k/v/o projections")
     tie_word_embeddings: Bool = Field(True, description="Share the input embedding with the output head")
+    attention_dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the attention probabilities")
+    hidden_dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the attention and MLP outputs before "
+                                                               "each residual add")
     initializer_range: Float = Field(0.02, gt=0, description="Standard deviation of the initial weights")
 
     def arch_values(self) -> dict[str, Any]:
@@ -76,6 +79,7 @@ class ModelSection(Section):
         ``config.json`` and ``vocab_size`` may not exceed the checkpoint's. ``extra`` goes to
         :class:`LlamaConfig` (``bos_token_id``, ``eos_token_id``, ...).
         """
+        extra = {"attention_dropout": self.attention_dropout, "hidden_dropout": self.hidden_dropout, **extra}
         if self.hf_path is not None:
             config = read_hf_config(self.hf_path)
             if vocab_size is not None and vocab_size > config.vocab_size:
@@ -120,7 +124,12 @@ class ParallelSection(Section):
                                                                "null = the smallest that needs no padding")
     kv_placement: Literal["interleaved", "adjacent"] = Field(
         "interleaved", description="Placement of K/V replicas in the TP group: 'interleaved' or 'adjacent'")
-    zero1: Bool = Field(False, description="Shard optimizer state over DP (ZeRO-1; not available with dp > 1 yet)")
+    zero1: Bool = Field(False, description="Shard optimizer state and master weights over DP (ZeRO-1); "
+                                           "no effect (a warning) with dp=1")
+    bucket_mb: Float = Field(25.0, gt=0, description="Size cap of a gradient bucket in MB; each bucket's data-parallel "
+                                                     "reduction starts as soon as its last gradient is ready")
+    overlap_grad_reduce: Bool = Field(True, description="Start each bucket's data-parallel reduction during backward "
+                                                        "(false: all after backward, for comparison)")
     microbatches: Int = Field(1, ge=1, description="Micro-batches per step (gradient accumulation; "
                                                    "pipeline micro-batches when pp > 1)")
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
@@ -133,10 +142,28 @@ class ParallelSection(Section):
         None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)")
 
 
+DtypeName = Literal["fp32", "bf16"]
+
+
 class PrecisionSection(Section):
-    preset: Literal["fp32", "bf16-mixed", "bf16-pure", "autocast"] = Field(
-        "fp32", description="Numeric precision: 'fp32', 'autocast' (fp32 weights, bf16 autocast); "
-                            "'bf16-mixed' and 'bf16-pure' are not available yet")
+    preset: Literal["fp32", "autocast", "bf16-mixed", "bf16-pure", "manual"] = Field(
+        "fp32", description="Numeric precision bundle: 'fp32'; 'autocast' (fp32 weights, bf16 autocast compute); "
+                            "'bf16-mixed' (bf16 weights and compute, fp32 master weights, gradients and optimizer "
+                            "state); 'bf16-pure' (everything bf16, stochastic rounding of the update); 'manual' "
+                            "(the knobs below, starting from fp32). See docs/precision.md")
+    param_dtype: DtypeName | None = Field(None, description="manual only: dtype of the model weights (and compute)")
+    autocast: Bool | None = Field(None, description="manual only: run forward under bf16 autocast")
+    master_weights: Bool | None = Field(None, description="manual only: keep fp32 master weights for the optimizer")
+    grad_dtype: DtypeName | None = Field(None, description="manual only: dtype of gradient accumulation and "
+                                                           "data-parallel reduction")
+    stochastic_rounding: Bool | None = Field(None, description="manual only: round bf16 weight updates "
+                                                               "stochastically (needs bf16 weights, no master)")
+
+    def knobs(self) -> dict[str, Any]:
+        """The manual knobs as set in the recipe (``None`` = not set)."""
+        from plait.train.precision import KNOBS
+
+        return {k: getattr(self, k) for k in KNOBS}
 
 
 class OptimizerSection(Section):
@@ -181,6 +208,11 @@ class TrainSection(Section):
     log_every: Int = Field(10, ge=1, description="Log metrics every this many steps (and at the end)")
     sample_prompt: str = Field("ROMEO:", description="Prompt of the text sample generated at the end")
     sample_tokens: Int = Field(48, ge=0, description="Tokens generated for the final sample; 0 = no sample text")
+    activation_checkpointing: Literal["off", "full", "selective"] = Field(
+        "off", description="Recompute activations in backward: 'off', 'full' (every decoder block) or 'selective' "
+                           "(the block submodules in train.checkpoint_modules)")
+    checkpoint_modules: list[str] = Field(default_factory=list, description="With selective checkpointing: "
+                                          "submodule names inside a decoder block, e.g. ['self_attn', 'mlp']")
 
 
 class CheckpointSection(Section):

@@ -21,7 +21,6 @@ from pydantic import ValidationError
 from plait.config.schema import ARCH_FIELDS, SECTIONS, Recipe, read_hf_config
 from plait.models.llama.config import LlamaConfig, ModelConfigError
 
-NOT_AVAILABLE = "is not available in this version"
 
 
 @dataclass(frozen=True)
@@ -364,17 +363,53 @@ def _check_pipeline(c: _Checker, arch: LlamaConfig | None) -> None:
                   p.pipeline_cuts or p.partition, str(e))
 
 
-def _check_unavailable(c: _Checker, dp: int | None) -> None:
+def _check_zero_and_precision(c: _Checker, dp: int | None) -> None:
+    from plait.train.precision import KNOBS, knob_problems, knob_values
+
     r = c.r
-    if c.ok("parallel.zero1") and r.parallel.zero1 and dp is not None:
-        if dp > 1:
-            c.add("parallel.zero1", True, f"ZeRO-1 optimizer-state sharding {NOT_AVAILABLE} (dp={dp}); "
-                                          f"use zero1=false")
-        else:
-            c.warnings.append("parallel.zero1: true — has no effect with dp=1 (nothing to shard over)")
-    if c.ok("precision.preset") and r.precision.preset in ("bf16-mixed", "bf16-pure"):
-        c.add("precision.preset", r.precision.preset,
-              f"the {r.precision.preset} preset {NOT_AVAILABLE}; use 'fp32' or 'autocast'")
+    if c.ok("parallel.zero1") and r.parallel.zero1 and dp == 1:
+        c.warnings.append("parallel.zero1: true — has no effect with dp=1 (nothing to shard over); training unsharded")
+    if not c.ok("precision"):
+        return
+    pr = r.precision
+    knobs = pr.knobs()
+    if pr.preset != "manual":
+        fixed = knob_values(pr.preset)
+        for name in KNOBS:
+            if knobs[name] is not None:
+                c.add(f"precision.{name}", knobs[name],
+                      f"is a knob of precision.preset 'manual'; the {pr.preset!r} preset fixes it to "
+                      f"{format_value(fixed[name])} (remove it, or use preset: manual)")
+        return
+    for name, message in knob_problems(knob_values("manual", knobs)):
+        c.add(f"precision.{name}", knobs[name], message)
+
+
+def _check_activation_checkpointing(c: _Checker, arch: LlamaConfig | None) -> None:
+    t = c.r.train
+    if not c.ok("train.activation_checkpointing", "train.checkpoint_modules"):
+        return
+    if t.activation_checkpointing != "selective":
+        if t.checkpoint_modules:
+            c.add("train.checkpoint_modules", t.checkpoint_modules,
+                  f"is used only with train.activation_checkpointing 'selective' (it is "
+                  f"{t.activation_checkpointing!r}); remove it or set selective")
+        return
+    if not t.checkpoint_modules:
+        c.add("train.checkpoint_modules", [], "selective checkpointing needs at least one block submodule name, "
+                                              "e.g. ['self_attn'] or ['mlp']")
+        return
+    if arch is None:
+        return
+    from plait.activation_checkpointing import checkpointable_names
+
+    valid = checkpointable_names(arch)
+    for name in t.checkpoint_modules:
+        if name not in valid:
+            hint = _suggest(name, valid)
+            c.add("train.checkpoint_modules", name, f"is not a submodule of a decoder block"
+                                                    f"{f' (did you mean {hint!r}?)' if hint else ''}; valid: "
+                                                    f"{', '.join(valid)}")
 
 
 def _check_paths(c: _Checker) -> None:
@@ -430,7 +465,8 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_batch(c, dp)
     _check_schedule(c)
     _check_pipeline(c, arch)
-    _check_unavailable(c, dp)
+    _check_zero_and_precision(c, dp)
+    _check_activation_checkpointing(c, arch)
     _check_paths(c)
     _check_data(c, check_paths)
     return c.problems, c.warnings, arch

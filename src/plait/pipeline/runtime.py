@@ -16,6 +16,7 @@ Sent input gradients are still kept until the end of the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,10 @@ class PipelineRuntime:
         self.seq_len, self.dtype = seq_len, dtype
         self.device = next(stages[0].parameters()).device
         self.precision_context = precision_context
+        #: called with a chunk index just before that chunk's last backward of the step (the
+        #: optimizer then lets the data-parallel reduction of the chunk's buckets start)
+        self.before_last_backward: Callable[[int], None] | None = None
+        self._last_backward = {t.chunk: i for i, t in enumerate(self.tasks) if isinstance(t, T.Backward)}
 
     # ------------------------------------------------------------------ topology
     def _global_stage(self, chunk: int) -> int:
@@ -93,7 +98,7 @@ class PipelineRuntime:
         pending: list = []
         act_sends: dict[tuple[int, int], tuple] = {}
         tasks = self.tasks if train else self._forward_only_tasks()
-        for task in tasks:
+        for index, task in enumerate(tasks):
             if isinstance(task, T.ReduceGradients):
                 continue
             key = (task.microbatch, task.chunk)
@@ -133,6 +138,8 @@ class PipelineRuntime:
                     sent[0].wait()
             elif isinstance(task, T.Backward):
                 st = state[key]
+                if self.before_last_backward is not None and self._last_backward[task.chunk] == index:
+                    self.before_last_backward(task.chunk)
                 if self.stages[task.chunk].last:
                     st.output.backward()
                 else:

@@ -1,63 +1,53 @@
-"""One optimizer step: microbatches with gradient accumulation, DP averaging, clipping, update.
+"""One optimizer step: microbatches with gradient accumulation, DP reduction, clipping, update.
 
-No host synchronisation happens here: the loss and the gradient norm are returned as device
-tensors.
+Gradients accumulate in the optimizer's flat buffer; the data-parallel reduction of each bucket
+starts during the last microbatch's backward (under pipeline parallelism, during each stage's
+last backward) and is awaited before the norm. No host synchronisation happens here: the loss
+and the gradient norm are returned as device tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-from plait.comm.primitives import GroupInfo
-from plait.train.dp_sync import average_gradients
-from plait.train.grad_norm import clip_by_norm_, global_grad_norm
+from plait.data_parallel.optimizer import DistributedOptimizer
+from plait.train.precision import PrecisionPolicy
 
 
-def autocast_context(preset: str, device: torch.device):
-    if preset == "autocast":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def finish_step(optimizer: DistributedOptimizer, grad_clip: float) -> torch.Tensor:
+    """Wait for the reductions, take the global norm, clip, update. Returns the pre-clip norm."""
+    optimizer.grads.finish()
+    norm = optimizer.grad_norm()
+    optimizer.clip_(norm, grad_clip)
+    optimizer.step()
+    return norm
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, *,
-               tp: GroupInfo, dp: GroupInfo, grad_clip: float, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(model: nn.Module, optimizer: DistributedOptimizer, batch: torch.Tensor, *, grad_clip: float,
+               policy: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch``: ``[microbatches, micro_batch, seq]``. Returns (mean loss, pre-clip grad norm)."""
-    device = next(model.parameters()).device
+    device = optimizer.param_data.device
     microbatches = batch.shape[0]
     total = torch.zeros((), device=device)
     for mb in range(microbatches):
         ids = batch[mb].to(device, non_blocking=True)
-        with autocast_context(precision, device):
+        if mb == microbatches - 1:
+            optimizer.grads.mark_final()
+        with policy.compute_context(device):
             loss = model(ids, ids)
         (loss / microbatches).backward()
         total += loss.detach().float()
-    average_gradients(model, dp)
-    norm = global_grad_norm(model, tp)
-    if grad_clip > 0:
-        clip_by_norm_(model, norm, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total / microbatches, norm
+    return total / microbatches, finish_step(optimizer, grad_clip)
 
 
-def pipeline_train_step(stages: list[nn.Module], runtime, optimizer: torch.optim.Optimizer, batch: torch.Tensor, *,
-                        mesh, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def pipeline_train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor, *,
+                        grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One step under pipeline parallelism: the schedule, then the same reductions as ``train_step``.
 
-    Returns (loss, grad norm) as device tensors; the loss is non-zero on the last stage only.
+    The runtime calls ``optimizer.grads.mark_final`` before each stage's last backward (see
+    :meth:`Trainer <plait.train.trainer.Trainer>` wiring). Returns (loss, grad norm) as device
+    tensors; the loss is non-zero on the last stage only.
     """
-    from plait.pipeline.tied import sync_tied_gradients
-
     loss = runtime.run(batch, train=True)
-    for stage in stages:
-        average_gradients(stage, mesh.info("dp"))
-    sync_tied_gradients(stages, mesh)
-    norm = global_grad_norm(stages, mesh.info("tp"), mesh.info("pp"))
-    if grad_clip > 0:
-        clip_by_norm_(stages, norm, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss, norm
+    return loss, finish_step(optimizer, grad_clip)

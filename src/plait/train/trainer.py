@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from plait.mesh import ParallelMesh
-from plait.train.optim import build_adamw
 from plait.train.running_metrics import RunningMetrics
 from plait.train.schedules import build_scheduler
-from plait.train.step import autocast_context, pipeline_train_step, train_step
+from plait.train.precision import PrecisionPolicy, policy_for
+from plait.train.step import pipeline_train_step, train_step
 
 
 def build_mesh(resolved, rank: int, world: int) -> ParallelMesh:
@@ -46,7 +46,7 @@ def build_model(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.dev
 
 
 @torch.no_grad()
-def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, precision: str) -> float:
+def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, policy: PrecisionPolicy) -> float:
     """Mean validation loss over the first ``batches`` batches, split over DP ranks."""
     device = next(model.parameters()).device
     n = min(len(dataset), batches * micro_batch_size * dp.size)
@@ -54,7 +54,7 @@ def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, precisi
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(0, len(idx), micro_batch_size):
         ids = torch.stack([dataset[j] for j in idx[i:i + micro_batch_size]]).to(device)
-        with autocast_context(precision, device):
+        with policy.compute_context(device):
             loss = model(ids, ids)
         total += torch.stack([loss.double() * ids.shape[0], torch.tensor(ids.shape[0], dtype=torch.float64,
                                                                          device=device)])
@@ -63,7 +63,7 @@ def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, precisi
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device):
+def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device, policy: PrecisionPolicy):
     """This rank's stages (only they are allocated), the runtime that drives them, and the config."""
     from plait.materialize import build_llama_stages
     from plait.pipeline.layout import partition_for
@@ -81,8 +81,8 @@ def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.
     runtime = PipelineRuntime(stages, mesh, schedule=p.schedule, microbatches=p.microbatches,
                               micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
                               hidden_size=config.hidden_size, sequence_parallel=p.sequence_parallel,
-                              dtype=torch.float32,
-                              precision_context=(lambda: autocast_context(r.precision.preset, device)))
+                              dtype=policy.param_dtype,
+                              precision_context=(lambda: policy.compute_context(device)))
     return stages, runtime, config
 
 
@@ -104,6 +104,18 @@ def evaluate_pipeline(runtime, dataset, *, batches: int, dp, pp, microbatches: i
     return (total / (max(n, 1) * dp.size)).item()
 
 
+def build_optimizer(resolved, modules: list[torch.nn.Module], mesh: ParallelMesh, policy: PrecisionPolicy):
+    """The rank's :class:`~plait.data_parallel.optimizer.DistributedOptimizer` for the recipe."""
+    from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+
+    r = resolved.recipe
+    o, p = r.optimizer, r.parallel
+    hyper = OptimizerHyper(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, seed=r.run.seed)
+    return DistributedOptimizer(modules, policy, hyper, dp=mesh.info("dp"), tp=mesh.info("tp"),
+                                pp=mesh.info("pp"), tied=mesh.info("tied") if mesh.pp > 1 else None,
+                                zero=p.zero1, bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce)
+
+
 class Trainer:
     """Owns the state of one rank's run. ``fit()`` trains and returns the final metrics."""
 
@@ -123,19 +135,25 @@ class Trainer:
         self.train_data = TokenDataset(prepared_dir, "train", r.data.seq_len)
         self.val_data = TokenDataset(prepared_dir, "val", r.data.seq_len)
         self.pp = self.mesh.info("pp")
+        self.policy = policy_for(r.precision.preset, r.precision.knobs())
+        self._seed_default_generator()
         self.pipeline = None
         if r.parallel.pp > 1:
             self.stages, self.pipeline, self.config = build_pipeline(resolved, self.mesh, self.train_data.vocab_size,
-                                                                     self.device)
+                                                                     self.device, self.policy)
             self.model = torch.nn.ModuleList(self.stages)  # the parameters this rank owns
+            modules = self.stages
         else:
             self.model = build_model(resolved, self.mesh, self.train_data.vocab_size, self.device)
             self.config = self.model.config
-        o = r.optimizer
-        self.optimizer = build_adamw(self.model, lr=o.lr, weight_decay=o.weight_decay,
-                                     betas=(o.beta1, o.beta2), eps=o.eps)
+            modules = [self.model]
+        self._apply_activation_checkpointing(modules)
+        self.optimizer = build_optimizer(resolved, modules, self.mesh, self.policy)
+        if self.pipeline is not None:
+            stages, grads = self.stages, self.optimizer.grads
+            self.pipeline.before_last_backward = lambda chunk: grads.mark_final([stages[chunk]])
         s = r.scheduler
-        self.scheduler = build_scheduler(self.optimizer, name=s.name, warmup_steps=s.warmup_steps,
+        self.scheduler = build_scheduler(self.optimizer.inner, name=s.name, warmup_steps=s.warmup_steps,
                                          total_steps=r.train.steps, min_ratio=s.min_lr_ratio)
         sampler = GlobalBatchSampler(len(self.train_data), resolved.global_batch_size, r.run.seed)
         self.loader = BatchLoader(self.train_data, sampler, dp_rank=self.dp.rank, dp=self.dp.size,
@@ -145,6 +163,24 @@ class Trainer:
         self.flops_per_token = None
         self.is_writer = rank == 0
         self.sinks = self._build_sinks() if self.is_writer else None
+
+    def _seed_default_generator(self) -> None:
+        """Seed the global RNG (dropout outside tensor-parallel regions) from the run seed.
+
+        Ranks of one TP group get the same seed, since they apply dropout to the same replicated
+        activations; data-parallel replicas and pipeline stages get different ones. Randomness
+        that must differ across TP ranks comes from each model's ``rng_tracker``.
+        """
+        m = self.mesh
+        torch.manual_seed(self.recipe.run.seed * 1_000_003 + 7919 * (m.info("dp").rank * m.pp + self.pp.rank))
+
+    def _apply_activation_checkpointing(self, modules: list[torch.nn.Module]) -> None:
+        t = self.recipe.train
+        if t.activation_checkpointing == "off":
+            return
+        from plait.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(modules, t.activation_checkpointing, t.checkpoint_modules)
 
     def _measure_peak_once(self) -> float:
         """The per-device peak FLOP/s, measured (CPU) or looked up once, on rank 0, then shared.
@@ -199,11 +235,10 @@ class Trainer:
         """
         r = self.recipe
         if self.pipeline is not None:
-            loss, norm = pipeline_train_step(self.stages, self.pipeline, self.optimizer, batch, mesh=self.mesh,
-                                             grad_clip=r.optimizer.grad_clip)
+            loss, norm = pipeline_train_step(self.pipeline, self.optimizer, batch, grad_clip=r.optimizer.grad_clip)
         else:
-            loss, norm = train_step(self.model, self.optimizer, batch, tp=self.tp, dp=self.dp,
-                                    grad_clip=r.optimizer.grad_clip, precision=r.precision.preset)
+            loss, norm = train_step(self.model, self.optimizer, batch, grad_clip=r.optimizer.grad_clip,
+                                    policy=self.policy)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.metrics.add(loss, norm)
@@ -253,7 +288,7 @@ class Trainer:
                                     micro_batch_size=r.data.micro_batch_size)
         else:
             val = evaluate(self.model, self.val_data, batches=r.train.eval_batches,
-                           micro_batch_size=r.data.micro_batch_size, dp=self.dp, precision=r.precision.preset)
+                           micro_batch_size=r.data.micro_batch_size, dp=self.dp, policy=self.policy)
         return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
 
     # ------------------------------------------------------------------ end of run

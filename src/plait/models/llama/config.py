@@ -35,6 +35,11 @@ class LlamaConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
+    #: dropout on the attention weights (Hugging Face's name; read from and written to config.json)
+    attention_dropout: float = 0.0
+    #: plait-only residual dropout on the attention and MLP outputs; written to config.json only when
+    #: non-zero (Hugging Face Llama has no such field and keeps it as an unused attribute)
+    hidden_dropout: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +68,10 @@ class LlamaConfig:
                 f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs "
                 f"a whole number of query heads per KV head"
             )
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ModelConfigError(f"model.{name}={value!r} must be a probability in [0, 1)")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.rope_scaling is not None:
@@ -107,10 +116,12 @@ class LlamaConfig:
                 "(Llama biases q/k/v/o together, Qwen2 only q/k/v)"
             )
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "o_proj_bias")}
+        if not self.hidden_dropout:
+            del d["hidden_dropout"]
         rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         rope.update({k: v for k, v in (self.rope_scaling or {}).items() if k not in ("type", "rope_type")})
         d.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                  "attention_dropout": 0.0, "use_cache": True, "rope_parameters": rope})
+                  "use_cache": True, "rope_parameters": rope})
         if qwen2:  # q/k/v biases without an output bias is Qwen2's architecture
             del d["attention_bias"]
             d.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False})

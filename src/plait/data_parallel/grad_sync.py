@@ -1,0 +1,126 @@
+"""Gradient accumulation into flat buffers and bucketed data-parallel reduction overlapped with backward.
+
+Every parameter's gradient is added into its slice of one flat buffer (``grad_dtype``: fp32
+for mixed precision, whatever the weights are) by a post-accumulate hook, which then drops the
+parameter's own ``.grad``. During the step's *final* backward (the last microbatch, or under
+pipeline parallelism each stage's last backward) the hook also counts down the parameter's
+bucket; when a bucket's last gradient has arrived its reduction is started asynchronously, so
+it runs while backward computes the gradients of earlier layers:
+
+* plain data parallelism: an all-reduce of the bucket (every rank keeps the averaged bucket);
+* ZeRO-1: a reduce-scatter of the bucket into a shard-sized buffer (each rank keeps the
+  averaged gradients of the range whose optimizer state it owns).
+
+Gradients are divided by the data-parallel degree before the sum, so the result is the mean.
+:meth:`GradSync.finish` starts whatever has not started (buckets whose parameters received no
+gradient, and the deferred buckets of tied embeddings, which are first summed over the pipeline
+stages that share them) and waits for every reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.comm.primitives import GroupInfo, all_reduce, reduce_scatter_single
+from plait.data_parallel.layout import BufferLayout, Bucket
+
+
+class GradSync:
+    """Owns the flat gradient buffer of one rank and its data-parallel reduction."""
+
+    def __init__(self, layout: BufferLayout, *, grad_dtype: torch.dtype, device: torch.device, dp: GroupInfo,
+                 zero: bool, overlap: bool = True, tied: GroupInfo | None = None) -> None:
+        self.layout, self.dp, self.zero, self.overlap, self.tied = layout, dp, zero, overlap, tied
+        self.data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
+        self.views = {id(e.param): self.data[e.start:e.end] for e in layout.entries}
+        self._entry = {id(e.param): e for e in layout.entries}
+        if zero:
+            shard_sizes = [b.numel // layout.shards for b in layout.buckets]
+            self.shard_data = torch.zeros(sum(shard_sizes), dtype=grad_dtype, device=device)
+            self.shard_views, at = [], 0
+            for size in shard_sizes:
+                self.shard_views.append(self.shard_data[at:at + size])
+                at += size
+        self._final: set[int] = set()
+        self._done: set[int] = set()
+        self._remaining = [len(b.entries) for b in layout.buckets]
+        self._launched = [False] * len(layout.buckets)
+        self._works: list = []
+        self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in layout.entries]
+
+    # ------------------------------------------------------------------ backward side
+    def mark_final(self, modules: list[nn.Module] | None = None) -> None:
+        """The next backward through ``modules`` (default: all) is the last of this step."""
+        if modules is None:
+            self._final = set(self._entry)
+        else:
+            self._final |= {id(p) for m in modules for p in m.parameters() if id(p) in self._entry}
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        key = id(param)
+        grad = param.grad
+        param.grad = None
+        if key in self._done:
+            raise RuntimeError(f"a gradient of {self._entry[key].name} arrived after its bucket was reduced; "
+                               f"call mark_final() only before the step's last backward")
+        self.views[key].add_(grad.reshape(-1))
+        if key in self._final:
+            self._done.add(key)
+            b = self._entry[key].bucket
+            self._remaining[b] -= 1
+            bucket = self.layout.buckets[b]
+            if self._remaining[b] == 0 and self.overlap and not bucket.deferred:
+                self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._launched[bucket.index] = True
+        if self.dp.size == 1:
+            return
+        flat = self.data[bucket.start:bucket.end]
+        flat.div_(self.dp.size)
+        if self.zero:
+            work = reduce_scatter_single(self.shard_views[bucket.index], flat, group=self.dp.group, async_op=True)
+        else:
+            work = all_reduce(flat, self.dp.group, async_op=True)
+        self._works.append(work)
+
+    def finish(self) -> None:
+        """Start every reduction not yet started (tied buckets after their stage sum) and wait for all."""
+        deferred = [b for b in self.layout.buckets if b.deferred]
+        if deferred and self.tied is not None and self.tied.size > 1:
+            for b in deferred:
+                all_reduce(self.data[b.start:b.end], self.tied.group)
+        for b in self.layout.buckets:
+            if not self._launched[b.index]:
+                self._launch(b)
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        if self.zero and self.dp.size == 1:
+            self.shard_data.copy_(self.data)
+        self._final.clear()
+        self._done.clear()
+        self._remaining = [len(b.entries) for b in self.layout.buckets]
+        self._launched = [False] * len(self.layout.buckets)
+
+    def zero_(self) -> None:
+        self.data.zero_()
+
+    def reduced_view(self, start: int, end: int) -> torch.Tensor:
+        """The reduced gradient of flat range ``[start, end)`` on this rank (after :meth:`finish`).
+
+        Without ZeRO every range is available; with ZeRO only ranges inside this rank's shards.
+        """
+        if not self.zero:
+            return self.data[start:end]
+        for b in self.layout.buckets:
+            lo, hi = b.shard_range(self.dp.rank if self.dp.size > 1 else 0, self.layout.shards)
+            if lo <= start and end <= hi:
+                return self.shard_views[b.index][start - lo:end - lo]
+        raise ValueError(f"flat range [{start}, {end}) is not owned by data-parallel rank {self.dp.rank}")
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,230 @@
+"""The optimizer of a rank: flat buffers, optional ZeRO-1 sharding, precision, exact norm, clipping.
+
+One object covers every combination of data parallelism, ZeRO-1 and precision preset:
+
+* the model's weights become views of one flat buffer in ``policy.param_dtype`` (same layout as
+  the gradient buffer of :class:`~plait.data_parallel.grad_sync.GradSync`);
+* the optimizer updates *segments*: 1-D views of the ranges this rank owns (everything without
+  ZeRO-1; one ``1/dp`` shard of every bucket with it). A segment views the weights themselves
+  when they are already in the optimizer's dtype and not sharded; otherwise it views a flat
+  master buffer (fp32 master weights of ``bf16-mixed``, or the owned shard under ZeRO-1);
+* after the update, master values are written back to the weights (cast) and, with ZeRO-1,
+  all-gathered over the data-parallel group so every replica holds the whole updated model.
+
+The inner optimizer is a stock ``torch.optim.AdamW`` (fused where available) over fp32 segments,
+or :class:`~plait.train.lowp_adamw.LowPrecisionAdamW` when it updates bf16 weights directly, so a
+learning-rate scheduler drives ``inner`` as usual. Optimizer state therefore exists only for the
+owned segments: its bytes per rank are ``1/dp`` of the unsharded total plus the padding that
+makes buckets divide evenly (:meth:`DistributedOptimizer.memory_report`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.comm.primitives import GroupInfo, all_gather_single
+from plait.data_parallel.grad_sync import GradSync
+from plait.data_parallel.layout import BufferLayout, Segment, plan_buffer
+from plait.parallel_state import shard_specs
+from plait.train.precision import PrecisionPolicy
+
+TIED_NAME = "model.embed_tokens.weight"
+
+
+@dataclass
+class OptimizerHyper:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    seed: int = 0
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Norm weights, biases and other 1-D parameters are not decayed."""
+    return param.dim() < 2 or name.endswith(".bias") or "norm" in name
+
+
+def norm_weight(module: nn.Module, name: str, specs: dict, tp: GroupInfo) -> float:
+    """How much one parameter's squared gradient counts in the global norm on this rank.
+
+    TP-sharded: its shard, divided by the number of TP ranks holding the same rows (KV replicas);
+    TP-replicated (norms, row-parallel biases): counted on TP rank 0 only; the copy of an
+    embedding tied across pipeline stages held by the last stage: counted on the first stage only.
+    """
+    if (name == TIED_NAME and getattr(module, "last", False) and not getattr(module, "first", True)):
+        return 0.0
+    spec = specs.get(name)
+    if spec is None:
+        return 1.0 if tp.rank == 0 else 0.0
+    return 1.0 / spec.replicas
+
+
+def _tied_names(modules: list[nn.Module], pp: GroupInfo | None) -> frozenset[str]:
+    if pp is None or pp.size == 1:
+        return frozenset()
+    for m in modules:
+        config = getattr(m, "config", None)
+        if config is not None and config.tie_word_embeddings and (getattr(m, "first", False) or getattr(m, "last", False)):
+            return frozenset({TIED_NAME})
+    return frozenset()
+
+
+class DistributedOptimizer:
+    """AdamW over this rank's share of the model (see the module doc)."""
+
+    def __init__(self, modules: list[nn.Module], policy: PrecisionPolicy, hyper: OptimizerHyper, *,
+                 dp: GroupInfo, tp: GroupInfo, pp: GroupInfo | None = None, tied: GroupInfo | None = None,
+                 zero: bool = False, bucket_mb: float = 25.0, overlap: bool = True) -> None:
+        if zero and dp.size == 1:
+            warnings.warn("ZeRO-1 with a data-parallel degree of 1 shards nothing; training unsharded", stacklevel=2)
+            zero = False
+        self.policy, self.dp, self.tp, self.pp, self.zero = policy, dp, tp, pp, zero
+        self.shards = dp.size if zero else 1
+        self.shard = dp.rank if zero else 0
+        params, seen = [], set()
+        for module in modules:
+            specs = shard_specs(module)
+            for name, p in module.named_parameters():
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                params.append((name, p, not no_weight_decay(name, p), norm_weight(module, name, specs, tp)))
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        device = params[0][1].device
+        deferred = _tied_names(modules, pp)
+        bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=policy.grad_dtype).element_size()))
+        self.layout: BufferLayout = plan_buffer(params, bucket_numel=bucket_numel, shards=self.shards,
+                                                deferred_names=deferred)
+        self.segments: list[Segment] = self.layout.owned_segments(self.shard)
+        self._build_weights(device)
+        self.grads = GradSync(self.layout, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
+                              overlap=overlap, tied=tied if deferred else None)
+        self.inner = self._build_inner(hyper)
+
+    # ------------------------------------------------------------------ construction
+    @torch.no_grad()
+    def _build_weights(self, device: torch.device) -> None:
+        """Move the weights into the flat parameter buffer and, where needed, the master buffer."""
+        pol, layout = self.policy, self.layout
+        self.param_data = torch.zeros(layout.numel, dtype=pol.param_dtype, device=device)
+        originals = {}
+        for e in layout.entries:
+            originals[id(e.param)] = e.param.detach().reshape(-1)
+            self.param_data[e.start:e.end].copy_(originals[id(e.param)])
+        self.has_master = self.zero or pol.separate_master
+        self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
+        if self.has_master:
+            sizes = [b.numel // self.shards for b in layout.buckets]
+            self.master_data = torch.zeros(sum(sizes), dtype=pol.master_dtype, device=device)
+            at = 0
+            for size in sizes:
+                self.master_views.append(self.master_data[at:at + size])
+                at += size
+            for s in self.segments:
+                lo, _ = s.bucket.shard_range(self.shard, self.shards)
+                src = originals[id(s.entry.param)][s.start - s.entry.start:s.end - s.entry.start]
+                self.master_views[s.bucket.index][s.start - lo:s.end - lo].copy_(src)
+        for e in layout.entries:  # only now: the originals were read above
+            e.param.data = self.param_data[e.start:e.end].view(e.param.shape)
+
+    def _segment_tensors(self, s: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the values the optimizer updates, their reduced gradient) of one segment."""
+        grad = self.grads.reduced_view(s.start, s.end)
+        if not self.has_master:
+            return self.param_data[s.start:s.end], grad
+        lo, _ = s.bucket.shard_range(self.shard, self.shards)
+        return self.master_views[s.bucket.index][s.start - lo:s.end - lo], grad
+
+    def _build_inner(self, hyper: OptimizerHyper) -> torch.optim.Optimizer:
+        decay, keep = [], []
+        self.main_params, self.main_grads, self.main_weights = [], [], []
+        for s in self.segments:
+            value, grad = self._segment_tensors(s)
+            value.grad = grad
+            (decay if s.entry.decay else keep).append(value)
+            self.main_params.append(value)
+            self.main_grads.append(grad)
+            self.main_weights.append(s.entry.norm_weight)
+        groups = [{"params": decay, "weight_decay": hyper.weight_decay}, {"params": keep, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]] or [{"params": [self.param_data[:0]], "weight_decay": 0.0}]
+        if self.policy.master_dtype == torch.bfloat16:
+            from plait.train.lowp_adamw import LowPrecisionAdamW
+
+            return LowPrecisionAdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
+                                     stochastic_rounding=self.policy.stochastic_rounding, seed=hyper.seed)
+        kwargs = {"lr": hyper.lr, "betas": hyper.betas, "eps": hyper.eps}
+        if "fused" in inspect.signature(torch.optim.AdamW).parameters:
+            kwargs["fused"] = True
+        return torch.optim.AdamW(groups, **kwargs)
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the reduced gradients, equal to the single-process one (device tensor).
+
+        Each rank sums the squares of the segments it owns, weighted so that every gradient
+        entry counts once (see :func:`norm_weight`); the partial sums are added over TP, PP
+        and, with ZeRO-1, the data-parallel shards.
+        """
+        device = self.param_data.device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        counted = [(g, w) for g, w in zip(self.main_grads, self.main_weights) if w > 0 and g.numel()]
+        if counted:
+            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g, _ in counted], 2)
+            weights = torch.tensor([w for _, w in counted], dtype=torch.float32, device=device)
+            total = (torch.stack(norms).pow(2) * weights).sum()
+        for group in (self.tp, self.pp, self.dp if self.zero else None):
+            if group is not None and group.size > 1:
+                dist.all_reduce(total, group=group.group)
+        return total.sqrt()
+
+    def clip_(self, norm: torch.Tensor, max_norm: float) -> None:
+        """Scale the gradients by ``min(1, max_norm / norm)`` without reading ``norm`` on the host."""
+        grads = [g for g in self.main_grads if g.numel()]
+        if max_norm <= 0 or not grads:
+            return
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the owned segments, publish the new weights to the model, clear the gradients."""
+        self.inner.step()
+        if self.has_master:
+            works, staged = [], []
+            for b, master in zip(self.layout.buckets, self.master_views):
+                if self.zero:
+                    src = master.to(self.policy.param_dtype, copy=True)
+                    staged.append(src)
+                    works.append(all_gather_single(self.param_data[b.start:b.end], src, group=self.dp.group,
+                                                   async_op=True))
+                else:
+                    self.param_data[b.start:b.end].copy_(master)
+            for work in works:
+                work.wait()
+        self.grads.zero_()
+        if self.zero:
+            self.grads.shard_data.zero_()
+
+    # ------------------------------------------------------------------ reporting
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for the optimizer: state, master weights, and buffer padding."""
+        owned = sum(s.numel for s in self.segments)
+        item = torch.empty((), dtype=self.policy.master_dtype).element_size()
+        state = sum(t.numel() * t.element_size() for st in self.inner.state.values() for t in st.values()
+                    if torch.is_tensor(t) and t.dim() > 0)
+        return {"owned_elements": owned, "optimizer_state_bytes": state,
+                "expected_state_bytes": 2 * owned * item,
+                "master_bytes": self.master_data.numel() * self.master_data.element_size() if self.has_master else 0,
+                "padding_elements": self.layout.padding, "total_elements": self.layout.numel}

