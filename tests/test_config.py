@@ -209,9 +209,17 @@ INVALID = [
     (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b", "parallel.microbatches=3"], 4,
      "parallel.microbatches"),                                             # interleaved needs m % pp == 0
     (["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2"], 4, "parallel.schedule"),  # vpp needs interleaved
-    (["parallel.zero1=true"], 2, "parallel.zero1"),                      # not available with dp > 1
-    (["precision.preset=bf16-mixed"], None, "precision.preset"),         # not available
-    (["precision.preset=bf16-pure"], None, "precision.preset"),          # not available
+    (["precision.preset=bf16-mixed", "precision.autocast=true"], None, "precision.autocast"),  # knob of manual
+    (["precision.preset=manual", "precision.grad_dtype=bf16"], None, "precision.grad_dtype"),  # fp32 weights
+    (["precision.preset=manual", "precision.stochastic_rounding=true"], None, "precision.stochastic_rounding"),
+    (["precision.param_dtype=fp16"], None, "precision.param_dtype"),     # bad literal
+    (["train.activation_checkpointing=some"], None, "train.activation_checkpointing"),
+    (["train.activation_checkpointing=selective"], None, "train.checkpoint_modules"),  # needs names
+    (["train.activation_checkpointing=selective", "train.checkpoint_modules=[attn]"], None,
+     "train.checkpoint_modules"),                                          # not a block submodule
+    (["train.checkpoint_modules=[mlp]"], None, "train.checkpoint_modules"),  # only with selective
+    (["parallel.bucket_mb=0"], None, "parallel.bucket_mb"),
+    (["model.attention_dropout=1.0"], None, "model.attention_dropout"),
     (["model.num_key_value_heads=3"], None, "model.num_key_value_heads"),  # heads % kv_heads
     (["model.num_attention_heads=7", "model.num_key_value_heads=7"], None, "model.num_attention_heads"),
     (["model.head_dim=31"], None, "model.head_dim"),                     # rotary needs an even head_dim
@@ -241,11 +249,15 @@ def test_invalid_recipes_are_many_and_distinct():
     assert len({f for _, _, f in INVALID}) >= 22
 
 
-def test_typo_suggests_the_field_and_unavailable_features_say_so():
+def test_typo_suggests_the_field_and_messages_list_the_choices():
     assert "did you mean 'tp'?" in str(problems_of(["parallel.tpp=2"]))
     assert "did you mean 'parallel'?" in str(problems_of(["paralel.tp=2"]))
     assert "fewer decoder layers than pipeline stages" in str(problems_of(["parallel.pp=8"], 8))
-    assert "'fp32', 'bf16-mixed', 'bf16-pure' or 'autocast'" in str(problems_of(["precision.preset=fp8"]))
+    assert "'fp32', 'autocast', 'bf16-mixed', 'bf16-pure' or 'manual'" in str(problems_of(["precision.preset=fp8"]))
+    assert "did you mean 'self_attn'?" in str(problems_of(["train.activation_checkpointing=selective",
+                                                            "train.checkpoint_modules=[self_atn]"]))
+    assert "the 'bf16-mixed' preset fixes it to true" in str(problems_of(["precision.preset=bf16-mixed",
+                                                                            "precision.master_weights=false"]))
 
 
 def test_zero1_with_one_dp_rank_is_a_warning():
@@ -255,9 +267,9 @@ def test_zero1_with_one_dp_rank_is_a_warning():
 
 def test_all_problems_are_reported_together():
     error = problems_of(["parallel.microbatches=two", "optimizer.lr=-1", "data.seq_len=1024", "logign.plot=true",
-                         "scheduler.warmup_steps=999", "precision.preset=bf16-pure", "parallel.zero1=true"], 2)
+                         "scheduler.warmup_steps=999", "precision.preset=bf16-pure", "precision.autocast=true"], 2)
     assert set(error.fields) == {"parallel.microbatches", "optimizer.lr", "data.seq_len", "logign",
-                                 "scheduler.warmup_steps", "precision.preset", "parallel.zero1"}
+                                 "scheduler.warmup_steps", "precision.autocast"}
 
 
 def test_rules_on_broken_fields_are_skipped():

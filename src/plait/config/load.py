@@ -94,8 +94,11 @@ def _field_type(parts: list[str]) -> tuple[bool, bool]:
     info = SECTIONS[parts[0]].model_fields.get(parts[1])
     if info is None:
         return False, False
-    args = typing.get_args(info.annotation) or (info.annotation,)
-    return str in args or info.annotation is str, type(None) in args
+    annotation = info.annotation
+    if typing.get_origin(annotation) in (list, dict):  # list[str] is a list, not text
+        return False, False
+    args = typing.get_args(annotation) or (annotation,)
+    return str in args or annotation is str, type(None) in args
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
