@@ -11,6 +11,11 @@ projections share one gathered input and one input-gradient reduction (see
   ``m`` replicas and then summed over the TP group, which would count it ``m`` times.
 
 Padding heads (zero weights) have their attention output masked to zero before ``o_proj``.
+
+Attention dropout acts on this rank's heads only, so its mask must differ between TP ranks: it is
+drawn inside ``rng.fork()`` from the per-rank :class:`~plait.tensor_parallel.random.TensorParallelRNG`
+stream. The weight-free middle (rotary, SDPA, dropout) is the submodule ``core``, which selective
+activation checkpointing can name (``self_attn.core``); it has no parameters, so names are unchanged.
 """
 
 from __future__ import annotations
@@ -25,17 +30,48 @@ from plait.comm.primitives import GroupInfo
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.heads import HeadLayout
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from plait.tensor_parallel.random import TensorParallelRNG
 
+#: ``fn(q, k, v, cos, sin)`` on ``[batch, seq, local_heads*head_dim]`` projections; when attention
+#: dropout is on it is called with ``dropout_p=`` as well
 AttentionFn = Callable[..., torch.Tensor]
+
+
+class ParallelAttentionCore(nn.Module):
+    """Calls ``attention_fn`` on the local heads, with attention dropout drawn from the per-rank stream.
+
+    Dropout is requested only in training mode with ``dropout > 0``; otherwise ``attention_fn`` is
+    called without ``dropout_p``, so functions that do not take it keep working.
+    """
+
+    def __init__(self, attention_fn: AttentionFn, dropout: float = 0.0, rng: TensorParallelRNG | None = None) -> None:
+        super().__init__()
+        if dropout and rng is None:
+            raise ValueError(f"attention_dropout={dropout} needs an rng (a TensorParallelRNG): each TP rank holds "
+                             f"different heads and must draw its own dropout mask")
+        self.attention_fn, self.dropout, self.rng = attention_fn, dropout, rng
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.dropout > 0):
+            return self.attention_fn(q, k, v, cos, sin)
+        with self.rng.fork(q.device):
+            return self.attention_fn(q, k, v, cos, sin, dropout_p=self.dropout)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}"
 
 
 class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden_size: int, layout: HeadLayout, tp: GroupInfo, kv: GroupInfo,
-                 attention_fn: AttentionFn, *, qkv_bias: bool = False, o_bias: bool = False, sequence_parallel: bool = False,
+                 attention_fn: AttentionFn, *, qkv_bias: bool = False, o_bias: bool = False,
+                 sequence_parallel: bool = False,
+                 attention_dropout: float = 0.0, rng: TensorParallelRNG | None = None,
                  device=None, dtype=None) -> None:
         super().__init__()
         self.layout, self.tp, self.kv, self.attention_fn = layout, tp, kv, attention_fn
         self.sequence_parallel = sequence_parallel
+        self.attention_dropout = attention_dropout
         hd, r = layout.head_dim, tp.rank
         kw = {"bias": qkv_bias, "device": device, "dtype": dtype}
         self.q_proj = ColumnParallelLinear(hidden_size, layout.num_heads * hd, tp, rows=layout.q_rows(r), **kw)
@@ -47,6 +83,7 @@ class ParallelSelfAttention(nn.Module):
         mask = torch.tensor(layout.real_q_mask(r), dtype=torch.float32).repeat_interleave(hd)
         self.register_buffer("head_mask", None if bool(mask.all()) else mask.to(device), persistent=False)
         self._kv_scale = 1.0 / layout.kv_replication
+        self.core = ParallelAttentionCore(attention_fn, attention_dropout, rng)
 
     def reset_buffers(self) -> None:
         """Rebuild the padding mask (after materialising from the meta device)."""
@@ -66,7 +103,7 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        out = self.attention_fn(q, k, v, cos, sin)
+        out = self.core(q, k, v, cos, sin)
         if self.head_mask is not None:
             out = out * self.head_mask.to(out.dtype)
         return self.o_proj(out)

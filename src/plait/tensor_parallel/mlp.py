@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
+from plait.models.llama.model import SwiGLU
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -26,9 +26,10 @@ class ParallelGatedMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, **kw)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp,
                                            sequence_parallel=sequence_parallel, **kw)
+        self.act = SwiGLU()  # a submodule so selective activation checkpointing can name ``mlp.act``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_parallel_matmul(
             x, [self.gate_proj.weight, self.up_proj.weight], [self.gate_proj.bias, self.up_proj.bias],
             self.tp.group, sequence_parallel=self.sequence_parallel)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate, up))

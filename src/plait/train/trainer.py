@@ -147,6 +147,8 @@ class Trainer:
             self.model = build_model(resolved, self.mesh, self.train_data.vocab_size, self.device)
             self.config = self.model.config
             modules = [self.model]
+        for module in modules:  # the per-TP-rank dropout stream follows the same run seed
+            module.rng_tracker.reseed(self.dropout_seed)
         self._apply_activation_checkpointing(modules)
         self.optimizer = build_optimizer(resolved, modules, self.mesh, self.policy)
         if self.pipeline is not None:
@@ -172,7 +174,8 @@ class Trainer:
         that must differ across TP ranks comes from each model's ``rng_tracker``.
         """
         m = self.mesh
-        torch.manual_seed(self.recipe.run.seed * 1_000_003 + 7919 * (m.info("dp").rank * m.pp + self.pp.rank))
+        self.dropout_seed = self.recipe.run.seed * 1_000_003 + 7919 * (m.info("dp").rank * m.pp + self.pp.rank)
+        torch.manual_seed(self.dropout_seed)
 
     def _apply_activation_checkpointing(self, modules: list[torch.nn.Module]) -> None:
         t = self.recipe.train
@@ -180,7 +183,7 @@ class Trainer:
             return
         from plait.activation_checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(modules, t.activation_checkpointing, t.checkpoint_modules)
+        apply_activation_checkpointing(modules, t.activation_checkpointing, t.checkpoint_modules or None)
 
     def _measure_peak_once(self) -> float:
         """The per-device peak FLOP/s, measured (CPU) or looked up once, on rank 0, then shared.

@@ -7,6 +7,14 @@ swapped modules slot in (attention projects q/k/v through one method, the output
 through a loss module that the parallel plan can replace).
 
 The model is traceable by ``torch.fx`` with :class:`LlamaDecoderLayer` as a leaf module.
+
+Dropout (``config.attention_dropout`` on the attention weights, ``config.hidden_dropout`` on the
+attention and MLP outputs before each residual add) is off by default and draws from the global
+generator here; the tensor-parallel plan routes the draws on sharded activations through a
+per-rank stream (:mod:`plait.tensor_parallel.random`). The weight-free parts of attention
+(rotary, SDPA, dropout) and of the MLP (the SwiGLU product) are their own parameter-free
+submodules, ``self_attn.core`` and ``mlp.act``, so that selective activation checkpointing can
+name them (:mod:`plait.activation_checkpointing`); they add no parameters and change no names.
 """
 
 from __future__ import annotations
@@ -86,12 +94,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin,
+                     dropout_p: float = 0.0) -> torch.Tensor:
     """Rotary + causal grouped-query attention on ``[batch, seq, heads*head_dim]`` projections.
 
     The head counts are read from the shapes (``head_dim`` from the rotary table), so the same
     function serves the full model and a tensor-parallel shard holding a subset of the heads.
-    Returns ``[batch, seq, q_heads*head_dim]``.
+    ``dropout_p`` is SDPA's dropout on the attention weights; the caller decides (training mode,
+    which generator) since this function cannot know. Returns ``[batch, seq, q_heads*head_dim]``.
     """
     b, s, _ = q.shape
     hd = cos.shape[-1]
@@ -99,8 +109,28 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin
     k = k.view(b, s, -1, hd).transpose(1, 2)
     v = v.view(b, s, -1, hd).transpose(1, 2)
     q, k = apply_rotary(q, k, cos, sin)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).reshape(b, s, -1)
+
+
+class AttentionCore(nn.Module):
+    """Rotary + causal SDPA + attention dropout: the weight-free middle of attention.
+
+    A module of its own (``self_attn.core``) only so selective activation checkpointing can
+    recompute it; it saves the largest per-head activations and costs no matmul with weights.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v, cos, sin, dropout_p=self.dropout if self.training else 0.0)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}"
 
 
 class LlamaAttention(nn.Module):
@@ -109,17 +139,29 @@ class LlamaAttention(nn.Module):
         h, hd = config.hidden_size, config.head_dim
         nq, nkv = config.num_attention_heads, config.num_key_value_heads
         kw = {"device": device, "dtype": dtype}
+        self.attention_dropout = config.attention_dropout
         self.q_proj = nn.Linear(h, nq * hd, bias=config.attention_bias, **kw)
         self.k_proj = nn.Linear(h, nkv * hd, bias=config.attention_bias, **kw)
         self.v_proj = nn.Linear(h, nkv * hd, bias=config.attention_bias, **kw)
         self.o_proj = nn.Linear(nq * hd, h, bias=config.o_proj_bias, **kw)
+        self.core = AttentionCore(config.attention_dropout)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        return self.o_proj(causal_attention(q, k, v, cos, sin))
+        # the core applies ``attention_dropout`` only in training mode (``self.training`` is shared
+        # with it through ``train()``/``eval()``)
+        return self.o_proj(self.core(q, k, v, cos, sin))
+
+
+class SwiGLU(nn.Module):
+    """``silu(gate) * up``: the weight-free product of the MLP, a module (``mlp.act``) so selective
+    activation checkpointing can recompute it instead of keeping ``silu(gate)`` and the product."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
 
 
 class LlamaMLP(nn.Module):
@@ -132,16 +174,20 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias, **kw)
         self.up_proj = nn.Linear(h, i, bias=bias, **kw)
         self.down_proj = nn.Linear(i, h, bias=bias, **kw)
+        self.act = SwiGLU()
 
     def project_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project_in(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; ``residual_dropout`` (``config.hidden_dropout``) acts on the attention and MLP
+    outputs before they join the residual stream (one module used twice: it holds no state)."""
+
     def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
@@ -149,10 +195,16 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.mlp = LlamaMLP(config, **kw)
+        self.residual_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._drop(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
+
+    def _drop(self, y: torch.Tensor) -> torch.Tensor:
+        # Skipped at p == 0: on CUDA a zero-probability dropout would still launch a kernel and
+        # advance the generator, shifting every later draw for nothing.
+        return self.residual_dropout(y) if self.residual_dropout.p > 0 else y
 
 
 class CausalLMOutput(nn.Module):

@@ -6,7 +6,14 @@ Order of application (fixed; later issues add their steps after these):
    (head layout with KV replication and padding), MLP -> :class:`ParallelGatedMLP`, norms ->
    sequence-parallel norms when SP is on; final norm likewise; output head -> column-parallel
    over the (padded) vocabulary, and the loss -> vocab-parallel cross-entropy.
-2. Re-tie the output head to the embedding when the config ties them.
+2. Dropout: attention dropout on the local heads and, under sequence parallelism, residual
+   dropout on the sequence shards draw from the per-TP-rank stream ``model.rng_tracker``
+   (:class:`TensorParallelRNG`); residual dropout on the replicated residual (no SP) keeps the
+   global generator, which the caller seeds identically on the ranks of a TP group.
+3. Re-tie the output head to the embedding when the config ties them.
+
+Activation checkpointing (:mod:`plait.activation_checkpointing`) is applied after this plan and
+after pipeline splitting, to the modules it swapped in.
 
 Works on a model on the meta device (nothing is allocated; see :mod:`plait.materialize`) or on
 a model with real weights, whose full tensors are then cut into this rank's shards, so a
@@ -27,6 +34,8 @@ from plait.tensor_parallel import (
     ParallelGatedMLP,
     ParallelSelfAttention,
     SequenceParallelRMSNorm,
+    TensorParallelRNG,
+    TrackedDropout,
     VocabParallelCausalLMOutput,
     VocabParallelEmbedding,
 )
@@ -45,12 +54,14 @@ def kv_replication_for(config, tp: int, requested: int | None = None) -> int:
                            requested).kv_replication
 
 
-def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_parallel: bool = False) -> LlamaForCausalLM:
+def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_parallel: bool = False,
+                rng: TensorParallelRNG | None = None) -> LlamaForCausalLM:
     """Swap in tensor-parallel modules for ``mesh``'s TP group, in place; returns the model.
 
     The KV replication factor is ``mesh.kv_replication`` when it is above 1, otherwise chosen
     automatically (the smallest that needs no padding). The resolved head layout is stored as
-    ``model.head_layout``.
+    ``model.head_layout``. ``rng`` is the per-TP-rank random stream for dropout on sharded
+    activations (default: seed 0 and this rank's TP rank); it is stored as ``model.rng_tracker``.
     """
     c = model.config
     tp, kv = mesh.info("tp"), mesh.info("kv")
@@ -66,6 +77,11 @@ def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_paralle
         raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={mesh.tp}; "
                          f"choose a tp that divides it")
     sp = sequence_parallel and tp.size > 1
+    if rng is None:
+        rng = TensorParallelRNG(0, mesh.tp_rank)
+    elif rng.tp_rank != mesh.tp_rank:
+        raise ValueError(f"rng={rng!r} was seeded for tp_rank={rng.tp_rank} but this rank's TP rank is "
+                         f"{mesh.tp_rank}; build it as TensorParallelRNG(seed, mesh.tp_rank)")
     source = {} if _on_meta(model) else {k: v.detach() for k, v in model.state_dict().items()}
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -76,12 +92,15 @@ def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_paralle
     for block in inner.layers:
         block.self_attn = ParallelSelfAttention(c.hidden_size, layout, tp, kv, causal_attention,
                                                 qkv_bias=c.attention_bias, o_bias=c.o_proj_bias,
-                                                sequence_parallel=sp, **kw)
+                                                sequence_parallel=sp, attention_dropout=c.attention_dropout,
+                                                rng=rng, **kw)
         block.mlp = ParallelGatedMLP(c.hidden_size, c.intermediate_size, tp, bias=c.mlp_bias,
                                      sequence_parallel=sp, **kw)
         if sp:
             block.input_layernorm = SequenceParallelRMSNorm(c.hidden_size, c.rms_norm_eps, tp, **kw)
             block.post_attention_layernorm = SequenceParallelRMSNorm(c.hidden_size, c.rms_norm_eps, tp, **kw)
+            # the residual stream is a sequence shard here, so each rank needs its own mask
+            block.residual_dropout = TrackedDropout(c.hidden_dropout, rng)
     if sp:
         inner.norm = SequenceParallelRMSNorm(c.hidden_size, c.rms_norm_eps, tp, **kw)
     model.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, tp, sequence_parallel=sp,
@@ -91,6 +110,7 @@ def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_paralle
     model.head_layout = layout
     model.tensor_parallel = tp
     model.sequence_parallel = sp
+    model.rng_tracker = rng
 
     if device.type != "meta":
         _load_from_full(model, source, device)

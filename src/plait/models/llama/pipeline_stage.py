@@ -32,7 +32,7 @@ class LlamaStage(nn.Module):
             self.model.norm = full.model.norm
             self.lm_head = full.lm_head
             self.output = full.output
-        for attr in ("head_layout", "tensor_parallel", "sequence_parallel"):
+        for attr in ("head_layout", "tensor_parallel", "sequence_parallel", "rng_tracker"):
             if hasattr(full, attr):
                 setattr(self, attr, getattr(full, attr))
 
