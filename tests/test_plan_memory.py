@@ -1,9 +1,12 @@
 """Memory and step-time models of a layout (plait.plan.memory, plait.plan.timing).
 
 Parameter bytes are compared with the local parameters the real build allocates (on the meta
-device, rank-arithmetic mesh); saved-activation bytes with what autograd actually saves in one
-forward of a tiny model (saved-tensor hooks, one process, the ``fake`` backend for TP > 1). The
-measured peak-RSS comparison is in docs/plan_memory.md (bench/measure_memory.py).
+device, rank-arithmetic mesh); model-state bytes with the buffers ``DistributedOptimizer`` really
+allocates; saved-activation bytes with what autograd actually saves in one forward of a tiny
+model (saved-tensor hooks, one process, the ``fake`` backend for TP > 1) and, with activation
+checkpointing, with the tensors a forward leaves alive (a dispatch mode that keeps a weak
+reference to every storage it creates). The measured peak-RSS comparison is in
+docs/plan_memory.md (bench/measure_memory.py).
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from plait.activation_checkpointing import apply_activation_checkpointing
+from plait.comm.primitives import GroupInfo
+from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
 from plait.devices import get_device
 from plait.materialize import build_llama, build_llama_stages
-from plait.mesh import ParallelMesh
+from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.parallelize import kv_replication_for
 from plait.pipeline.layout import plan_partition
@@ -32,6 +41,7 @@ from plait.plan.memory import (
     rank_parameter_count,
 )
 from plait.plan.timing import estimate_step_time
+from plait.train.precision import policy_for
 
 
 def _config(**kw) -> LlamaConfig:
@@ -146,6 +156,62 @@ def test_saved_activations_match_autograd(tp, sp, precision):
     assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
 
 
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to every storage an op creates (parameters and buffers excluded)."""
+
+    def __init__(self, skip: set[int]) -> None:
+        super().__init__()
+        self.skip, self.refs = skip, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.skip:
+                    ref = StorageWeakRef(storage)
+                    self.refs[ref.cdata] = (ref, storage.nbytes())
+        return out
+
+    def live_bytes(self) -> int:
+        return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("tp,sp,precision", [
+    (1, False, "fp32"), (1, False, "autocast"), (1, False, "bf16-pure"), (2, True, "fp32"), (2, False, "autocast"),
+    (4, False, "fp32"),  # padding heads: the masked output copy
+])
+def test_checkpointed_activations_match_live_tensors(tp, sp, precision, mode):
+    """With plait's checkpointing applied, the bytes a forward leaves alive (what backward will
+    use: saved tensors, checkpointed modules' inputs and outputs, autocast weight copies, the saved
+    softmax) equal the model's per-micro-batch bytes (token ids and masks aside)."""
+    config = _config(num_hidden_layers=2, intermediate_size=512, hidden_size=192)
+    layout = _layout(config, tp=tp, sequence_parallel=sp, activation_checkpointing=mode)
+    B, S = 2, 64
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    if tp > 1:
+        dist.init_process_group("fake", rank=tp - 1, world_size=tp)
+    try:
+        mesh = ParallelMesh(tp, tp - 1, tp=tp, kv_replication=layout.kv_replication, create_groups=tp > 1)
+        model = build_llama(config, mesh, sequence_parallel=sp, dtype=dtype).train()
+        apply_activation_checkpointing([model], mode)
+        ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+        skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        tracker = _LiveStorages(skip)
+        with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+            loss = model(ids, ids)
+        got = tracker.live_bytes()
+        del loss
+    finally:
+        if tp > 1:
+            dist.destroy_process_group()
+    (chunk,) = rank_chunks(config, layout, S, 0)
+    cost = chunk_cost(config, layout, precision, chunk, B, S)
+    est = cost.activations + cost.weight_copies + cost.logits_saved
+    assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
+
+
 def test_checkpointing_and_sequence_parallelism_reduce_activations():
     config = _config()
     kw = dict(precision="autocast", micro_batch_size=2, seq_len=256, microbatches=4)
@@ -176,11 +242,53 @@ def test_zero1_divides_optimizer_and_master_by_dp():
         plain = estimate_memory(config, _layout(config, dp=dp), precision="bf16-mixed", **kw)
         zero = estimate_memory(config, _layout(config, dp=dp, zero1=True), precision="bf16-mixed", **kw)
         P = plain.parameter_count
+        own = -(-P // dp)
+        # bf16 weights, fp32 gradient buffer, fp32 master and AdamW state
+        assert plain.parameters == 2 * P and plain.gradients == 4 * P and plain.gradient_shard == 0
         assert plain.optimizer == 2 * P * 4 and plain.master_weights == P * 4
-        assert zero.optimizer == 2 * -(-P // dp) * 4 and zero.master_weights == -(-P // dp) * 4
+        assert zero.optimizer == 2 * own * 4 and zero.master_weights == own * 4
         assert zero.parameters == plain.parameters and zero.gradients == plain.gradients
+        assert zero.gradient_shard == own * 4 and zero.step_buffers == own * 2  # bf16 all-gather staging
+        assert zero.model_states == plain.parameters + plain.gradients + own * 4 * 4
+        # fp32 under ZeRO-1 also keeps a master shard (fp32 without ZeRO updates the weights in place)
+        f32 = estimate_memory(config, _layout(config, dp=dp, zero1=True), precision="fp32", **kw)
+        assert f32.master_weights == own * 4 and f32.gradient_shard == own * 4 and f32.step_buffers == own * 4
+        assert estimate_memory(config, _layout(config, dp=dp), precision="fp32", **kw).master_weights == 0
     pure = estimate_memory(config, _layout(config), precision="bf16-pure", **kw)
     assert pure.optimizer == 2 * pure.parameter_count * 2 and pure.master_weights == 0
+    assert pure.gradients == 2 * pure.parameter_count
+    # ZeRO-1 with dp = 1 trains unsharded (the optimizer warns): nothing changes
+    one = estimate_memory(config, _layout(config, zero1=True), precision="fp32", **kw)
+    assert one.total == estimate_memory(config, _layout(config), precision="fp32", **kw).total
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "bf16-mixed", "bf16-pure"])
+@pytest.mark.parametrize("dp,zero", [(1, False), (4, False), (4, True), (3, True)])
+def test_model_states_equal_the_optimizer_buffers(precision, dp, zero):
+    """parameters / gradients / gradient_shard / master / optimizer bytes equal what a real
+    DistributedOptimizer allocates, up to the bucket padding (at most dp - 1 elements a bucket)."""
+    config = _config(num_hidden_layers=2)
+    layout = _layout(config, dp=dp, zero1=zero)
+    est = estimate_memory(config, layout, precision=precision, micro_batch_size=1, seq_len=32, microbatches=1)
+    model = build_llama(config, single_process_mesh(), seed=0)
+    hyper = OptimizerHyper(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    # a data-parallel rank of a group that is never used for a collective (construction and the
+    # inner step do not communicate); small buckets so that padding and shards are exercised
+    opt = DistributedOptimizer([model], policy_for(precision), hyper, dp=GroupInfo(None, dp - 1, dp),
+                               tp=GroupInfo.single(), zero=zero, bucket_mb=0.25)
+    opt.inner.step()  # AdamW allocates its states in the first step
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    pad = (opt.shards - 1) * len(opt.layout.buckets)  # padding elements: at most shards - 1 a bucket
+    report = opt.memory_report()
+    got = {"parameters": nbytes(opt.param_data), "gradients": nbytes(opt.grads.data),
+           "gradient_shard": nbytes(opt.grads.shard_data) if zero else 0,
+           "master_weights": report["master_bytes"], "optimizer": report["optimizer_state_bytes"]}
+    for name, value in got.items():  # padding: at most 4 bytes an element, 2 AdamW states
+        assert abs(value - getattr(est, name)) <= 8 * pad, (name, value, getattr(est, name))
+    assert len(opt.layout.buckets) > 2  # several buckets, each sharded separately
 
 
 def test_in_flight_microbatches_follow_the_schedule():
@@ -192,10 +300,11 @@ def test_in_flight_microbatches_follow_the_schedule():
             assert one.max_in_flight == min(4 - r, m)
             gpipe = estimate_memory(config, _layout(config, pp=4, schedule="gpipe"), microbatches=m, stage=r, **kw)
             assert gpipe.max_in_flight == m
-            # with activations dominating, GPipe's peak is all m in flight, before any gradient exists
+            # with activations dominating, GPipe's peak is all m in flight; the flat gradient
+            # buffer is alive there too (it lives through the step)
             big = estimate_memory(config, _layout(config, pp=4, schedule="gpipe"), microbatches=m, stage=r,
                                   precision="fp32", micro_batch_size=4, seq_len=1024)
-            assert big.in_flight == {r: m} and big.gradients_at_peak == 0
+            assert big.in_flight == {r: m} and big.gradients_at_peak == big.gradients > 0
     # interleaved: the peak total of in-flight chunks equals the simulator's high-water mark
     layout = _layout(config, pp=2, vpp=2, schedule="interleaved-1f1b")
     sim = simulate(2, 4, 2, "interleaved-1f1b")
@@ -214,7 +323,7 @@ def test_worst_rank_and_report_helpers():
     assert worst.total == max(b.total for b in ranks)
     d = worst.as_dict()
     assert d["total"] == worst.total and set(MemoryBreakdown.FIELDS) <= set(d)
-    assert worst.total == worst.parameters + worst.optimizer + worst.master_weights + max(
+    assert worst.total == worst.parameters + worst.optimizer + worst.master_weights + worst.gradient_shard + max(
         worst.activation_phase, worst.step_phase)
     header, row = MemoryBreakdown.table_header(), worst.table_row()
     assert row.count("|") == header.splitlines()[0].count("|") == header.splitlines()[1].count("|")
@@ -224,13 +333,15 @@ def test_worst_rank_and_report_helpers():
         estimate_memory(config, layout, stage=2, **kw)
 
 
-def test_one_microbatch_without_pipeline_has_no_gradients_at_peak():
+def test_gradient_buffer_is_alive_at_every_peak():
+    """The flat gradient buffer is allocated once: even one micro-batch has it at the peak, and
+    accumulation over more micro-batches adds nothing (without pipeline, one in flight)."""
     config = _config()
     kw = dict(precision="fp32", micro_batch_size=2, seq_len=128)
     one = estimate_memory(config, _layout(config), microbatches=1, **kw)
     two = estimate_memory(config, _layout(config), microbatches=2, **kw)
-    assert one.gradients_at_peak == 0 and two.gradients_at_peak == two.gradients
-    assert one.total <= two.total
+    assert one.gradients_at_peak == one.gradients == two.gradients_at_peak
+    assert one.total == two.total
 
 
 # ------------------------------------------------------------------------------ timing

@@ -1,8 +1,8 @@
 """Per-rank memory model of a training step: model states, saved activations, buffers.
 
 :func:`estimate_memory` prices one pipeline rank (or the worst one) of a :class:`Layout` in
-bytes, component by component, following what plait's code allocates (checked against
-``torch.autograd`` saved-tensor hooks in ``tests/test_plan_memory.py`` and against measured peak
+bytes, component by component, following what plait's code allocates (checked against the
+tensors a real forward leaves alive in ``tests/test_plan_memory.py`` and against measured peak
 RSS in ``docs/plan_memory.md``).
 
 Notation: ``B`` micro-batch size, ``S`` sequence length, ``h`` hidden size, ``T`` the TP degree,
@@ -11,16 +11,27 @@ included), ``k = local_kv_heads * head_dim`` (K/V replication included), ``n_q``
 ``i = intermediate_size / T``, ``V' = ceil(vocab / T)`` (the vocabulary padded to a multiple of
 ``T``; exactly ``vocab`` at ``T = 1``, where plait does not swap in parallel modules).
 ``S' = S / T`` under sequence parallelism, else ``S``. Byte sizes per precision preset
-(:data:`PRECISIONS`): ``p`` parameter, ``g`` gradient, ``o`` one optimizer state, ``w`` master
-weight, ``c`` compute (matmul inputs, attention, MLP), ``r`` residual stream (pipeline transfers).
+(:data:`PRECISIONS`, following :mod:`plait.train.precision`): ``p`` parameter, ``g`` gradient
+buffer (fp32 under ``bf16-mixed``: gradients are accumulated and reduced in fp32), ``o`` one
+optimizer state (the dtype the optimizer updates), ``w`` master weight, ``c`` compute (matmul
+inputs, attention, MLP), ``r`` residual stream (pipeline transfers).
 
-Model states (per rank, ``P`` = local parameters, :func:`rank_parameter_count`)::
+Model states follow :class:`plait.data_parallel.optimizer.DistributedOptimizer` (per rank,
+``P`` = local parameters, :func:`rank_parameter_count`; ``P_own = ceil(P / dp)`` with ZeRO-1 and
+``dp > 1``, else ``P``)::
 
-    parameters     = P * p
-    gradients      = P * g
-    optimizer      = 2 * P * o              (AdamW exp_avg, exp_avg_sq)
-                   = 2 * ceil(P / dp) * o   with ZeRO-1 (the flat buffer padded to a multiple of dp)
-    master_weights = P * w                  (only bf16-mixed: w = 4; / dp with ZeRO-1 likewise)
+    parameters     = P * p          the flat parameter buffer the weights are views of
+    gradients      = P * g          the flat gradient buffer: allocated once, alive the whole step
+                                    (zeroed in place after the update, never freed)
+    gradient_shard = P_own * g      ZeRO-1 only: the reduce-scatter target holding the averaged
+                                    gradients of the owned shard (0 without ZeRO-1)
+    optimizer      = 2 * P_own * o  AdamW exp_avg, exp_avg_sq of the owned elements
+    master_weights = P * 4          bf16-mixed without ZeRO-1 (the fp32 master copy)
+                   = P_own * o      with ZeRO-1, every preset: the owned shard in the optimizer's
+                                    dtype (fp32 also for fp32 / autocast; bf16 for bf16-pure)
+                   = 0              otherwise (the optimizer updates the weights in place)
+
+Padding that makes buckets divide by ``dp`` (at most ``dp - 1`` elements per bucket) is ignored.
 
 Activations are the tensors autograd saves, per micro-batch (:func:`layer_activation_bytes`
 for one decoder layer, :func:`chunk_cost` for a chunk), times the micro-batches in flight on the
@@ -28,35 +39,47 @@ rank at the peak, found by walking the rank's schedule (:func:`schedule_peak`; 1
 ``min(pp - r, m)``, GPipe ``m``, interleaved 1F1B what its task list gives; without pipeline
 parallelism one). The other activation-phase fields, at that same peak:
 
+* ``gradients_at_peak``: the gradient buffer, always whole (``== gradients``). Before the flat
+  buffer, ``.grad`` tensors were freed by ``zero_grad`` and existed only after a chunk's first
+  backward; they no longer are.
 * ``weight_copies``: autocast's bf16 copies of the matmul weights, saved for backward once per
   in-flight micro-batch (``2 * matmul params`` per chunk); 0 without autocast.
 * ``logits``: last stage only: the softmax (vocab-parallel loss) or log-softmax (``T = 1``) saved
   for backward, ``4 * B * S * V'`` per in-flight micro-batch.
-* ``comm_buffers``: pipeline p2p buffers as plait's runtime keeps them (every sent activation and
-  sent input gradient is kept until the step's end: ``B * S' * h * r`` per Forward done on a
-  non-last chunk and per Backward done on a non-first chunk, plus one received gradient during a
-  backward) and, under sequence parallelism, one gathered ``[B, S, h]`` input in the compute dtype
-  (the all-gather of a column-parallel layer). TP all-reduces run in place: counted 0.
+* ``comm_buffers``: pipeline p2p buffers as plait's runtime keeps them (a sent activation is
+  held until its gradient comes back, i.e. while its micro-batch is in flight on a non-last
+  chunk; a sent input gradient until the step's end; one received gradient during a backward;
+  ``B * S' * h * r`` each) and, under sequence parallelism, one gathered ``[B, S, h]`` input in
+  the compute dtype (the all-gather of a column-parallel layer). TP all-reduces run in place:
+  counted 0.
 * ``workspace``: the transient at the peak: the loss's working set on the last stage, or a new
-  weight gradient before it is accumulated into ``.grad`` (:func:`chunk_cost`).
-* ``gradients_at_peak``: the gradients already allocated at the peak. ``zero_grad(set_to_none=True)``
-  frees them every step, so they only exist after a chunk's first backward of the step: from the
-  second micro-batch on without pipeline, in 1F1B's steady state, never at GPipe's peak.
+  weight gradient (autograd's, in the parameter dtype ``p``) before the post-accumulate hook adds
+  it into the flat buffer and frees it (:func:`chunk_cost`).
 
-After the last backward (activations gone) the step phase needs the full gradients plus
-``step_buffers``: the coalesced data-parallel all-reduce flattens one chunk's gradients into a new
-buffer (``grad bytes of the largest chunk`` when ``dp > 1``), and the gradient norm squares each
-gradient into an fp32 temporary (``4 * numel`` of the largest weight). Fused AdamW allocates
-nothing beyond its states (checked on the CPU).
+After the last backward (activations gone) the step phase needs the gradient buffer plus
+``step_buffers``, the largest of these transients (they do not overlap in time):
 
-``total = parameters + optimizer + master_weights + max(activation phase, step phase)`` with
-``activation phase = gradients_at_peak + activations + weight_copies + logits + comm_buffers +
-workspace`` and ``step phase = gradients + step_buffers``.
+* the gradient norm: ``torch._foreach_norm`` over the owned gradient segments allocates nothing
+  for fp32 gradients; bf16 gradients (``bf16-pure``) are first copied to fp32, all at once:
+  ``4 * P_own``;
+* the update: fused ``torch.optim.AdamW`` allocates nothing beyond its states (checked on the
+  CPU); ``LowPrecisionAdamW`` (bf16 state, ``bf16-pure``) works on fp32 copies of one segment at
+  a time: about ``8 * 4`` bytes per element of the largest owned segment (weight, both moments,
+  gradient, the denominator and its temporary, the rounding noise and sum);
+* ZeRO-1: the all-gather of the updated shards stages every bucket's owned shard in the
+  parameter dtype before waiting for the gathers: ``P_own * p``.
+
+The data-parallel reductions themselves run in place on the flat buffer (all-reduce) or into the
+shard buffer (reduce-scatter); what a collective library stages internally is not modelled.
+
+``total = parameters + optimizer + master_weights + gradient_shard + max(activation phase, step
+phase)`` with ``activation phase = gradients_at_peak + activations + weight_copies + logits +
+comm_buffers + workspace`` and ``step phase = gradients + step_buffers``.
 
 Not modelled: allocator caching and fragmentation (the CUDA caching allocator, glibc arenas), the
 CUDA context / NCCL buffers, backward-pass transients other than ``workspace`` (each layer's
 activation gradients, a few ``[B, S, i]`` tensors), int64 token ids and masks, collective
-libraries' internal staging copies.
+libraries' internal staging copies, bucket padding.
 """
 
 from __future__ import annotations
@@ -88,13 +111,16 @@ class PrecisionBytes:
 
 
 #: ``fp32``: everything fp32. ``autocast``: fp32 weights, gradients and residual stream, bf16
-#: matmuls/attention/MLP (torch.autocast). ``bf16-mixed``: bf16 weights and gradients, fp32 master
-#: weights and optimizer states (the ZeRO paper's 2 + 2 + 12 bytes). ``bf16-pure``: everything
-#: bf16, optimizer states included.
+#: matmuls/attention/MLP (torch.autocast). ``bf16-mixed``: bf16 weights, activations and
+#: autograd's per-parameter gradients, but an fp32 gradient buffer (accumulation and the
+#: data-parallel reduction run in fp32), fp32 master weights and optimizer states: 2 + 4 + 4 + 8
+#: bytes per parameter (the ZeRO paper's 2 + 2 + 12 assumed bf16 gradients). ``bf16-pure``:
+#: everything bf16, optimizer states included. ``master`` is the non-ZeRO master copy; with
+#: ZeRO-1 every preset keeps a master shard in the optimizer-state dtype (see the module doc).
 PRECISIONS: dict[str, PrecisionBytes] = {
     "fp32": PrecisionBytes("fp32", 4, 4, 4, 0, 4, 4, False),
     "autocast": PrecisionBytes("autocast", 4, 4, 4, 0, 2, 4, True),
-    "bf16-mixed": PrecisionBytes("bf16-mixed", 2, 2, 4, 4, 2, 2, False),
+    "bf16-mixed": PrecisionBytes("bf16-mixed", 2, 4, 4, 4, 2, 2, False),
     "bf16-pure": PrecisionBytes("bf16-pure", 2, 2, 2, 0, 2, 2, False),
 }
 
@@ -262,10 +288,16 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
                      + B*S*c*q with padding heads        the masked output copy
         MLP          4 * B*S*i*c                         gate, up, silu(gate), silu(gate)*up
 
-    ``"selective"`` recomputes the attention core (rotary, SDPA) and the SwiGLU product in
-    backward: attention keeps only the q/k/v projections, ``B*S*c*(q + 2k)``, and the MLP only
-    gate and up, ``2*B*S*i*c``. ``"full"`` keeps only the layer input, ``B*S'*h*r`` (the one layer
-    being recomputed is added once, by :func:`estimate_memory`).
+    ``"selective"`` (plait's default names ``self_attn.core`` and ``mlp.act``) recomputes the
+    attention core (rotary, SDPA) and the SwiGLU product in backward. The checkpointed modules'
+    inputs stay alive (the q/k/v projections, gate and up) and so do their outputs, which the
+    next matmul saves as its input (``o_proj``, or the padding-head mask's product, and
+    ``down_proj``): attention keeps ``B*S*c*(2q + 2k)`` and the MLP ``3*B*S*i*c``. What selective
+    saves per layer is therefore only the logsumexp, the padding-head copy and ``silu(gate)``
+    (``B*S*i*c``): with flash / memory-efficient SDPA there is no ``S x S`` matrix to drop.
+    Measured equal to the live tensors of a real checkpointed forward (tests). ``"full"`` keeps
+    only the layer input, ``B*S'*h*r`` (the one layer being recomputed is added once, by
+    :func:`estimate_memory`).
     """
     pb = precision_bytes(precision)
     sh = local_shapes(config, layout)
@@ -281,8 +313,8 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
     n_in, n_mlp = (3, 2) if (pb.autocast and sh.tp == 1) else (1, 1)
     matmul_in = (n_in + n_mlp) * B * S_r * h * c
     if layout.activation_checkpointing == "selective":
-        attn = B * S * c * (sh.q + 2 * sh.kv)
-        mlp = 2 * B * S * sh.intermediate * c
+        attn = B * S * c * (2 * sh.q + 2 * sh.kv)
+        mlp = 3 * B * S * sh.intermediate * c
     else:
         attn = B * S * c * (2 * sh.q + 2 * sh.kv) + 4 * B * sh.q_heads * S
         if sh.head_padding:
@@ -305,7 +337,7 @@ class ChunkCost:
     activations: int      # saved per in-flight micro-batch (layers, rotary tables, final norm)
     weight_copies: int    # autocast's bf16 weight copies per in-flight micro-batch
     logits_saved: int     # last stage: the saved softmax / log-softmax per in-flight micro-batch
-    gradients: int        # the chunk's gradients, live once its first backward of the step is done
+    gradients: int        # the chunk's part of the flat gradient buffer (alive the whole step)
     forward_transient: int    # while a forward runs (the loss working set on the last stage)
     backward_transient: int   # at the start of a backward (loss working set, largest new gradient)
     backward_end_transient: int  # at the end of a backward (the embedding's new gradient)
@@ -329,18 +361,20 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
     * backward_transient: the largest of (last stage) the loss backward's working set (TP = 1:
       NLL and log-softmax input gradients, ``8 N V'``; TP > 1: in place, ``c N V'`` for the cast
       when ``c != 4``), (last stage) the output head's new weight gradient plus the logits
-      gradient, less the saved softmax already released (``V' h (g + c_a) + (c - 4) N V'``,
-      ``c_a = c`` under autocast: the bf16 product before its cast to the gradient dtype), and the
-      largest decoder weight's new gradient (``numel * (g + c_a)``).
-    * backward_end_transient (first stage): the embedding's dense gradient ``V' h g``, created
-      after the stage's activations are freed.
+      gradient, less the saved softmax already released (``V' h (p + c_a) + (c - 4) N V'``,
+      ``c_a = c`` under autocast: the bf16 product before its cast to the parameter dtype), and the
+      largest decoder weight's new gradient (``numel * (p + c_a)``). New gradients are autograd's,
+      in the parameter dtype ``p``; the post-accumulate hook adds each into the flat buffer and
+      frees it.
+    * backward_end_transient (first stage): the embedding's dense gradient ``V' h p``, created
+      after the stage's activations are freed (on top of the gradient buffer, every backward).
     """
     pb = precision_bytes(precision)
     sh = local_shapes(config, layout)
     B, S, h = micro_batch_size, seq_len, sh.hidden
     S_r = _replicated_seq(layout, S)
     N = B * S
-    c, r, g = pb.compute, pb.residual, pb.grad
+    c, r, g, p = pb.compute, pb.residual, pb.grad, pb.param
     c_a = c if pb.autocast else 0
     act = len(chunk.layers) * layer_activation_bytes(config, layout, precision, B, S)
     act += 2 * S * config.head_dim * r
@@ -348,7 +382,7 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
     if pb.autocast and layout.activation_checkpointing != "full":
         copies = 2 * len(chunk.layers) * layer_matmul_parameter_count(config, sh)
     logits = fwd = 0
-    bwd = max(sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate) * (g + c_a) if chunk.layers else 0
+    bwd = max(sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate) * (p + c_a) if chunk.layers else 0
     if chunk.last:
         act += B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
         logits = 4 * N * sh.vocab
@@ -362,9 +396,9 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
             loss_bwd = 8 * N * sh.vocab
         # the head's new weight gradient and the logits gradient; this micro-batch's saved softmax
         # (counted in logits_saved) is released by then, or reused as the gradient in place
-        head = sh.vocab * h * (g + c_a) + (c - 4) * N * sh.vocab
+        head = sh.vocab * h * (p + c_a) + (c - 4) * N * sh.vocab
         bwd = max(bwd, loss_bwd, head)
-    end = sh.vocab * h * g if chunk.first else 0
+    end = sh.vocab * h * p if chunk.first else 0
     grads = chunk_parameter_count(config, sh, chunk) * g
     return ChunkCost(act, copies, logits, grads, fwd, bwd, end)
 
@@ -374,7 +408,7 @@ class SchedulePeak:
     """The activation-phase peak of one rank, by component (bytes)."""
 
     in_flight: dict[int, int]   # chunk index on the rank -> in-flight micro-batches at the peak
-    gradients: int              # gradients already allocated at the peak
+    gradients: int              # the gradient buffer (always whole)
     activations: int
     weight_copies: int
     logits: int
@@ -413,30 +447,32 @@ def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[C
       gradient (``act_bytes``) on a non-last chunk, and under full checkpointing the recomputed
       layer (``extra_layer``);
     * at the end of a Backward on the first stage: the remaining in-flight bytes plus the
-      embedding's ``backward_end_transient`` when its gradient already existed (accumulation).
+      embedding's ``backward_end_transient``.
 
-    Everywhere: the gradients of the chunks whose first backward of the step has completed
-    (``zero_grad(set_to_none=True)`` frees them every step; GPipe's peak therefore has none),
-    and the p2p buffers plait's runtime keeps until the step's end: ``act_bytes`` per Forward done
-    on a non-last chunk (the sent output) and per Backward done on a non-first chunk (the sent
-    input gradient).
+    Everywhere: the whole flat gradient buffer (all chunks' ``gradients``: it lives through the
+    step), and the p2p buffers plait's runtime keeps: ``act_bytes`` per micro-batch in flight on a
+    non-last chunk (the sent output, released when its gradient comes back and its backward has
+    run) and per Backward done on a non-first chunk (the sent input gradient, kept until the
+    step's end).
     """
     order = _compute_order(layout.schedule if layout.pp > 1 else "", pp_rank, layout.pp, microbatches, layout.vpp)
     in_flight = {i: 0 for i in range(len(chunks))}
-    has_grads = {i: False for i in range(len(chunks))}
-    sent = 0
+    gradients = sum(c.gradients for c in costs)
+    piped = layout.pp > 1
+    sent_grads = 0
     most = 0
     best: SchedulePeak | None = None
 
     def point(transient: int, p2p_extra: int = 0, act_extra: int = 0) -> None:
         nonlocal best
+        sent_acts = sum(n for c, n in in_flight.items() if piped and not chunks[c].last)
         p = SchedulePeak(
             in_flight=dict(in_flight),
-            gradients=sum(costs[c].gradients for c, done in has_grads.items() if done),
+            gradients=gradients,
             activations=sum(n * costs[c].activations for c, n in in_flight.items()) + act_extra,
             weight_copies=sum(n * costs[c].weight_copies for c, n in in_flight.items()),
             logits=sum(n * costs[c].logits_saved for c, n in in_flight.items()),
-            p2p=sent * act_bytes + p2p_extra,
+            p2p=(sent_acts + sent_grads) * act_bytes + p2p_extra,
             workspace=transient,
         )
         if best is None or p.total > best.total:
@@ -447,17 +483,14 @@ def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[C
         if is_fwd:
             in_flight[c] += 1
             most = max(most, sum(in_flight.values()))
-            if not ch.last and layout.pp > 1:
-                sent += 1
             point(cost.forward_transient)
             continue
-        point(cost.backward_transient, 0 if (ch.last or layout.pp == 1) else act_bytes, extra_layer)
+        point(cost.backward_transient, 0 if (ch.last or not piped) else act_bytes, extra_layer)
         in_flight[c] -= 1
-        had_grads, has_grads[c] = has_grads[c], True
         if ch.first:
-            point(cost.backward_end_transient if had_grads else 0)
-        elif layout.pp > 1:
-            sent += 1
+            point(cost.backward_end_transient)
+        elif piped:
+            sent_grads += 1
     assert best is not None
     return dataclasses.replace(best, max_in_flight=most)
 
@@ -467,9 +500,11 @@ def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[C
 class MemoryBreakdown:
     """Bytes per rank of one layout (one pipeline rank, or the worst one); see the module doc.
 
-    ``gradients`` is the full size of the rank's gradients; ``gradients_at_peak`` the part of it
-    already allocated at the activation-phase peak. ``workspace`` holds the transient at the peak
-    (the loss's working set on the last stage, or a new gradient before accumulation).
+    ``gradients`` is the rank's flat gradient buffer; ``gradients_at_peak`` the part of it alive at
+    the activation-phase peak, which is all of it since the buffer lives through the step (kept as
+    a field so reports keep their columns). ``gradient_shard`` is ZeRO-1's reduce-scatter target.
+    ``workspace`` holds the transient at the peak (the loss's working set on the last stage, or a
+    new gradient before it is added into the buffer).
     """
 
     layout: Layout
@@ -487,6 +522,7 @@ class MemoryBreakdown:
     workspace: int
     step_buffers: int
     gradients_at_peak: int = 0
+    gradient_shard: int = 0
     #: global stage -> in-flight micro-batches at the peak (not necessarily the most ever in flight:
     #: a later point with gradients allocated can be the larger one)
     in_flight: dict[int, int] = field(default_factory=dict)
@@ -494,16 +530,18 @@ class MemoryBreakdown:
     #: ``peak_in_flight``)
     max_in_flight: int = 0
 
-    FIELDS = ("parameters", "gradients", "optimizer", "master_weights", "activations", "weight_copies",
-              "logits", "comm_buffers", "workspace", "step_buffers")
+    FIELDS = ("parameters", "gradients", "gradient_shard", "optimizer", "master_weights", "activations",
+              "weight_copies", "logits", "comm_buffers", "workspace", "step_buffers")
 
     @property
     def model_states(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.master_weights
+        """Parameters, both gradient buffers, optimizer state and master weights: alive all step."""
+        return self.parameters + self.gradients + self.gradient_shard + self.optimizer + self.master_weights
 
     @property
     def activation_phase(self) -> int:
-        """Bytes above the persistent states (parameters, optimizer, master) at the activation peak."""
+        """Bytes above the other persistent states (parameters, optimizer, master, gradient shard)
+        at the activation peak, the gradient buffer included."""
         return (self.gradients_at_peak + self.activations + self.weight_copies + self.logits + self.comm_buffers
                 + self.workspace)
 
@@ -514,7 +552,8 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer + self.master_weights + max(self.activation_phase, self.step_phase)
+        return (self.parameters + self.optimizer + self.master_weights + self.gradient_shard
+                + max(self.activation_phase, self.step_phase))
 
     def as_dict(self) -> dict:
         d = {"layout": self.layout.as_dict(), "precision": self.precision, "pp_rank": self.pp_rank,
@@ -527,8 +566,7 @@ class MemoryBreakdown:
 
     @staticmethod
     def table_header(unit: str = "MiB") -> str:
-        cols = ["layout", "precision", "pp rank", *MemoryBreakdown.FIELDS[:2], "grads at peak",
-                *MemoryBreakdown.FIELDS[2:], f"total ({unit})"]
+        cols = ["layout", "precision", "pp rank", *MemoryBreakdown.FIELDS, f"total ({unit})"]
         return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
     def table_row(self, unit: str = "MiB") -> str:
@@ -537,7 +575,6 @@ class MemoryBreakdown:
         fmt = (lambda v: f"{v / div:.1f}") if unit != "B" else str
         cells = [self.layout.short(), self.precision, str(self.pp_rank)]
         values = [getattr(self, k) for k in self.FIELDS]
-        values.insert(2, self.gradients_at_peak)
         cells += [fmt(v) for v in values] + [fmt(self.total)]
         return "| " + " | ".join(cells) + " |"
 
@@ -572,7 +609,8 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     counts = [chunk_parameter_count(config, sh, ch) for ch in chunks]
     P = sum(counts)
     dp = layout.dp
-    sharded = (lambda n: -(-n // dp)) if (layout.zero1 and dp > 1) else (lambda n: n)
+    zero = layout.zero1 and dp > 1  # ZeRO-1 at dp = 1 warns and trains unsharded
+    owned = -(-P // dp) if zero else P
 
     costs = [chunk_cost(config, layout, pb.name, ch, B, S) for ch in chunks]
     act_bytes = B * _replicated_seq(layout, S) * sh.hidden * pb.residual
@@ -585,11 +623,17 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
             extra_layer += 2 * layer_matmul_parameter_count(config, sh)
     peak = schedule_peak(layout, m, pp_rank, costs, chunks, act_bytes=act_bytes, extra_layer=extra_layer)
     tp_gather = B * S * sh.hidden * pb.compute if (layout.sequence_parallel and layout.tp > 1) else 0
-    step_buffers = (max(counts) * pb.grad if dp > 1 else 0) + _largest_weight(config, sh, chunks) * 4
+    # step phase, one transient at a time: the norm's fp32 copies of bf16 gradients, the bf16
+    # optimizer's fp32 working copies of its largest segment, ZeRO-1's all-gather staging
+    norm_copies = 4 * owned if pb.grad < 4 else 0
+    lowp_update = 8 * 4 * min(_largest_weight(config, sh, chunks), owned) if pb.optimizer_state < 4 else 0
+    staging = owned * pb.param if zero else 0
+    step_buffers = max(norm_copies, lowp_update, staging)
     return MemoryBreakdown(
         layout=layout, precision=pb.name, pp_rank=pp_rank, parameter_count=P,
-        parameters=P * pb.param, gradients=P * pb.grad,
-        optimizer=2 * sharded(P) * pb.optimizer_state, master_weights=sharded(P) * pb.master,
+        parameters=P * pb.param, gradients=P * pb.grad, gradient_shard=owned * pb.grad if zero else 0,
+        optimizer=2 * owned * pb.optimizer_state,
+        master_weights=owned * pb.optimizer_state if zero else P * pb.master,
         activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
         comm_buffers=peak.p2p + tp_gather, workspace=peak.workspace, step_buffers=step_buffers,
         gradients_at_peak=peak.gradients, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},
