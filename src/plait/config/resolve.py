@@ -35,6 +35,7 @@ class ResolvedRecipe:
     tokens_per_step: int
     output_dir: str
     checkpoint_dir: str
+    save_dir: str = ""
     #: the architecture read from ``model.hf_path`` (``None`` without one)
     hf_config: LlamaConfig | None = None
     warnings: tuple[str, ...] = field(default=())
@@ -102,7 +103,7 @@ class ResolvedRecipe:
             "world_size": self.world_size, "tp": self.tp, "pp": self.pp, "dp": self.dp,
             "kv_replication": self.kv_replication, "microbatches": self.microbatches,
             "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,
-            "output_dir": self.output_dir, "checkpoint_dir": self.checkpoint_dir,
+            "output_dir": self.output_dir, "checkpoint_dir": self.checkpoint_dir, "save_dir": self.save_dir,
             "vocab_size": f"{numbers.vocab_size} (from {source})",
             "parameters": numbers.num_parameters, "non_embedding_parameters": numbers.non_embedding_parameters,
             "flops_per_token": numbers.flops_per_token, "flops_per_step": numbers.flops_per_step,
@@ -122,6 +123,7 @@ class ResolvedRecipe:
         data["data"]["global_batch_size"] = self.global_batch_size
         data["run"]["output_dir"] = self.output_dir.replace("{", "{{").replace("}", "}}")
         data["checkpoint"]["dir"] = self.checkpoint_dir.replace("{", "{{").replace("}", "}}")
+        data["checkpoint"]["save_dir"] = self.save_dir.replace("{", "{{").replace("}", "}}")
         if self.hf_config is not None:
             data["model"].update({name: getattr(self.hf_config, name) for name in ARCH_FIELDS})
         return Recipe.model_validate(data)
@@ -141,6 +143,7 @@ def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | 
     gbs = r.data.global_batch_size or r.data.micro_batch_size * p.microbatches * dp
     out = r.run.output_dir.format(name=r.run.name)
     ckpt = r.checkpoint.dir.format(output_dir=out, name=r.run.name)
+    save_dir = r.checkpoint.save_dir.format(output_dir=out, name=r.run.name)
     return ResolvedRecipe(recipe=r, world_size=world, dp=dp, kv_replication=kv, global_batch_size=gbs,
-                          tokens_per_step=gbs * r.data.seq_len, output_dir=out, checkpoint_dir=ckpt,
+                          tokens_per_step=gbs * r.data.seq_len, output_dir=out, checkpoint_dir=ckpt, save_dir=save_dir,
                           hf_config=hf_config, warnings=tuple(warnings))

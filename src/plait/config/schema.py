@@ -208,6 +208,9 @@ class TrainSection(Section):
     log_every: Int = Field(10, ge=1, description="Log metrics every this many steps (and at the end)")
     sample_prompt: str = Field("ROMEO:", description="Prompt of the text sample generated at the end")
     sample_tokens: Int = Field(48, ge=0, description="Tokens generated for the final sample; 0 = no sample text")
+    nonfinite: Literal["halt", "skip"] = Field(
+        "halt", description="A step whose loss or gradient norm is not finite: 'halt' (save nothing, stop with an "
+                            "error) or 'skip' (discard its update and go on)")
     activation_checkpointing: Literal["off", "full", "selective"] = Field(
         "off", description="Recompute activations in backward: 'off', 'full' (every decoder block) or 'selective' "
                            "(the block submodules in train.checkpoint_modules)")
@@ -218,7 +221,20 @@ class TrainSection(Section):
 class CheckpointSection(Section):
     save_final: Bool = Field(True, description="Write a Hugging Face model directory at the end")
     dir: str = Field("{output_dir}/final", min_length=1,
-                     description="Directory of the final checkpoint; {output_dir} and {name} are substituted")
+                     description="Directory of the final Hugging Face checkpoint; {output_dir} and {name} are "
+                                 "substituted")
+    save_every: Int = Field(0, ge=0, description="Write a sharded training checkpoint every this many steps and at "
+                                                 "the end; 0 = only when preempted (SIGTERM/SIGINT)")
+    save_dir: str = Field("{output_dir}/checkpoints", min_length=1,
+                          description="Directory of the sharded training checkpoints (step-N subdirectories); "
+                                      "{output_dir} and {name} are substituted")
+    keep: Int = Field(2, ge=1, description="Complete checkpoints kept (the newest is never deleted)")
+    keep_every: Int = Field(0, ge=0, description="Also keep every checkpoint whose step is a multiple of this; "
+                                                 "0 = none")
+    resume: str = Field("none", min_length=1, description="'none', 'auto' (the newest complete checkpoint in "
+                                                          "save_dir, if any) or a checkpoint directory")
+    async_save: Bool = Field(True, description="Write checkpoints on a background thread after a host copy "
+                                               "(at most one in flight)")
 
 
 class LoggingSection(Section):
@@ -239,7 +255,8 @@ class Recipe(Section):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Learning-rate schedule")
     data: DataSection = Field(default_factory=DataSection, description="Corpus, tokenizer and batching")
     train: TrainSection = Field(default_factory=TrainSection, description="Length, evaluation, logging cadence")
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Final checkpoint")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection,
+                                          description="Training checkpoints, resume and the final checkpoint")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Metric sinks")
 
 

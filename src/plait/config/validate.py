@@ -420,12 +420,17 @@ def _check_paths(c: _Checker) -> None:
         except (KeyError, IndexError, ValueError, AttributeError):
             c.add("run.output_dir", r.run.output_dir, "only {name} may be substituted; write {{ }} for braces")
             out = None
-        if c.ok("checkpoint.dir") and out is not None:
-            try:
-                r.checkpoint.dir.format(output_dir=out, name=r.run.name)
-            except (KeyError, IndexError, ValueError, AttributeError):
-                c.add("checkpoint.dir", r.checkpoint.dir,
-                      "only {output_dir} and {name} may be substituted; write {{ }} for braces")
+        for key in ("dir", "save_dir"):
+            value = getattr(r.checkpoint, key)
+            if c.ok(f"checkpoint.{key}") and out is not None:
+                try:
+                    value.format(output_dir=out, name=r.run.name)
+                except (KeyError, IndexError, ValueError, AttributeError):
+                    c.add(f"checkpoint.{key}", value,
+                          "only {output_dir} and {name} may be substituted; write {{ }} for braces")
+    resume = r.checkpoint.resume
+    if c.ok("checkpoint.resume") and resume not in ("none", "auto") and not Path(resume).is_dir():
+        c.add("checkpoint.resume", resume, "'none', 'auto', or an existing checkpoint directory (step-N)")
 
 
 def _check_data(c: _Checker, check_paths: bool) -> None:

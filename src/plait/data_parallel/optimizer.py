@@ -198,9 +198,23 @@ class DistributedOptimizer:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Update the owned segments, publish the new weights to the model, clear the gradients."""
-        self.inner.step()
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """Update the owned segments, publish the new weights to the model, clear the gradients.
+
+        ``found_inf`` (a device scalar, 1.0 = skip): the fused AdamW skips the whole update on the
+        device, without a host read, and leaves its step counters as they were; the low-precision
+        AdamW reads the flag on the host (one read per step, only when skipping is enabled).
+        """
+        if found_inf is not None and getattr(self.inner, "defaults", {}).get("fused"):
+            self.inner.found_inf = found_inf.to(torch.float32).reshape(1)
+            try:
+                self.inner.step()
+            finally:
+                del self.inner.found_inf
+        elif found_inf is not None and bool(found_inf.item()):
+            pass  # skip: weights, moments and step counts stay as they were
+        else:
+            self.inner.step()
         if self.has_master:
             works, staged = [], []
             for b, master in zip(self.layout.buckets, self.master_views):
@@ -228,3 +242,78 @@ class DistributedOptimizer:
                 "expected_state_bytes": 2 * owned * item,
                 "master_bytes": self.master_data.numel() * self.master_data.element_size() if self.has_master else 0,
                 "padding_elements": self.layout.padding, "total_elements": self.layout.numel}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_kinds(self) -> list[str]:
+        """The per-parameter optimizer tensors a checkpoint holds (master only when it differs from the weights)."""
+        return ["exp_avg", "exp_avg_sq"] + (["master"] if self.policy.separate_master else [])
+
+    def step_count(self) -> int:
+        """Optimizer steps taken (read on the host; for checkpoints, not for the training loop)."""
+        for st in self.inner.state.values():
+            step = st.get("step")
+            if step is not None:
+                return int(step.item()) if torch.is_tensor(step) else int(step)
+        return 0
+
+    @torch.no_grad()
+    def param_states(self):
+        """Yield ``(entry, {kind: tensor})`` for every parameter, each tensor in the local parameter's shape.
+
+        Under ZeRO-1 each bucket's owned ranges are all-gathered over the data-parallel group, so
+        every DP rank must run the whole iteration (collective); memory grows by one bucket at a time.
+        """
+        kinds = self.state_kinds()
+        by_bucket: dict[int, list[int]] = {}
+        for i, s in enumerate(self.segments):
+            by_bucket.setdefault(s.bucket.index, []).append(i)
+        device = self.param_data.device
+        for b in self.layout.buckets:
+            lo, hi = b.shard_range(self.shard, self.shards)
+            flats = {}
+            for kind in kinds:
+                owned = torch.zeros(hi - lo, dtype=self.policy.master_dtype, device=device)
+                for i in by_bucket.get(b.index, []):
+                    s = self.segments[i]
+                    src = self.main_params[i] if kind == "master" else self.inner.state.get(self.main_params[i], {}).get(kind)
+                    if src is not None:
+                        owned[s.start - lo:s.end - lo].copy_(src.reshape(-1))
+                if self.zero:
+                    full = torch.empty(b.numel, dtype=owned.dtype, device=device)
+                    all_gather_single(full, owned, group=self.dp.group)
+                    owned = full
+                flats[kind] = owned
+            for e in b.entries:
+                yield e, {k: v[e.start - b.start:e.end - b.start].view(e.param.shape) for k, v in flats.items()}
+
+    @torch.no_grad()
+    def load_param_state(self, name: str, state: dict[str, torch.Tensor], step: int) -> None:
+        """Set one parameter's optimizer state from local-shape tensors (``exp_avg``, ``exp_avg_sq``,
+        optionally ``master``). The model weights must already hold the loaded values: without a
+        ``master`` tensor the master copy is taken from them."""
+        for i in self._segments_of(name):
+            s, main = self.segments[i], self.main_params[i]
+            a, z = s.start - s.entry.start, s.end - s.entry.start
+            if self.has_master:
+                src = state.get("master")
+                main.copy_((src if src is not None else s.entry.param).reshape(-1)[a:z])
+            new: dict = {k: state[k].reshape(-1)[a:z].to(main.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}
+            lowp = self.policy.master_dtype == torch.bfloat16
+            new["step"] = step if lowp else torch.tensor(float(step), dtype=torch.float32, device=main.device)
+            self.inner.state[main] = new
+
+    def _segments_of(self, name: str) -> list[int]:
+        if not hasattr(self, "_by_name"):
+            self._by_name: dict[str, list[int]] = {}
+            for i, s in enumerate(self.segments):
+                self._by_name.setdefault(s.entry.name, []).append(i)
+        return self._by_name.get(name, [])
+
+    @torch.no_grad()
+    def sync_master_from_weights(self) -> None:
+        """Copy the model weights into the master copy (after loading weights without optimizer state)."""
+        if not self.has_master:
+            return
+        for i, s in enumerate(self.segments):
+            a, z = s.start - s.entry.start, s.end - s.entry.start
+            self.main_params[i].copy_(s.entry.param.reshape(-1)[a:z])

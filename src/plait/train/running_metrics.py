@@ -2,6 +2,8 @@
 
 Adding a step's loss and gradient norm is a device-side addition; the host reads the sums once
 per logging interval (one ``tolist()``), so steps that do not log never wait for the device.
+With ``skip_nonfinite`` a step whose loss or norm is not finite (its update was skipped) is
+counted as skipped instead of poisoning the sums.
 """
 
 from __future__ import annotations
@@ -13,15 +15,25 @@ import torch.distributed as dist
 class RunningMetrics:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm
+        self._sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, grad norm, skipped, non-finite
         self.steps = 0
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self._sums += torch.stack([loss.detach().double(), grad_norm.detach().double()])
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, skip_nonfinite: bool = False) -> None:
+        values = torch.stack([loss.detach().double(), grad_norm.detach().double()])
+        bad = (~torch.isfinite(values).all()).double()
+        if skip_nonfinite:
+            values = torch.where(bad.bool(), torch.zeros_like(values), values)
+            self._sums += torch.cat([values, bad.reshape(1), torch.zeros(1, dtype=torch.float64, device=self.device)])
+        else:
+            self._sums += torch.cat([values, torch.zeros(1, dtype=torch.float64, device=self.device), bad.reshape(1)])
         self.steps += 1
 
+    def finite(self) -> bool:
+        """No step since the last read had a non-finite loss or norm that was not skipped (a host read)."""
+        return bool(torch.isfinite(self._sums[:2]).all()) and float(self._sums[3]) == 0
+
     def read(self, average_over=None, loss_from=None) -> dict[str, float]:
-        """Means over the interval, then reset.
+        """Means over the interval's non-skipped steps, then reset.
 
         ``loss_from``: the pipeline group, whose last stage alone holds the loss (the others add
         zero); ``average_over``: the data-parallel group, whose ranks' values are averaged.
@@ -35,9 +47,14 @@ class RunningMetrics:
         if average_over is not None and average_over.size > 1:
             sums = sums.clone()
             dist.all_reduce(sums, group=average_over.group)
-            sums[0] /= average_over.size
-            sums[1] /= average_over.size
-        loss, grad_norm = (sums / max(self.steps, 1)).tolist()
+            sums[:4] /= average_over.size
+        loss, grad_norm, skipped, _ = sums.tolist()
+        counted = self.steps - round(skipped)
         self._sums = torch.zeros_like(self._sums)
         self.steps = 0
-        return {"loss": loss, "grad_norm": grad_norm}
+        if counted <= 0:  # every step of the interval was skipped
+            return {"loss": float("nan"), "grad_norm": float("nan"), "skipped_steps": round(skipped)}
+        out = {"loss": loss / counted, "grad_norm": grad_norm / counted}
+        if skipped:
+            out["skipped_steps"] = round(skipped)
+        return out

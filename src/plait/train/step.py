@@ -15,17 +15,26 @@ from plait.data_parallel.optimizer import DistributedOptimizer
 from plait.train.precision import PrecisionPolicy
 
 
-def finish_step(optimizer: DistributedOptimizer, grad_clip: float) -> torch.Tensor:
-    """Wait for the reductions, take the global norm, clip, update. Returns the pre-clip norm."""
+def finish_step(optimizer: DistributedOptimizer, grad_clip: float, loss: torch.Tensor | None = None,
+                skip_nonfinite: bool = False) -> torch.Tensor:
+    """Wait for the reductions, take the global norm, clip, update. Returns the pre-clip norm.
+
+    With ``skip_nonfinite`` a step whose norm (or ``loss``) is not finite changes nothing: the
+    decision stays on the device (see :meth:`DistributedOptimizer.step`).
+    """
     optimizer.grads.finish()
     norm = optimizer.grad_norm()
+    found = None
+    if skip_nonfinite:
+        ok = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
+        found = (~ok).float()
     optimizer.clip_(norm, grad_clip)
-    optimizer.step()
+    optimizer.step(found_inf=found)
     return norm
 
 
 def train_step(model: nn.Module, optimizer: DistributedOptimizer, batch: torch.Tensor, *, grad_clip: float,
-               policy: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+               policy: PrecisionPolicy, skip_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch``: ``[microbatches, micro_batch, seq]``. Returns (mean loss, pre-clip grad norm)."""
     device = optimizer.param_data.device
     microbatches = batch.shape[0]
@@ -38,11 +47,12 @@ def train_step(model: nn.Module, optimizer: DistributedOptimizer, batch: torch.T
             loss = model(ids, ids)
         (loss / microbatches).backward()
         total += loss.detach().float()
-    return total / microbatches, finish_step(optimizer, grad_clip)
+    loss = total / microbatches
+    return loss, finish_step(optimizer, grad_clip, loss, skip_nonfinite)
 
 
 def pipeline_train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor, *,
-                        grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        grad_clip: float, skip_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One step under pipeline parallelism: the schedule, then the same reductions as ``train_step``.
 
     The runtime calls ``optimizer.grads.mark_final`` before each stage's last backward (see
@@ -50,4 +60,6 @@ def pipeline_train_step(runtime, optimizer: DistributedOptimizer, batch: torch.T
     tensors; the loss is non-zero on the last stage only.
     """
     loss = runtime.run(batch, train=True)
-    return loss, finish_step(optimizer, grad_clip)
+    # the loss lives on the last stage only; a non-finite loss makes the gradients, hence the norm
+    # that every stage shares, non-finite too
+    return loss, finish_step(optimizer, grad_clip, None, skip_nonfinite)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.checkpoint.writer import CheckpointWriter
 from plait.mesh import ParallelMesh
 from plait.train.running_metrics import RunningMetrics
 from plait.train.schedules import build_scheduler
@@ -157,14 +158,99 @@ class Trainer:
         s = r.scheduler
         self.scheduler = build_scheduler(self.optimizer.inner, name=s.name, warmup_steps=s.warmup_steps,
                                          total_steps=r.train.steps, min_ratio=s.min_lr_ratio)
+        self.modules = modules
+        c = r.checkpoint
+        self.checkpoints = CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
+                                            keep_every=c.keep_every)
+        # a gloo group for host-side agreement (preemption) that never touches the accelerator
+        self._control = dist.new_group(backend="gloo") if world > 1 else None
+        self._stop_signal = 0
+        self.start_step = self._resume()
         sampler = GlobalBatchSampler(len(self.train_data), resolved.global_batch_size, r.run.seed)
         self.loader = BatchLoader(self.train_data, sampler, dp_rank=self.dp.rank, dp=self.dp.size,
-                                  microbatches=r.parallel.microbatches, prefetch=r.data.prefetch)
+                                  microbatches=r.parallel.microbatches, prefetch=r.data.prefetch,
+                                  start_step=self.start_step)
         self.metrics = RunningMetrics(self.device)
         self.peak_flops = self._measure_peak_once()
         self.flops_per_token = None
         self.is_writer = rank == 0
         self.sinks = self._build_sinks() if self.is_writer else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def _resume(self) -> int:
+        """Clean up interrupted saves and, per ``checkpoint.resume``, load a checkpoint; returns the start step."""
+        from plait.checkpoint.store import latest_checkpoint, remove_incomplete
+        from plait.checkpoint.training import restore
+
+        c, root = self.recipe.checkpoint, Path(self.resolved.save_dir)
+        if self.rank == 0:
+            for d in remove_incomplete(root):
+                print(f"removed the interrupted checkpoint {d}", flush=True)
+        if self.world > 1:
+            dist.barrier(group=self._control)
+        if c.resume == "none":
+            return 0
+        directory = latest_checkpoint(root) if c.resume == "auto" else Path(c.resume)
+        if directory is None:
+            if self.rank == 0:
+                print(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from step 0", flush=True)
+            return 0
+        step = restore(self, directory)
+        self._set_schedule_step(step)
+        if self.rank == 0:
+            print(f"resumed from {directory} at step {step}", flush=True)
+        return step
+
+    def _set_schedule_step(self, step: int) -> None:
+        """Put the learning-rate schedule where it is after ``step`` optimizer steps."""
+        sch = self.scheduler
+        lrs = [base * fn(step) for base, fn in zip(sch.base_lrs, sch.lr_lambdas)]
+        for group, lr in zip(self.optimizer.inner.param_groups, lrs):
+            group["lr"] = lr
+        sch.last_epoch = step
+        sch._last_lr = lrs
+
+    def save_checkpoint(self, step: int, *, sync: bool = False) -> float:
+        """Snapshot this rank's state and write it (in the background unless ``sync``); returns the
+        seconds the training loop was held up."""
+        from plait.checkpoint.training import checkpoint_meta, rng_states
+
+        start = time.perf_counter()
+        snap = self.checkpoints.snapshot(step, self.modules, self.optimizer, self.mesh, checkpoint_meta(self, step),
+                                         rng_states(self))
+        self.last_snapshot_bytes = snap.nbytes
+        if self.recipe.checkpoint.async_save and not sync:
+            self.checkpoints.write_async(snap)
+        else:
+            self.checkpoints.write(snap)
+        return time.perf_counter() - start
+
+    def finish_checkpoints(self) -> None:
+        """Wait for the background save; every rank returns only after the checkpoint is committed."""
+        self.checkpoints.wait()
+        if self.world > 1:
+            dist.barrier(group=self._control)
+
+    def _install_signal_handlers(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def request_stop(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+            self._stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, request_stop)
+
+    def _stop_requested(self) -> int:
+        """The signal any rank received (0: none), agreed by all ranks at a step boundary."""
+        if self._control is None:
+            return self._stop_signal
+        flag = torch.tensor([self._stop_signal], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
+        return int(flag[0])
 
     def _seed_default_generator(self) -> None:
         """Seed the global RNG (dropout outside tensor-parallel regions) from the run seed.
@@ -237,14 +323,16 @@ class Trainer:
         Nothing in here reads a device value on the host (tests/test_trainer.py counts).
         """
         r = self.recipe
+        skip = r.train.nonfinite == "skip"
         if self.pipeline is not None:
-            loss, norm = pipeline_train_step(self.pipeline, self.optimizer, batch, grad_clip=r.optimizer.grad_clip)
+            loss, norm = pipeline_train_step(self.pipeline, self.optimizer, batch, grad_clip=r.optimizer.grad_clip,
+                                             skip_nonfinite=skip)
         else:
             loss, norm = train_step(self.model, self.optimizer, batch, grad_clip=r.optimizer.grad_clip,
-                                    policy=self.policy)
+                                    policy=self.policy, skip_nonfinite=skip)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        self.metrics.add(loss, norm)
+        self.metrics.add(loss, norm, skip_nonfinite=skip)
         return lr
 
     def fit(self) -> dict[str, Any]:
@@ -254,15 +342,31 @@ class Trainer:
         interval_start, interval_wait0 = time.perf_counter(), 0.0
         run_start = interval_start
         batches = iter(self.loader)
+        c = r.checkpoint
+        self.stopped_by_signal = 0
+        self._install_signal_handlers()
         try:
-            for step in range(steps):
+            for step in range(self.start_step, steps):
                 lr = self.run_step(next(batches))
                 done = step + 1
+                signum = self._stop_requested()
+                if signum:
+                    self._guard_finite(done)
+                    self.save_checkpoint(done, sync=True)
+                    self.stopped_by_signal = signum
+                    if self.rank == 0:
+                        print(f"stopped by signal {signum} after step {done}; checkpoint written to "
+                              f"{self.resolved.save_dir}", flush=True)
+                    last = {"step": done, "stopped_by_signal": signum}
+                    break
+                if c.save_every and (done % c.save_every == 0 or done == steps):
+                    self._guard_finite(done)
+                    self.checkpoint_stall_s = self.save_checkpoint(done)
                 if done % log_every == 0 or done == steps:
                     now = time.perf_counter()
                     n = self.metrics.steps
                     record = {"step": done, **self.metrics.read(average_over=self.dp, loss_from=self.pp), "lr": lr}
-                    if not math.isfinite(record["loss"]):
+                    if not math.isfinite(record["loss"]) and "skipped_steps" not in record:
                         raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
                                                  f"optimizer.lr or enable optimizer.grad_clip")
                     wait = self.loader.wait_seconds - interval_wait0
@@ -280,8 +384,15 @@ class Trainer:
             self.loader.close()
             if self.sinks is not None:
                 self.sinks.close()
+        self.finish_checkpoints()
         last["wall_seconds"] = time.perf_counter() - run_start
         return last
+
+    def _guard_finite(self, step: int) -> None:
+        """Refuse to checkpoint a state reached through a non-finite loss (read since the last log)."""
+        if not self.metrics.finite():
+            raise FloatingPointError(f"a non-finite loss or gradient norm occurred before step {step}; no "
+                                     f"checkpoint was written (train.nonfinite={self.recipe.train.nonfinite!r})")
 
     def _eval_fields(self) -> dict[str, float]:
         r = self.recipe

@@ -1,0 +1,160 @@
+"""Reading a checkpoint into any layout: each rank reads only the slices its shards need.
+
+A target parameter is described by its :class:`~plait.tensor_parallel.sharding.ShardSpec` (or
+none: the full tensor). For every run of full rows the target holds, the reader intersects it
+with the slices the manifest lists for that tensor and copies the overlap, reading through
+``safetensors``' lazy slicing, so host memory stays near one slice. Before a file is opened its
+sha256 is checked against the manifest: a flipped byte, a truncated file or anything planted in
+its place is rejected by name before any of its bytes are parsed. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from plait.checkpoint.format import CheckpointError, read_manifest, sha256_of, tensor_key
+
+
+class CheckpointReader:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.manifest = read_manifest(self.dir)
+        self.tensors: dict[str, dict[str, Any]] = self.manifest["tensors"]
+        for fname in self.manifest["files"]:
+            if not (self.dir / fname).is_file():
+                raise CheckpointError(f"{self.dir}: the manifest references {fname}, which is missing")
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ files
+    def _open(self, fname: str):
+        handle = self._handles.get(fname)
+        if handle is not None:
+            return handle
+        path = self.dir / fname
+        info = self.manifest["files"].get(fname)
+        if info is None:
+            raise CheckpointError(f"{path} is not listed in the manifest")
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (the manifest references it)")
+        actual = sha256_of(path)
+        if actual != info["sha256"]:
+            raise CheckpointError(f"{path}: sha256 {actual} does not match the manifest's {info['sha256']}; "
+                                  f"the file is corrupt or was replaced")
+        try:
+            handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file, named
+            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        self._handles[fname] = handle
+        return handle
+
+    def has(self, kind: str, name: str) -> bool:
+        return tensor_key(kind, name) in self.tensors
+
+    def shape(self, kind: str, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[tensor_key(kind, name)]["shape"])
+
+    def check_model(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Every parameter of the target model is in the checkpoint with its full shape.
+
+        Raises :class:`CheckpointError` naming the first mismatching tensor and both shapes.
+        """
+        for name, shape in expected.items():
+            key = tensor_key("model", name)
+            if key not in self.tensors:
+                have = sorted(k[len("model/"):] for k in self.tensors if k.startswith("model/"))
+                raise CheckpointError(f"{self.dir}: tensor {name!r} of the model is not in the checkpoint "
+                                      f"(it has {len(have)} model tensors, e.g. {have[:3]}); "
+                                      f"the recipe's model does not match the checkpoint")
+            saved = tuple(self.tensors[key]["shape"])
+            if saved != tuple(shape):
+                raise CheckpointError(f"{self.dir}: tensor {name!r} has shape {list(saved)} in the checkpoint but "
+                                      f"{list(shape)} in the recipe's model; the model does not match the checkpoint")
+        extra = sorted(k[len("model/"):] for k in self.tensors if k.startswith("model/")
+                       and k[len("model/"):] not in expected)
+        return extra  # tensors of other pipeline stages are expected here; the caller decides
+
+    # ------------------------------------------------------------------ reading
+    @torch.no_grad()
+    def read_into(self, kind: str, name: str, out: torch.Tensor, spec=None) -> None:
+        """Fill ``out`` (this rank's local tensor, any dtype) with ``kind/name`` as ``spec`` shards it."""
+        key = tensor_key(kind, name)
+        entry = self.tensors.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.dir}: {key} is not in the checkpoint")
+        if spec is None:
+            targets = [(None, 0, 0, None)]  # the whole tensor
+        else:
+            if any(i < 0 for i in spec.index):
+                out.zero_()
+            targets = [(spec.dim, local, full, length) for local, full, length in spec.runs()]
+        covered = 0
+        for sl in entry["slices"]:
+            handle = self._open(sl["file"])
+            src = handle.get_slice(sl["key"])
+            for dim, local, full, length in targets:
+                covered += self._copy(src, sl, out, dim, local, full, length)
+        need = out.numel() if spec is None else sum(
+            length * (out.numel() // max(out.shape[spec.dim], 1)) for _, _, _, length in targets)
+        if covered < need:
+            raise CheckpointError(f"{self.dir}: {key} does not cover every entry this rank needs "
+                                  f"({covered} of {need} elements)")
+
+    @staticmethod
+    def _copy(src, sl: dict[str, Any], out: torch.Tensor, dim: int | None, local: int, full: int,
+              length: int | None) -> int:
+        """Copy the overlap of one saved slice with one target run; returns the elements copied."""
+        sdim, sstart, slen = sl["dim"], sl["start"], sl["length"]
+        if dim is None:  # the target is the whole tensor
+            if sdim is None:
+                out.copy_(src[:])
+                return out.numel()
+            region = out.narrow(sdim, sstart, slen)
+            region.copy_(src[:])
+            return region.numel()
+        lo, hi = full, full + length
+        if sdim is None:  # saved whole: read the target's run from it
+            index = [slice(None)] * out.dim()
+            index[dim] = slice(lo, hi)
+            region = out.narrow(dim, local, length)
+            region.copy_(src[tuple(index)])
+            return region.numel()
+        if sdim != dim:
+            raise CheckpointError(f"slice {sl['key']} is split along dim {sdim}, the model along dim {dim}")
+        a, z = max(lo, sstart), min(hi, sstart + slen)
+        if a >= z:
+            return 0
+        index = [slice(None)] * out.dim()
+        index[dim] = slice(a - sstart, z - sstart)
+        region = out.narrow(dim, local + (a - lo), z - a)
+        region.copy_(src[tuple(index)])
+        return region.numel()
+
+    def read_rng(self, rank: int) -> dict[str, torch.Tensor]:
+        """The RNG states rank ``rank`` saved (from its own file)."""
+        from plait.checkpoint.format import rank_file
+
+        fname = rank_file(rank)
+        if fname not in self.manifest["files"]:
+            return {}
+        handle = self._open(fname)
+        return {k[len("rng/"):]: handle.get_tensor(k) for k in handle.keys() if k.startswith("rng/")}
