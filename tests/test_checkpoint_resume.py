@@ -72,7 +72,15 @@ EXACT = {
 }
 
 
-@pytest.mark.parametrize("name", list(EXACT))
+#: the 8-rank cases take about a minute each on 2 cores: they run with `make test-slow`
+SLOW = {"pp2xtp2xdp2-zero1", "tp2xpp2xdp2-to-tp4xdp2"}
+
+
+def _params(names):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
+@pytest.mark.parametrize("name", _params(EXACT))
 def test_resume_is_bitwise_exact(corpus, tmp_path, name):
     items, world = EXACT[name]
     steps = [f"train.steps={2 * N}"]
@@ -87,3 +95,35 @@ def test_resume_is_bitwise_exact(corpus, tmp_path, name):
     assert set(ref) == set(got)
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
+
+
+AFTER = 10
+#: name: (layout A, world A, layout B, world B); every layout trains on 8 sequences per step
+RESHARD = {
+    "tp2-to-tp1": (["parallel.tp=2", "data.micro_batch_size=8"], 2, ["data.micro_batch_size=8"], 1),
+    "tp1-to-tp4-kvrep": (["data.micro_batch_size=8"], 1, ["parallel.tp=4", "data.micro_batch_size=8"], 4),
+    "pp2-to-pp1": (["parallel.pp=2", "parallel.microbatches=4", "data.micro_batch_size=2"], 2,
+                   ["parallel.microbatches=4", "data.micro_batch_size=2"], 1),
+    "pp1-to-pp2-vpp2": (["parallel.microbatches=4", "data.micro_batch_size=2"], 1,
+                        ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
+                         "parallel.microbatches=4", "data.micro_batch_size=2"], 2),
+    "dp2-zero1-to-dp1": (["parallel.dp=2", "parallel.zero1=true", "data.micro_batch_size=4"], 2,
+                         ["data.micro_batch_size=8"], 1),
+    "tp2xpp2xdp2-to-tp4xdp2": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.zero1=true",
+                                "parallel.microbatches=2", "data.micro_batch_size=2"], 8,
+                               ["parallel.tp=4", "parallel.dp=2", "data.micro_batch_size=4"], 8),
+}
+
+
+@pytest.mark.parametrize("name", _params(RESHARD))
+def test_checkpoint_loads_under_another_layout(corpus, tmp_path, name):
+    a, world_a, b, world_b = RESHARD[name]
+    steps = [f"train.steps={N + AFTER}"]
+    ref = _run(corpus, tmp_path / "a", a + steps, world_a, N + AFTER, save_at=N)
+    ckpt = tmp_path / "a" / "checkpoints" / f"step-{N:08d}"
+    resumed = _run(corpus, tmp_path / "b", b + steps + [f"checkpoint.resume={ckpt}"], world_b, AFTER)
+    expected = ref[-1]["losses"][N:]  # the last rank holds the pipeline's loss on every layout
+    for rank, r in enumerate(resumed):
+        assert r["start"] == N
+        rel = max(abs(x - y) / y for x, y in zip(r["losses"], expected))
+        assert rel <= 1e-5, f"rank {rank}: relative loss difference {rel:.2e}\n{r['losses']}\n{expected}"
