@@ -1,13 +1,25 @@
 """Measured per-rank peak memory of real training steps vs :func:`plait.plan.memory.estimate_memory`.
 
-What is measured: for each layout and precision preset, ``world`` spawned gloo ranks on the CPU
-(one intra-op thread each) build the model exactly as the trainer does
-(:func:`plait.materialize.build_llama`, or :func:`~plait.materialize.build_llama_stages` driven by
-:class:`~plait.pipeline.runtime.PipelineRuntime` with the balanced FLOP split), build the fused
-AdamW (:class:`plait.data_parallel.optimizer.DistributedOptimizer`) and run ``--steps`` optimizer steps with
+What is measured: for each layout, precision preset and activation-checkpointing mode, ``world``
+spawned gloo ranks on the CPU (one intra-op thread each) build the model exactly as the trainer
+does (:func:`plait.materialize.build_llama`, or :func:`~plait.materialize.build_llama_stages`
+driven by :class:`~plait.pipeline.runtime.PipelineRuntime` with the balanced FLOP split), apply
+:func:`plait.activation_checkpointing.apply_activation_checkpointing` (``--ckpt``), build the
+optimizer (:class:`plait.data_parallel.optimizer.DistributedOptimizer`: flat buffers, fused
+AdamW, ZeRO-1 with ``--zero1``, the preset's dtypes) and run ``--steps`` optimizer steps with
 :func:`plait.train.step.train_step` / :func:`~plait.train.step.pipeline_train_step` on random
-tokens. A rank's measured peak is its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) at the end
-minus its RSS just before the model is built (the bare runtime: interpreter, torch, gloo groups).
+tokens. Three numbers per rank, each relative to its RSS just before the model is built (the
+bare runtime: interpreter, torch, gloo groups):
+
+* **peak**: peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) at the end, against the estimate's
+  ``total``;
+* **model states**: RSS after the last step, when no activation is alive (parameters, gradient
+  buffers, master weights, optimizer states), against the estimate's ``model_states``;
+* **activations** (``--probe``, layouts without pipeline parallelism): RSS after one extra
+  forward (loss computed, graph alive, nothing freed yet) minus RSS just before it, against the
+  bytes one micro-batch keeps for backward (:func:`plait.plan.memory.chunk_cost`: saved
+  activations + autocast weight copies + saved softmax).
+
 At least two steps are needed: AdamW allocates its states in the first ``optimizer.step()``, so
 only the second step's forward/backward runs with every model state live.
 
@@ -23,6 +35,8 @@ Run (repository root, venv active; ~5 minutes on 2 cores)::
     python bench/measure_memory.py
     python bench/measure_memory.py --smoke                      # tiny end-to-end check
     python bench/measure_memory.py --layouts tp2-sp,pp2 --precisions fp32
+    python bench/measure_memory.py --layouts dp1,dp2,dp4 --zero1 --precisions fp32,bf16-mixed
+    python bench/measure_memory.py --layouts tp1,tp2,tp2-sp --ckpt off,selective,full --probe
 """
 
 from __future__ import annotations
@@ -46,7 +60,9 @@ LAYOUTS = {
     "tp1": (dict(), 2),
     "tp2": (dict(tp=2), 2),
     "tp2-sp": (dict(tp=2, sequence_parallel=True), 2),
+    "dp1": (dict(), 2),
     "dp2": (dict(dp=2), 2),
+    "dp4": (dict(dp=4), 2),
     "pp2": (dict(pp=2), 4),
     "pp2-gpipe": (dict(pp=2, schedule="gpipe"), 4),
     "tp2xpp2": (dict(tp=2, pp=2, sequence_parallel=True), 4),
@@ -69,22 +85,26 @@ def peak_rss_bytes() -> int:
 
 
 def worker(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: str, micro_batch_size: int,
-           seq_len: int, microbatches: int, steps: int, warmup: bool = True) -> dict:
+           seq_len: int, microbatches: int, steps: int, warmup: bool = True, probe: bool = False) -> dict:
     """Warm up the runtime on a tiny model (optional), then measure ``steps`` steps of the real one."""
     import gc
 
     if warmup:
         tiny = dict(model_kw, vocab_size=256, hidden_size=8 * model_kw["num_attention_heads"],
                     intermediate_size=32, num_hidden_layers=max(2, layout_kw.get("pp", 1)))
-        _train(rank, world, tiny, layout_kw, precision, 1, 16, microbatches, 2)
+        _train(rank, world, tiny, layout_kw, precision, 1, 16, microbatches, 2, probe)
         gc.collect()
-    return _train(rank, world, model_kw, layout_kw, precision, micro_batch_size, seq_len, microbatches, steps)
+    return _train(rank, world, model_kw, layout_kw, precision, micro_batch_size, seq_len, microbatches, steps,
+                  probe)
 
 
 def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: str, micro_batch_size: int,
-           seq_len: int, microbatches: int, steps: int) -> dict:
+           seq_len: int, microbatches: int, steps: int, probe: bool = False) -> dict:
+    import gc
+
     import torch.distributed as dist
 
+    from plait.activation_checkpointing import apply_activation_checkpointing
     from plait.materialize import build_llama, build_llama_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
@@ -121,6 +141,8 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     else:
         model = build_llama(config, mesh, device=device, sequence_parallel=sp)
     modules = stages if layout.pp > 1 else [model]
+    if layout.activation_checkpointing != "none":  # last, after the TP swap and the pipeline split
+        apply_activation_checkpointing(modules, layout.activation_checkpointing)
     optimizer = DistributedOptimizer(modules, policy, OptimizerHyper(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
                                                                      eps=1e-8),
                                      dp=mesh.info("dp"), tp=mesh.info("tp"), pp=mesh.info("pp"),
@@ -134,9 +156,24 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
             loss, _ = train_step(model, optimizer, batch, grad_clip=1.0, policy=policy)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
+    gc.collect()
+    dist.barrier()
+    states = rss_bytes() - before  # no activation alive: parameters, gradient buffers, master, AdamW
+    activations = None
+    if probe and layout.pp == 1:  # one forward; what it leaves alive is what backward would use
+        ids = batches[0][0]
+        dist.barrier()
+        at = rss_bytes()
+        with policy.compute_context(device):
+            out = model(ids, ids)
+        activations = rss_bytes() - at
+        del out
+        dist.barrier()
     return {"rank": rank, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
             "before": before, "peak": peak, "peak_before": peak_before, "measured": peak - before,
-            "params": sum(p.numel() for p in model.parameters()), "seconds": seconds, "loss": float(loss)}
+            "states": states, "activations": activations,
+            "params": sum(p.numel() for p in model.parameters()), "seconds": seconds, "loss": float(loss),
+            "report": optimizer.memory_report()}
 
 
 # ------------------------------------------------------------------------------ process launch
@@ -191,10 +228,22 @@ def run_ranks(world: int, args: tuple, timeout: float = 1800.0) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ main
+CKPT_MODES = {"off": "none", "none": "none", "selective": "selective", "full": "full"}
+
+
+def _ratio(estimate: int, measured: int) -> str:
+    return f"{estimate / measured:.3f}" if measured > 0 else "n/a (nothing measured)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list of {', '.join(LAYOUTS)}")
-    ap.add_argument("--precisions", default="fp32,autocast")
+    ap.add_argument("--precisions", default="fp32,autocast",
+                    help="comma list of precision presets: fp32, autocast, bf16-mixed, bf16-pure")
+    ap.add_argument("--ckpt", default="off", help="comma list of activation-checkpointing modes: off, selective, full")
+    ap.add_argument("--zero1", action="store_true", help="ZeRO-1 on every layout (a no-op, with a warning, at dp=1)")
+    ap.add_argument("--probe", action="store_true",
+                    help="also measure one forward's activation bytes (layouts without pipeline parallelism)")
     ap.add_argument("--batch", type=int, default=2, help="micro-batch size (sequences)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
@@ -208,6 +257,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be >= 2 (AdamW allocates its states in the first step)")
+    from plait.plan.memory import PRECISIONS
+
+    precisions = args.precisions.split(",")
+    for name in args.layouts.split(","):
+        if name not in LAYOUTS:
+            ap.error(f"--layouts: unknown layout {name!r}; valid: {', '.join(LAYOUTS)}")
+    for precision in precisions:
+        if precision not in PRECISIONS:
+            ap.error(f"--precisions: unknown preset {precision!r}; valid: {', '.join(PRECISIONS)}")
+    ckpts = args.ckpt.split(",")
+    for mode in ckpts:
+        if mode not in CKPT_MODES:
+            ap.error(f"--ckpt: unknown mode {mode!r}; valid: off, selective, full")
     if args.mmap_threshold > 0:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # inherited by the spawned ranks
         os.environ["MALLOC_TRIM_THRESHOLD_"] = str(128 << 10)
@@ -217,34 +279,51 @@ def main() -> None:
     from plait.models.llama.config import LlamaConfig
     from plait.models.llama.parallelize import kv_replication_for
     from plait.plan.layout import Layout
-    from plait.plan.memory import estimate_memory
+    from plait.plan.memory import chunk_cost, estimate_memory, rank_chunks
 
     config = LlamaConfig(**model_kw)
     print(f"model: {config.num_parameters() / 1e6:.1f}M parameters ({model_kw}); micro-batch {args.batch} x {seq} "
           f"tokens, {args.steps} steps; torch {torch.__version__}; MALLOC_MMAP_THRESHOLD_="
           f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'glibc default')}", flush=True)
-    rows, details = [], {}
+    rows, probes, details = [], [], {}
     for name in args.layouts.split(","):
-        layout_kw, m = LAYOUTS[name]
-        for precision in args.precisions.split(","):
-            layout = Layout(kv_replication=kv_replication_for(config, layout_kw.get("tp", 1)), **layout_kw)
-            start = time.perf_counter()
-            results = run_ranks(layout.world, (model_kw, layout_kw, precision, args.batch, seq, m, args.steps,
-                                                    not args.no_warmup))
-            for res in results:
-                est = estimate_memory(config, layout, precision=precision, micro_batch_size=args.batch, seq_len=seq,
-                                      microbatches=m, stage=res["pp_rank"])
-                assert est.parameter_count == res["params"], (name, est.parameter_count, res["params"])
-                ratio = est.total / res["measured"]
-                rows.append(f"| {name} (m={m}) | {precision} | {res['rank']} (pp {res['pp_rank']}) | "
-                            f"{est.total / MiB:.1f} | {res['measured'] / MiB:.1f} | {ratio:.3f} |")
-                details[(name, precision, res["pp_rank"])] = est.table_row().replace(
-                    f"| {layout.short()} |", f"| {name} (m={m}) |", 1)
-                print(rows[-1] + f"  <!-- {time.perf_counter() - start:.0f}s, baseline {res['before'] / MiB:.0f} MiB, "
-                      f"model states {est.model_states / MiB:.1f} MiB -->", flush=True)
-    print("\n| layout | precision | rank | estimate MiB | measured MiB | estimate / measured |")
-    print("|---|---|---|---|---|---|")
+        base_kw, m = LAYOUTS[name]
+        for mode in ckpts:
+            for precision in precisions:
+                layout_kw = dict(base_kw, zero1=args.zero1, activation_checkpointing=CKPT_MODES[mode])
+                layout = Layout(kv_replication=kv_replication_for(config, layout_kw.get("tp", 1)), **layout_kw)
+                label = f"{name}{' zero1' if args.zero1 else ''} (m={m})"
+                start = time.perf_counter()
+                results = run_ranks(layout.world, (model_kw, layout_kw, precision, args.batch, seq, m, args.steps,
+                                                   not args.no_warmup, args.probe))
+                for res in results:
+                    est = estimate_memory(config, layout, precision=precision, micro_batch_size=args.batch,
+                                          seq_len=seq, microbatches=m, stage=res["pp_rank"])
+                    assert est.parameter_count == res["params"], (name, est.parameter_count, res["params"])
+                    rows.append(f"| {label} | {precision} | {mode} | {res['rank']} (pp {res['pp_rank']}) | "
+                                f"{est.model_states / MiB:.1f} | {res['states'] / MiB:.1f} | "
+                                f"{est.total / MiB:.1f} | {res['measured'] / MiB:.1f} | "
+                                f"{_ratio(est.total, res['measured'])} |")
+                    details[(label, precision, mode, res["pp_rank"])] = est.table_row().replace(
+                        f"| {layout.short()} |", f"| {label} {mode} |", 1)
+                    if res["activations"] is not None:
+                        (chunk,) = rank_chunks(config, layout, seq, 0)
+                        cost = chunk_cost(config, layout, precision, chunk, args.batch, seq)
+                        act = cost.activations + cost.weight_copies + cost.logits_saved
+                        probes.append(f"| {label} | {precision} | {mode} | {res['rank']} | {act / MiB:.1f} | "
+                                      f"{res['activations'] / MiB:.1f} | {_ratio(act, res['activations'])} |")
+                    print(rows[-1] + f"  <!-- {time.perf_counter() - start:.0f}s, baseline {res['before'] / MiB:.0f}"
+                          f" MiB, optimizer state {res['report']['optimizer_state_bytes'] / MiB:.1f} MiB, master "
+                          f"{res['report']['master_bytes'] / MiB:.1f} MiB -->", flush=True)
+    print("\n| layout | precision | ckpt | rank | model states estimate MiB | model states measured MiB | "
+          "peak estimate MiB | peak measured MiB | peak estimate / measured |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
+    if probes:
+        print("\n| layout | precision | ckpt | rank | activations estimate MiB (1 micro-batch) | measured MiB | "
+              "estimate / measured |")
+        print("|---|---|---|---|---:|---:|---:|")
+        print("\n".join(probes))
     if args.details:
         from plait.plan.memory import MemoryBreakdown
 

@@ -1,0 +1,241 @@
+"""Data-parallel (DP=2) training step time: plait vs PyTorch DDP, and plait ZeRO-1 vs ZeroRedundancyOptimizer.
+
+What is measured: wall time of a full fp32 training step (forward with the mean next-token loss,
+backward with the data-parallel gradient reduction, global gradient-norm clipping at 1.0, AdamW
+update) on 2 gloo ranks on the CPU, one intra-op thread per rank, for
+
+* **plait DP**: :class:`plait.data_parallel.optimizer.DistributedOptimizer` (flat parameter and
+  gradient buffers, 25 MB buckets all-reduced asynchronously during backward, fused AdamW) driven
+  by :func:`plait.train.step.train_step`, exactly as the trainer does;
+* **plait ZeRO-1**: the same with ``zero=True`` (buckets reduce-scattered, AdamW state and an
+  fp32 master copy for the owned half only, updated shards all-gathered);
+* **plait DP, overlap off** (unless ``--skip-no-overlap``): ``overlap=False``, every reduction
+  starts after backward (``parallel.overlap_grad_reduce: false``);
+* **DDP**: ``torch.nn.parallel.DistributedDataParallel`` (default 25 MB buckets, its own
+  overlap with backward) + ``torch.optim.AdamW(fused=True)`` + ``clip_grad_norm_``;
+* **DDP + ZeroRedundancyOptimizer**: the same DDP model with
+  ``torch.distributed.optim.ZeroRedundancyOptimizer(optimizer_class=torch.optim.AdamW,
+  fused=True)`` (parameters assigned whole to ranks; owners broadcast their updated
+  parameters after the step).
+
+Same model on every side: plait's Llama built unsharded on every rank by
+:func:`plait.materialize.build_llama` (``tp = 1``) with the same seed, so all start from the same
+weights; each rank trains on its own fixed random batch, the same for every implementation.
+AdamW: lr 1e-4, betas (0.9, 0.999), eps 1e-8, no weight decay (plait exempts norms from decay
+and the peers would not; with none, the update is identical). The script prints the first-step
+loss of each implementation (averaged over the ranks; they must agree) and the loss after the
+last step (same number of steps on every side, so the trajectories should agree closely).
+
+Method: after ``--warmup`` untimed steps each, the implementations take turns for ``--rounds``
+rounds (the order rotates every round); each turn times ``--steps`` consecutive steps after a
+barrier, and a turn's time is the slower rank's. Reported: median ms/step over rounds, CPU
+ms/step summed over both ranks, and the ratio of medians written **plait/peer as a speed ratio,
+peer ms / plait ms (> 1 means plait is faster)**; "paired" is the median of per-round ratios.
+Optimizer-state bytes per rank: plait's ``memory_report()`` (``exp_avg`` + ``exp_avg_sq`` of the
+owned elements; the master column is plait's separate fp32 master shard, which ZeRO-1 keeps
+for every preset), the tensors of ``ZeroRedundancyOptimizer``'s local optimizer, and the full
+AdamW state for DDP.
+
+Run (from the repository root, venv active)::
+
+    python bench/bench_dp.py                          # spawns the 2 ranks itself
+    python bench/bench_dp.py --smoke                  # tiny end-to-end check
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/bench_dp.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    Result,
+    add_model_args,
+    comparison_header,
+    comparison_row,
+    describe,
+    free_port,
+    gloo_rank_entry,
+    make_config,
+    markdown_table,
+    random_batch,
+    resolve_args,
+    time_steps,
+)
+
+from plait.materialize import build_llama  # noqa: E402
+from plait.mesh import ParallelMesh  # noqa: E402
+
+DP = 2
+LR, BETAS, EPS, CLIP = 1e-4, (0.9, 0.999), 1e-8, 1.0
+MiB = 1024**2
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensor states (not the scalar step counters) of a torch optimizer."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+
+
+def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bool):
+    """(step, optimizer-state bytes fn, master bytes fn) of plait's DP / ZeRO-1 path."""
+    from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+    from plait.train.precision import policy_for
+    from plait.train.step import train_step
+
+    policy = policy_for("fp32")
+    model = build_llama(config, mesh, seed=seed).train()
+    opt = DistributedOptimizer([model], policy, OptimizerHyper(lr=LR, weight_decay=0.0, betas=BETAS, eps=EPS),
+                               dp=mesh.info("dp"), tp=mesh.info("tp"), zero=zero, bucket_mb=25.0, overlap=overlap)
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        loss, _ = train_step(model, opt, ids[None], grad_clip=CLIP, policy=policy)
+        return loss
+
+    return run, lambda: opt.memory_report()["optimizer_state_bytes"], lambda: opt.memory_report()["master_bytes"]
+
+
+def torch_side(config, mesh: ParallelMesh, seed: int, *, zero: bool):
+    """(step, optimizer-state bytes fn, master bytes fn) of DDP + AdamW or DDP + ZeroRedundancyOptimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_llama(config, mesh, seed=seed).train()
+    ddp = DistributedDataParallel(model)  # default bucket_cap_mb=25, like plait's parallel.bucket_mb
+    params = list(ddp.parameters())
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+    if zero:
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
+        states = lambda: state_bytes(opt.optim)  # noqa: E731 - the local (owned) partition's optimizer
+    else:
+        opt = torch.optim.AdamW(params, **kw)
+        states = lambda: state_bytes(opt)  # noqa: E731
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = ddp(ids, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        opt.step()
+        return loss.detach()
+
+    return run, states, lambda: 0
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    t = value.detach().double().reshape(1).clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    config = make_config(args)
+    ids = random_batch(config, args.batch, args.seq, args.seed + 1000 * rank)  # each rank its own batch
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(describe(config, args) + f" per rank; DP={world} gloo ranks x 1 thread; fp32; AdamW fused, lr {LR}, "
+        f"no weight decay, grad clip {CLIP}", flush=True)
+    mesh = ParallelMesh(world, rank, dp=world)
+
+    sides: dict[str, tuple[Callable, Callable, Callable]] = {
+        "plait DP": plait_side(config, mesh, args.seed, zero=False, overlap=True),
+        "DDP": torch_side(config, mesh, args.seed, zero=False),
+        "plait ZeRO-1": plait_side(config, mesh, args.seed, zero=True, overlap=True),
+        "DDP + ZeroRedundancyOptimizer": torch_side(config, mesh, args.seed, zero=True),
+    }
+    if not args.skip_no_overlap:
+        sides["plait DP, overlap off"] = plait_side(config, mesh, args.seed, zero=False, overlap=False)
+    results = {name: Result(name) for name in sides}
+    for name, (run, _, _) in sides.items():
+        results[name].first_loss = mean_over_ranks(run(ids))
+        for _ in range(args.warmup - 1):
+            run(ids)
+    log("first-step loss (mean over ranks): " + "  ".join(f"{n} {r.first_loss:.6f}" for n, r in results.items()),
+        flush=True)
+
+    tokens = args.steps * args.batch * args.seq * world  # global tokens per turn
+    order = list(sides)
+    for r in range(args.rounds):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
+            run = sides[name][0]
+            dist.barrier()
+            wall, cpu = time_steps(lambda: run(ids), args.steps)
+            stats = torch.tensor([wall, cpu], dtype=torch.float64)
+            slowest = stats.clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(stats)  # sum: CPU time of both ranks
+            results[name].add(tokens, args.steps, slowest[0].item(), stats[1].item())
+        log(f"round {r + 1}/{args.rounds}: " + "  ".join(
+            f"{n} {1e3 * tokens / res.tokens_per_s[-1] / args.steps:.0f} ms" for n, res in results.items()), flush=True)
+
+    last = {name: mean_over_ranks(run(ids)) for name, (run, _, _) in sides.items()}
+    n_steps = args.warmup + args.rounds * args.steps + 1
+    log(f"loss at step {n_steps} (mean over ranks): " + "  ".join(f"{n} {v:.6f}" for n, v in last.items()),
+        flush=True)
+
+    # optimizer-state bytes per rank (every rank reports; rank 0 prints the max over ranks)
+    states = {}
+    for name, (_, state_fn, master_fn) in sides.items():
+        t = torch.tensor([state_fn(), master_fn()], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        states[name] = (int(t[0].item()), int(t[1].item()))
+    n_params = sum(p.numel() for p in build_llama(config, mesh, seed=args.seed, device="meta", init=False).parameters())
+    log(f"\nparameters: {n_params:,} ({n_params * 4 / MiB:.1f} MiB fp32); full AdamW state "
+        f"{2 * n_params * 4 / MiB:.1f} MiB\n")
+
+    tokens_per_step = args.batch * args.seq * world
+    rows = []
+    for name, res in results.items():
+        ms = statistics.median(1e3 * tokens_per_step / t for t in res.tokens_per_s)
+        st, master = states[name]
+        rows.append([name, f"{ms:.0f}", f"{res.median_cpu_ms:.0f}",
+                     f"{1e3 * tokens_per_step / max(res.tokens_per_s):.0f}-{1e3 * tokens_per_step / min(res.tokens_per_s):.0f}",
+                     f"{st / MiB:.1f}", f"{master / MiB:.1f}", f"{res.first_loss:.6f}", f"{last[name]:.6f}"])
+    log(markdown_table(["implementation", "median ms/step", "CPU ms/step (2 ranks)", "ms/step range",
+                        "optimizer state MiB/rank", "separate master MiB/rank", "first loss",
+                        f"loss at step {n_steps}"], rows))
+    pairs = [("plait DP", "DDP"), ("plait ZeRO-1", "DDP + ZeroRedundancyOptimizer")]
+    if not args.skip_no_overlap:
+        pairs.append(("plait DP, overlap off", "DDP"))
+    log()
+    for ours, theirs in pairs:
+        log(markdown_table(comparison_header(f"{ours} vs {theirs}", "peer"),
+                           [["fp32"] + comparison_row(results[ours], results[theirs], tokens_per_step)]))
+        log()
+    log("(tok/s are global: both ranks' tokens; plait/peer > 1 means plait is faster)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
+    parser.add_argument("--skip-no-overlap", action="store_true",
+                        help="leave out the plait DP run with overlap_grad_reduce=false")
+    args = resolve_args(parser.parse_args(argv))
+    if args.foreach:
+        parser.error("--foreach does not apply: every side uses the fused AdamW")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        if world != DP:
+            raise SystemExit(f"run with exactly {DP} ranks (got WORLD_SIZE={world})")
+        gloo_rank_entry(int(os.environ["RANK"]), world, None, worker, (args,))
+    ctx = mp.start_processes(gloo_rank_entry, args=(DP, free_port(), worker, (args,)), nprocs=DP, join=False,
+                             start_method="spawn")
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessExitedException as exc:
+        raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
+
+
+if __name__ == "__main__":
+    main()
