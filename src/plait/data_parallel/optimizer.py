@@ -206,7 +206,7 @@ class DistributedOptimizer:
         AdamW reads the flag on the host (one read per step, only when skipping is enabled).
         """
         if found_inf is not None and getattr(self.inner, "defaults", {}).get("fused"):
-            self.inner.found_inf = found_inf.to(torch.float32).reshape(1)
+            self.inner.found_inf = found_inf.to(torch.float32).reshape(())
             try:
                 self.inner.step()
             finally:

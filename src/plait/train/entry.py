@@ -39,6 +39,8 @@ def train_worker(recipe_yaml: str) -> None:
             (out / "recipe.yaml").write_text(recipe_to_yaml(resolved, header="resolved recipe of this run"))
         trainer = Trainer(resolved, prepared, rank, world)
         final = trainer.fit()
+        if trainer.stopped_by_signal:  # preempted: the checkpoint is written; leave quickly and cleanly
+            return
         trainer.finish(final, prepared)
     finally:
         finish_worker()

@@ -384,6 +384,7 @@ class Trainer:
             self.loader.close()
             if self.sinks is not None:
                 self.sinks.close()
+            self.checkpoints.wait()  # a save in flight completes even when training stops on an error
         self.finish_checkpoints()
         last["wall_seconds"] = time.perf_counter() - run_start
         return last

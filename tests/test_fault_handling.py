@@ -1,0 +1,105 @@
+"""Preemption signals and non-finite losses, through the real trainer (2 gloo ranks, fp32)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import yaml
+
+from distributed import run_distributed
+from trainer_runs import corpus_dir
+
+BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
+        "model.num_key_value_heads=2", "model.num_hidden_layers=2", "data.vocab_size=320", "data.seq_len=32",
+        "parallel.sequence_parallel=false", "parallel.tp=1", "parallel.dp=2", "data.micro_batch_size=4",
+        "scheduler.warmup_steps=1", "logging.progress_bar=false", "logging.tensorboard=false", "train.log_every=1",
+        "train.eval_every=100", "train.steps=6", "checkpoint.save_final=false", "train.sample_tokens=0",
+        "logging.plot=false"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return corpus_dir(tmp_path_factory)
+
+
+def _fit_worker(rank, world, recipe_yaml, prepared, signal_at, nan_at):
+    """``fit()`` with rank 1 signalling itself after step ``signal_at`` or rank 0's loss NaN at ``nan_at``."""
+    from plait.config import validate_recipe
+    from plait.parallel_state import full_state_dict
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    run_step, weights, losses = trainer.run_step, [], []
+    calls = {"n": trainer.start_step}
+    forward = trainer.model.forward
+
+    def poisoned(ids, labels=None):
+        loss = forward(ids, labels)
+        return loss * float("nan") if calls["n"] + 1 == nan_at and rank == 0 else loss
+
+    trainer.model.forward = poisoned
+
+    def step(batch):
+        lr = run_step(batch)
+        calls["n"] += 1
+        weights.append({k: v.clone() for k, v in full_state_dict(trainer.model, trainer.tp).items()})
+        if calls["n"] == signal_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return lr
+
+    trainer.run_step = step
+    try:
+        final = trainer.fit()
+        error = None
+    except FloatingPointError as e:
+        final, error = {}, str(e)
+    return {"final": final, "weights": weights, "signal": getattr(trainer, "stopped_by_signal", 0), "error": error,
+            "start": trainer.start_step}
+
+
+def _run(corpus, out, items, signal_at=-1, nan_at=-1):
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    items = BASE + items + [f"data.source={corpus}", f"run.output_dir={out}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    return run_distributed(_fit_worker, 2, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared, signal_at,
+                           nan_at)
+
+
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues_exactly(corpus, tmp_path):
+    straight = _run(corpus, tmp_path / "straight", [])
+    stopped = _run(corpus, tmp_path / "stopped", [], signal_at=3)
+    assert [r["signal"] for r in stopped] == [signal.SIGTERM] * 2, "both ranks stop at the same step boundary"
+    assert all(len(r["weights"]) == 3 for r in stopped)
+    assert (tmp_path / "stopped" / "checkpoints" / "step-00000003" / "manifest.json").is_file()
+    resumed = _run(corpus, tmp_path / "stopped", ["checkpoint.resume=auto"])
+    assert all(r["start"] == 3 for r in resumed)
+    for r_straight, r_resumed in zip(straight, resumed):
+        for k, v in r_straight["weights"][-1].items():
+            assert torch.equal(v, r_resumed["weights"][-1][k]), k
+        assert r_resumed["final"]["loss"] == r_straight["final"]["loss"]
+
+
+def test_nonfinite_loss_skip_discards_the_step(corpus, tmp_path):
+    results = _run(corpus, tmp_path / "skip", ["train.nonfinite=skip"], nan_at=3)
+    for r in results:
+        assert r["error"] is None and len(r["weights"]) == 6
+        before, skipped = r["weights"][1], r["weights"][2]
+        for k in before:
+            assert torch.equal(before[k], skipped[k]), f"step 3 changed {k}"
+            assert torch.isfinite(r["weights"][-1][k]).all()
+        assert not all(torch.equal(r["weights"][3][k], skipped[k]) for k in before), "training goes on after"
+
+
+def test_nonfinite_loss_halt_stops_before_any_checkpoint_of_it(corpus, tmp_path):
+    results = _run(corpus, tmp_path / "halt", ["train.nonfinite=halt", "checkpoint.save_every=1",
+                                                "checkpoint.keep=10"], nan_at=3)
+    for r in results:
+        assert r["error"] is not None and "non-finite" in r["error"] and "no checkpoint was written" in r["error"]
+    steps = sorted(p.name for p in (tmp_path / "halt" / "checkpoints").iterdir())
+    assert steps == ["step-00000001", "step-00000002"]
