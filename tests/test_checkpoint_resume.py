@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
-from distributed import run_distributed
-from trainer_runs import corpus_dir, merged_weights
+from trainer_runs import corpus_dir, merged_weights, run_checkpointed
 
 BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
         "model.num_key_value_heads=2", "model.num_hidden_layers=4", "data.vocab_size=320", "data.seq_len=32",
@@ -29,36 +27,8 @@ def corpus(tmp_path_factory):
     return corpus_dir(tmp_path_factory)
 
 
-def _worker(rank, world, recipe_yaml, prepared, first_steps, save_at):
-    """Train ``first_steps`` steps (from a checkpoint when the recipe resumes), saving after ``save_at``."""
-    from plait.config import validate_recipe
-    from plait.parallel_state import full_state_dict
-    from plait.train.trainer import Trainer
-
-    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    batches, losses = iter(trainer.loader), []
-    for step in range(trainer.start_step, trainer.start_step + first_steps):
-        trainer.run_step(next(batches))
-        losses.append(trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)["loss"])
-        if step + 1 == save_at:
-            trainer.save_checkpoint(step + 1)
-    trainer.finish_checkpoints()
-    trainer.loader.close()
-    weights = {}
-    for module in trainer.modules:
-        weights.update(full_state_dict(module, trainer.tp))
-    return {"losses": losses, "weights": weights, "start": trainer.start_step}
-
-
 def _run(corpus, out, items, world, steps, save_at=-1):
-    from plait.config import load_recipe, recipe_data
-    from plait.config.load import DEFAULT_RECIPE
-    from plait.train.entry import prepare_data
-
-    items = BASE + items + [f"data.source={corpus}", f"run.output_dir={out}"]
-    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
-    return run_distributed(_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared, steps,
-                           save_at)
+    return run_checkpointed(corpus, out, BASE + items, world, steps, save_at)
 
 
 N = 3

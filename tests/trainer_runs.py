@@ -72,3 +72,36 @@ def weight_errors(weights: dict, reference: dict) -> dict[str, float]:
     """||w - w_ref|| / ||w_ref|| per tensor (see tests/test_pipeline_parity.py for why norm-relative)."""
     assert set(weights) == set(reference), set(weights) ^ set(reference)
     return {k: ((weights[k] - ref).norm() / ref.norm().clamp(min=1e-12)).item() for k, ref in reference.items()}
+
+
+def _checkpoint_worker(rank, world, recipe_yaml, prepared, steps, save_at):
+    """Train ``steps`` steps (from a checkpoint when the recipe resumes), saving after step ``save_at``."""
+    from plait.config import validate_recipe
+    from plait.parallel_state import full_state_dict
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    batches, losses = iter(trainer.loader), []
+    for step in range(trainer.start_step, trainer.start_step + steps):
+        trainer.run_step(next(batches))
+        losses.append(trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)["loss"])
+        if step + 1 == save_at:
+            trainer.save_checkpoint(step + 1)
+    trainer.finish_checkpoints()
+    trainer.loader.close()
+    weights = {}
+    for module in trainer.modules:
+        weights.update(full_state_dict(module, trainer.tp))
+    return {"losses": losses, "weights": weights, "start": trainer.start_step}
+
+
+def run_checkpointed(corpus, out_dir, items: list[str], world: int, steps: int, save_at: int = -1) -> list[dict]:
+    """Like :func:`run_recipe`, saving a checkpoint after step ``save_at`` (the recipe may resume)."""
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    items = items + [f"data.source={corpus}", f"run.output_dir={out_dir}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    return run_distributed(_checkpoint_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared,
+                           steps, save_at)

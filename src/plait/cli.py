@@ -1,4 +1,4 @@
-"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``, ``plan``."""
+"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``, ``plan``, ``convert``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import sys
 
 #: subcommand modules, each with ``add_parser(subparsers)`` and ``run(args) -> int``
-COMMANDS = ("train", "data", "generate", "config", "plan")
+COMMANDS = ("train", "data", "generate", "config", "plan", "convert")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,14 @@ def rng_states(trainer) -> dict[str, torch.Tensor]:
 def checkpoint_meta(trainer, step: int) -> dict[str, Any]:
     return {"layout": layout_of(trainer), "recipe": trainer.resolved.as_recipe().model_dump(mode="json"),
             "optimizer_step": trainer.optimizer.step_count(), "train_step": step,
-            "model_config": {k: v for k, v in vars(trainer.config).items() if k != "extra"}}
+            "model_config": model_config_dict(trainer.config)}
+
+
+def model_config_dict(config) -> dict[str, Any]:
+    """The constructor arguments of a :class:`LlamaConfig` (JSON-safe), for the manifest."""
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
 
 
 def _model_params(modules) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter, Any]]:

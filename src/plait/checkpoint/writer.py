@@ -59,6 +59,7 @@ class Snapshot:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  #: safetensors key -> CPU tensor
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)  #: "kind/name" -> shape, dtype, slices
     meta: dict[str, Any] = field(default_factory=dict)  #: manifest fields (rank 0)
+    attachments: dict[str, Path] = field(default_factory=dict)  #: small files rank 0 copies in (tokenizer.json)
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +91,9 @@ class CheckpointWriter:
     # ------------------------------------------------------------------ snapshot (training loop)
     @torch.no_grad()
     def snapshot(self, step: int, modules: list[nn.Module], optimizer, mesh, meta: dict[str, Any],
-                 rng: dict[str, torch.Tensor]) -> Snapshot:
-        snap = Snapshot(step, meta=dict(meta) if self.rank == 0 else {})
+                 rng: dict[str, torch.Tensor], attachments: dict[str, Path] | None = None) -> Snapshot:
+        snap = Snapshot(step, meta=dict(meta) if self.rank == 0 else {},
+                        attachments=dict(attachments or {}) if self.rank == 0 else {})
         fname = rank_file(self.rank)
         dp = mesh.info("dp")
         owner = {}
@@ -144,6 +146,10 @@ class CheckpointWriter:
         write_json_atomic(tmp / part_file(self.rank), part)
         if self.rank != 0:
             return None
+        import shutil
+
+        for name, src in snap.attachments.items():
+            shutil.copy(src, tmp / name)
         return self._commit(tmp, snap)
 
     def _commit(self, tmp: Path, snap: Snapshot) -> Path:

@@ -64,8 +64,10 @@ After the last backward (activations gone) the step phase needs the gradient buf
   ``4 * P_own``;
 * the update: fused ``torch.optim.AdamW`` allocates nothing beyond its states (checked on the
   CPU); ``LowPrecisionAdamW`` (bf16 state, ``bf16-pure``) works on fp32 copies of one segment at
-  a time: about ``8 * 4`` bytes per element of the largest owned segment (weight, both moments,
-  gradient, the denominator and its temporary, the rounding noise and sum);
+  a time: ``8 * 4`` bytes per element of the largest owned segment (weight, both moments,
+  gradient, the denominator, the rounding noise, its sum and the shifted bits). Without ZeRO-1
+  that is the largest weight; with it, a weight larger than a bucket (``BUCKET_MB``, the default
+  ``parallel.bucket_mb``) is split ``dp`` ways;
 * ZeRO-1: the all-gather of the updated shards stages every bucket's owned shard in the
   parameter dtype before waiting for the gathers: ``P_own * p``.
 
@@ -263,6 +265,25 @@ def _largest_weight(config: LlamaConfig, sh: LocalShapes, chunks: list[Chunk]) -
     if any(ch.first or ch.last for ch in chunks):
         sizes.append(sh.vocab * sh.hidden)
     return max(sizes, default=0)
+
+
+#: ``parallel.bucket_mb``'s default: the size of a data-parallel bucket, in gradient bytes
+BUCKET_MB = 25.0
+
+
+def _largest_segment(largest_weight: int, shards: int, grad_bytes: int) -> int:
+    """Elements of the largest piece of one weight the optimizer updates on a rank.
+
+    Without sharding it is the whole weight. With ZeRO-1 a weight larger than a bucket has a
+    bucket of its own, split into ``shards`` equal pieces; a smaller one shares a bucket and lies
+    in at most ``bucket / shards`` elements of one shard (an upper bound).
+    """
+    if shards == 1:
+        return largest_weight
+    bucket = int(BUCKET_MB * 2**20 / grad_bytes)
+    if largest_weight > bucket:
+        return -(-largest_weight // shards)
+    return min(largest_weight, -(-bucket // shards))
 
 
 # ------------------------------------------------------------------------------ activations
@@ -626,7 +647,8 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     # step phase, one transient at a time: the norm's fp32 copies of bf16 gradients, the bf16
     # optimizer's fp32 working copies of its largest segment, ZeRO-1's all-gather staging
     norm_copies = 4 * owned if pb.grad < 4 else 0
-    lowp_update = 8 * 4 * min(_largest_weight(config, sh, chunks), owned) if pb.optimizer_state < 4 else 0
+    lowp_update = 8 * 4 * _largest_segment(_largest_weight(config, sh, chunks), dp if zero else 1, pb.grad) \
+        if pb.optimizer_state < 4 else 0
     staging = owned * pb.param if zero else 0
     step_buffers = max(norm_copies, lowp_update, staging)
     return MemoryBreakdown(

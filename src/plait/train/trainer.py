@@ -216,8 +216,10 @@ class Trainer:
         from plait.checkpoint.training import checkpoint_meta, rng_states
 
         start = time.perf_counter()
+        tokenizer = self.train_data.directory / self.train_data.index.get("tokenizer", "tokenizer.json")
+        attachments = {"tokenizer.json": tokenizer} if tokenizer.is_file() else {}
         snap = self.checkpoints.snapshot(step, self.modules, self.optimizer, self.mesh, checkpoint_meta(self, step),
-                                         rng_states(self))
+                                         rng_states(self), attachments)
         self.last_snapshot_bytes = snap.nbytes
         if self.recipe.checkpoint.async_save and not sync:
             self.checkpoints.write_async(snap)

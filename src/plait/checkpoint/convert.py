@@ -1,0 +1,156 @@
+"""``plait convert``: a plait checkpoint to a Hugging Face directory and back, tensor by tensor.
+
+Both directions stream. Each full tensor is assembled from its slices, or read from its file,
+then written and dropped before the next one is read. Output files are cut at the size of the
+largest tensor, so host memory stays near one tensor (plus safetensors' serialisation copy)
+whatever the model size. Neither direction needs a process group or the training code.
+
+* plait -> HF: ``config.json`` from the checkpoint's model config, the weights in their saved
+  dtype (``--dtype`` casts), and ``tokenizer.json`` when the checkpoint carries one.
+  ``lm_head.weight`` is left out for tied embeddings, as Hugging Face does.
+* HF -> plait: a checkpoint at step 0 with the weights only (no optimizer state). ``plait
+  train`` with ``checkpoint.resume=<dir>`` starts from it, with fresh AdamW moments.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from plait.checkpoint.format import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    SliceRef,
+    fsync_dir,
+    fsync_file,
+    sha256_of,
+    step_dir_name,
+    tensor_key,
+    write_json_atomic,
+)
+from plait.checkpoint.reader import CheckpointReader
+from plait.checkpoint.training import model_config_dict
+from plait.checkpoint.writer import DTYPE_NAMES
+from plait.models.llama.config import LlamaConfig
+
+TOKENIZER = "tokenizer.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
+
+
+def _config_of(manifest: dict) -> LlamaConfig:
+    data = manifest.get("model_config")
+    if not isinstance(data, dict):
+        raise CheckpointError("the checkpoint's manifest has no model_config; it was not written by plait train "
+                              "or plait convert")
+    return LlamaConfig(**data)
+
+
+def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | None = None,
+                progress: bool = True) -> Path:
+    """Write the Hugging Face directory of a plait checkpoint; returns it."""
+    from plait.models.llama.hf_io import write_hf_dir
+
+    with CheckpointReader(checkpoint) as reader:
+        config = _config_of(reader.manifest)
+        config_dict = config.to_hf_dict()
+        names = [k[len("model/"):] for k in reader.tensors if k.startswith("model/")]
+        if config.tie_word_embeddings:
+            names = [n for n in names if n != "lm_head.weight"]
+        cast = DTYPES[dtype] if dtype else None
+        entries = []
+        for name in names:
+            info = reader.tensors[tensor_key("model", name)]
+            item = torch.empty((), dtype=cast or DTYPES[info["dtype"]]).element_size()
+            entries.append((name, item * int(torch.Size(info["shape"]).numel())))
+        config_dict["dtype"] = str(cast or DTYPES[reader.tensors[tensor_key("model", names[0])]["dtype"]]
+                                   ).removeprefix("torch.")
+        largest = max(n for _, n in entries)
+        bar = _progress(len(names), "plait -> HF", progress)
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name in names:
+                info = reader.tensors[tensor_key("model", name)]
+                full = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+                reader.read_into("model", name, full)
+                bar.update(1)
+                yield name, full if cast is None else full.to(cast)
+
+        extra = []
+        tok = Path(checkpoint) / TOKENIZER
+        if tok.is_file():
+            extra.append((TOKENIZER, lambda d: shutil.copy(tok, d / TOKENIZER)))
+        try:
+            write_hf_dir(out_dir, config_dict, entries, stream(), max_shard_bytes=largest, extra_files=extra)
+        finally:
+            bar.close()
+    return Path(out_dir)
+
+
+def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = True) -> Path:
+    """Write a weights-only plait checkpoint (step 0) of a Hugging Face directory under ``out_root``."""
+    from plait.models.llama.hf_io import _weight_map, load_hf_config
+
+    hf_dir, out_root = Path(hf_dir), Path(out_root)
+    config = load_hf_config(hf_dir)
+    weights = _weight_map(hf_dir)
+    names = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
+    if config.tie_word_embeddings:
+        if "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:
+            raise CheckpointError(f"{hf_dir}: tied embeddings stored only as lm_head.weight are not supported here; "
+                                  f"load it with model.hf_path instead")
+        names = [n for n in names if n != "lm_head.weight"]
+    tmp = out_root / (step_dir_name(0) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors_json: dict[str, dict] = {}
+    files: dict[str, dict] = {}
+    bar = _progress(len(names), "HF -> plait", progress)
+    try:
+        for i, name in enumerate(names):
+            with safe_open(str(weights[name]), framework="pt") as f:
+                t = f.get_tensor(name)
+            fname = f"tensor-{i:05d}.safetensors"
+            key = tensor_key("model", name)
+            save_file({key: t.contiguous()}, str(tmp / fname), metadata={"format": FORMAT})
+            fsync_file(tmp / fname)
+            files[fname] = {"sha256": sha256_of(tmp / fname), "bytes": (tmp / fname).stat().st_size}
+            tensors_json[key] = {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype],
+                                 "slices": [SliceRef(fname, key, None, 0, t.shape[0] if t.dim() else 1).as_json()]}
+            del t
+            bar.update(1)
+    finally:
+        bar.close()
+    if (hf_dir / TOKENIZER).is_file():
+        shutil.copy(hf_dir / TOKENIZER, tmp / TOKENIZER)
+    manifest = {"format": FORMAT, "version": VERSION, "step": 0, "train_step": 0, "optimizer_step": 0,
+                "complete": True, "world_size": 1, "source": str(hf_dir), "tensors": tensors_json, "files": files,
+                "model_config": model_config_dict(config)}
+    write_json_atomic(tmp / MANIFEST, manifest)
+    fsync_dir(tmp)
+    from plait.checkpoint.store import commit
+
+    return commit(tmp, 0)
+
+
+def describe(checkpoint: str | Path) -> str:
+    """A one-paragraph summary of a checkpoint (for ``plait convert --info``)."""
+    with CheckpointReader(checkpoint) as reader:
+        m = reader.manifest
+        sizes = sum(f["bytes"] for f in m["files"].values())
+        kinds = sorted({k.split("/", 1)[0] for k in m["tensors"]})
+        return json.dumps({"step": m["step"], "layout": m.get("layout"), "kinds": kinds,
+                           "tensors": len(m["tensors"]), "files": len(m["files"]), "bytes": sizes}, indent=1)

@@ -1,0 +1,68 @@
+"""``plait convert``: plait checkpoint <-> Hugging Face directory, streaming tensor by tensor.
+
+Exit status 2 with a one-line message for bad inputs (not a checkpoint, corrupt files, a
+Hugging Face directory without config.json, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "convert", help="plait checkpoint <-> Hugging Face directory (streaming)",
+        description="Convert a plait training checkpoint (a step-N directory, or a checkpoints directory: its "
+                    "newest complete checkpoint) to a Hugging Face directory, or a Hugging Face directory to a "
+                    "weights-only plait checkpoint (step 0) that `plait train checkpoint.resume=DIR` starts from. "
+                    "Host memory stays near the largest tensor.")
+    p.add_argument("source", help="plait checkpoint (step-N or its parent) or Hugging Face directory")
+    p.add_argument("dest", nargs="?", help="output: a Hugging Face directory (from plait), or the directory that "
+                                           "receives step-00000000 (from Hugging Face)")
+    p.add_argument("--to", choices=("hf", "plait"), help="direction (default: guessed from the source)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights (to hf only)")
+    p.add_argument("--info", action="store_true", help="only describe the plait checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"plait convert: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args) -> int:
+    from plait.checkpoint.convert import describe, hf_to_plait, plait_to_hf
+    from plait.checkpoint.format import MANIFEST, CheckpointError
+    from plait.checkpoint.store import latest_checkpoint
+
+    src = Path(args.source)
+    if not src.is_dir():
+        return _fail(f"{src} is not a directory")
+    is_plait = (src / MANIFEST).is_file() or latest_checkpoint(src) is not None
+    to = args.to or ("hf" if is_plait else "plait")
+    try:
+        if to == "hf":
+            ckpt = src if (src / MANIFEST).is_file() else latest_checkpoint(src)
+            if ckpt is None:
+                return _fail(f"{src} holds no complete plait checkpoint (no manifest.json)")
+            if args.info:
+                print(describe(ckpt))
+                return 0
+            if args.dest is None:
+                return _fail("give the output Hugging Face directory")
+            out = plait_to_hf(ckpt, args.dest, dtype=args.dtype, progress=not args.no_progress)
+            print(f"wrote {out} from {ckpt}")
+            return 0
+        if not (src / "config.json").is_file():
+            return _fail(f"{src} is neither a plait checkpoint nor a Hugging Face directory (no config.json)")
+        if args.dest is None:
+            return _fail("give the directory that receives the plait checkpoint")
+        out = hf_to_plait(src, args.dest, progress=not args.no_progress)
+        print(f"wrote {out}; train from it with checkpoint.resume={out}")
+        return 0
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
