@@ -138,3 +138,32 @@ def test_tp3_matches_transformers(smol, reference):
     losses = [loss for _, loss in results]
     assert max(losses) - min(losses) <= 1e-6, losses  # every rank computes the same global loss
     _check(results[0][0], losses[0], reference, LOGIT_TOL)
+
+
+def test_hf_to_plait_train_then_back_to_hf_and_transformers_generates(smol, tmp_path):
+    """SmolLM2 -> plait checkpoint -> 10 training steps (resumed from it) -> Hugging Face -> transformers."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from plait.checkpoint.convert import hf_to_plait, plait_to_hf
+    from plait.checkpoint.store import latest_checkpoint
+    from trainer_runs import run_checkpointed
+
+    path, _ = smol
+    start = hf_to_plait(path, tmp_path / "start", progress=False)
+    corpus = tmp_path / "passage.txt"
+    corpus.write_text(_passage() * 3)
+    items = [f"model.hf_path={path}", f"data.tokenizer={path / 'tokenizer.json'}", "data.seq_len=64",
+             "data.micro_batch_size=2", "data.val_fraction=0.1", "parallel.tp=1", "parallel.sequence_parallel=false",
+             f"checkpoint.resume={start}", "train.steps=10", "scheduler.warmup_steps=2", "optimizer.lr=1e-4",
+             "checkpoint.async_save=false", "logging.progress_bar=false", "logging.tensorboard=false"]
+    results = run_checkpointed(corpus, tmp_path / "run", items, 1, 10, save_at=10, recipe=None)
+    losses = results[0]["losses"]
+    assert results[0]["start"] == 0 and losses[-1] < losses[0], losses
+    out = plait_to_hf(latest_checkpoint(tmp_path / "run" / "checkpoints"), tmp_path / "hf", progress=False)
+    model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    original = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("To be, or not to be", return_tensors="pt").input_ids
+    text = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0])
+    assert text.startswith("To be, or not to be") and len(text) > len("To be, or not to be")

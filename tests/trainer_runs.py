@@ -95,13 +95,18 @@ def _checkpoint_worker(rank, world, recipe_yaml, prepared, steps, save_at):
     return {"losses": losses, "weights": weights, "start": trainer.start_step}
 
 
-def run_checkpointed(corpus, out_dir, items: list[str], world: int, steps: int, save_at: int = -1) -> list[dict]:
-    """Like :func:`run_recipe`, saving a checkpoint after step ``save_at`` (the recipe may resume)."""
+def run_checkpointed(corpus, out_dir, items: list[str], world: int, steps: int, save_at: int = -1, *,
+                     recipe: str | None = "default") -> list[dict]:
+    """Like :func:`run_recipe`, saving a checkpoint after step ``save_at`` (the recipe may resume).
+
+    ``recipe``: "default" = the built-in default recipe, ``None`` = the schema defaults only.
+    """
     from plait.config import load_recipe, recipe_data
     from plait.config.load import DEFAULT_RECIPE
     from plait.train.entry import prepare_data
 
+    base = DEFAULT_RECIPE if recipe == "default" else recipe
     items = items + [f"data.source={corpus}", f"run.output_dir={out_dir}"]
-    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
-    return run_distributed(_checkpoint_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared,
+    prepared = str(prepare_data(load_recipe(base, items)))
+    return run_distributed(_checkpoint_worker, world, yaml.safe_dump(recipe_data(base, items)), prepared,
                            steps, save_at)
