@@ -163,7 +163,9 @@ class Trainer:
         self.checkpoints = CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
                                             keep_every=c.keep_every)
         # a gloo group for host-side agreement (preemption) that never touches the accelerator
-        self._control = dist.new_group(backend="gloo") if world > 1 else None
+        self._control = None
+        if world > 1:
+            self._control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._stop_signal = 0
         self.start_step = self._resume()
         sampler = GlobalBatchSampler(len(self.train_data), resolved.global_batch_size, r.run.seed)
