@@ -68,8 +68,31 @@ def init_worker(threads: int = 1) -> tuple[int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **_attempt_store())
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store() -> dict:
+    """Under an elastic launcher, a store whose keys are private to this restart attempt.
+
+    After a worker dies, the launcher restarts every worker against the same key-value store;
+    a restarted rank could then read an address a dead rank of the previous attempt published
+    and fail with "Connection refused" (seen with gloo on CPU). Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt's rendezvous separate.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    env = os.environ
+    if "TORCHELASTIC_RESTART_COUNT" not in env or "MASTER_ADDR" not in env:
+        return {}
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent_hosts and rank == 0,
+                          timeout=timedelta(minutes=30))
+    prefix = f"plait/attempt-{env['TORCHELASTIC_RESTART_COUNT']}"
+    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
 
 
 def finish_worker() -> None:
