@@ -103,3 +103,48 @@ def test_nonfinite_loss_halt_stops_before_any_checkpoint_of_it(corpus, tmp_path)
         assert r["error"] is not None and "non-finite" in r["error"] and "no checkpoint was written" in r["error"]
     steps = sorted(p.name for p in (tmp_path / "halt" / "checkpoints").iterdir())
     assert steps == ["step-00000001", "step-00000002"]
+
+
+def _stall_worker(rank, world, recipe_yaml, prepared):
+    import time
+
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    messages = []
+    trainer.watchdog.on_stall = messages.append  # the default prints the message and exits with status 3
+    batches = iter(trainer.loader)
+    for step in range(3):
+        if rank == 1 and step == 1:
+            time.sleep(3.0)  # a rank that stops answering (stuck data loader, dead peer, ...)
+        trainer.run_step(next(batches))
+    trainer.loader.close()
+    trainer.watchdog.close()
+    return messages
+
+
+def test_watchdog_names_the_rank_group_and_operation_of_a_stall(corpus, tmp_path):
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    items = BASE + ["train.stall_timeout_s=1", f"data.source={corpus}", f"run.output_dir={tmp_path}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    messages = run_distributed(_stall_worker, 2, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared)
+    assert messages[1] == [], messages
+    assert len(messages[0]) == 1, messages
+    msg = messages[0][0]
+    assert msg.startswith("plait watchdog: rank 0 stalled for ") and "at step 2" in msg, msg
+    assert "data-parallel gradient reduction (group dp, ranks [0, 1])" in msg, msg
+
+
+def test_watchdog_default_action_exits_with_status_3():
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom plait.train.watchdog import Watchdog\nw = Watchdog(0.3, 5)\n"
+            "with w.watch('pipeline schedule', 'group pp, ranks [1, 5]'):\n    time.sleep(5)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert "rank 5 stalled for" in proc.stderr and "pipeline schedule (group pp, ranks [1, 5])" in proc.stderr

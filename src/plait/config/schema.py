@@ -208,6 +208,9 @@ class TrainSection(Section):
     log_every: Int = Field(10, ge=1, description="Log metrics every this many steps (and at the end)")
     sample_prompt: str = Field("ROMEO:", description="Prompt of the text sample generated at the end")
     sample_tokens: Int = Field(48, ge=0, description="Tokens generated for the final sample; 0 = no sample text")
+    stall_timeout_s: Float = Field(600.0, ge=0, description="Abort (exit status 3, naming the rank, group and "
+                                                            "operation) when one communicating phase of a step "
+                                                            "takes longer; 0 = off")
     nonfinite: Literal["halt", "skip"] = Field(
         "halt", description="A step whose loss or gradient norm is not finite: 'halt' (save nothing, stop with an "
                             "error) or 'skip' (discard its update and go on)")

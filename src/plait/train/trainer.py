@@ -159,6 +159,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer.inner, name=s.name, warmup_steps=s.warmup_steps,
                                          total_steps=r.train.steps, min_ratio=s.min_lr_ratio)
         self.modules = modules
+        from plait.train.watchdog import Watchdog
+
+        self.watchdog = Watchdog(r.train.stall_timeout_s, rank)
         c = r.checkpoint
         self.checkpoints = CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
                                             keep_every=c.keep_every)
@@ -248,12 +251,21 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
 
+    def watch(self, operation: str, axis: str):
+        """Time a communicating phase for the stall watchdog, naming its group(s) and their ranks."""
+        groups = []
+        for name in (a.strip() for a in axis.replace(" and ", ",").split(",")):
+            if name in ("tp", "pp", "dp", "cp", "kv", "tied") and self.mesh.info(name).size > 1:
+                groups.append(f"group {name}, ranks {self.mesh.my_group_ranks(name)}")
+        return self.watchdog.watch(operation, "; ".join(groups) or "no peers")
+
     def _stop_requested(self) -> int:
         """The signal any rank received (0: none), agreed by all ranks at a step boundary."""
         if self._control is None:
             return self._stop_signal
         flag = torch.tensor([self._stop_signal], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
+        with self.watchdog.watch("preemption check (all-reduce of the stop flag)", "all ranks"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
         return int(flag[0])
 
     def _seed_default_generator(self) -> None:
@@ -330,10 +342,11 @@ class Trainer:
         skip = r.train.nonfinite == "skip"
         if self.pipeline is not None:
             loss, norm = pipeline_train_step(self.pipeline, self.optimizer, batch, grad_clip=r.optimizer.grad_clip,
-                                             skip_nonfinite=skip)
+                                             skip_nonfinite=skip, watch=self.watch)
         else:
             loss, norm = train_step(self.model, self.optimizer, batch, grad_clip=r.optimizer.grad_clip,
-                                    policy=self.policy, skip_nonfinite=skip)
+                                    policy=self.policy, skip_nonfinite=skip, watch=self.watch)
+        self.watchdog.step += 1
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.metrics.add(loss, norm, skip_nonfinite=skip)
@@ -389,6 +402,7 @@ class Trainer:
             if self.sinks is not None:
                 self.sinks.close()
             self.checkpoints.wait()  # a save in flight completes even when training stops on an error
+            self.watchdog.close()
         self.finish_checkpoints()
         last["wall_seconds"] = time.perf_counter() - run_start
         return last
