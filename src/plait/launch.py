@@ -56,7 +56,14 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
                           monitor_interval=0.5, start_method="spawn")
-    elastic_launch(config, entrypoint)(*args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except SignalException as e:
+        # SIGTERM/SIGINT reached the launcher as well as the workers; the workers have written a
+        # checkpoint and exited cleanly (see Trainer.fit), so preemption is a normal end here.
+        print(f"plait: stopped by signal {e.sigval}; the workers saved a checkpoint", flush=True)
 
 
 def init_worker(threads: int = 1) -> tuple[int, int]:

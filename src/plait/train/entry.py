@@ -40,7 +40,8 @@ def train_worker(recipe_yaml: str) -> None:
         trainer = Trainer(resolved, prepared, rank, world)
         final = trainer.fit()
         if trainer.stopped_by_signal:  # preempted: the checkpoint is written; leave quickly and cleanly
-            return
+            finish_worker()
+            os._exit(0)  # the launcher is shutting down too; do not wait for it to collect a return value
         trainer.finish(final, prepared)
     finally:
         finish_worker()

@@ -463,10 +463,22 @@ class Trainer:
         print(f"outputs in {self.out}", flush=True)
 
     def _finish_pipeline(self, prepared_dir: str | Path) -> None:
-        """Under pipeline parallelism: tokenizer, plot and summary (no final checkpoint or sample yet)."""
+        """Under pipeline parallelism: the final Hugging Face checkpoint (through a sharded checkpoint
+        that rank 0 converts), tokenizer, plot and summary (no sample yet)."""
+        from plait.checkpoint.convert import plait_to_hf
+        from plait.checkpoint.store import latest_checkpoint
         from plait.data.baseline import unigram_loss
         from plait.train.report import plot_run, summary_table
 
+        r = self.recipe
+        if r.checkpoint.save_final:
+            steps = r.train.steps
+            latest = latest_checkpoint(self.resolved.save_dir)
+            if latest is None or latest.name != f"step-{steps:08d}":
+                self.save_checkpoint(steps, sync=True)
+            self.finish_checkpoints()
+            if self.is_writer:
+                plait_to_hf(latest_checkpoint(self.resolved.save_dir), self.resolved.checkpoint_dir, progress=False)
         if not self.is_writer:
             return
         shutil.copy(Path(prepared_dir) / "tokenizer.json", self.out / "tokenizer.json")
@@ -477,5 +489,6 @@ class Trainer:
         summary += f"\nunigram baseline val loss {unigram_loss(prepared_dir, self.train_data.vocab_size):.4f}"
         (self.out / "summary.txt").write_text(summary + "\n")
         print("\n" + summary, flush=True)
-        print("note: under pipeline parallelism this version writes no final Hugging Face checkpoint and "
-              "generates no sample", flush=True)
+        if r.checkpoint.save_final:
+            print(f"final Hugging Face checkpoint: {self.resolved.checkpoint_dir}", flush=True)
+        print("note: under pipeline parallelism this version generates no sample", flush=True)
