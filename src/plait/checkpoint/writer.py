@@ -87,11 +87,15 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_committed: Path | None = None
+        #: host buffers reused from one snapshot to the next (no fresh allocation, and so no page
+        #: faults, after the first save; pinned when the source is on an accelerator)
+        self._staging: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ snapshot (training loop)
     @torch.no_grad()
     def snapshot(self, step: int, modules: list[nn.Module], optimizer, mesh, meta: dict[str, Any],
                  rng: dict[str, torch.Tensor], attachments: dict[str, Path] | None = None) -> Snapshot:
+        self.wait()  # the previous save still reads the staging buffers
         snap = Snapshot(step, meta=dict(meta) if self.rank == 0 else {},
                         attachments=dict(attachments or {}) if self.rank == 0 else {})
         fname = rank_file(self.rank)
@@ -114,20 +118,30 @@ class CheckpointWriter:
                 self._add(snap, fname, kind, name, local, specs.get(name))
         for key, value in rng.items():
             snap.tensors[f"rng/{key}"] = value.detach().cpu().clone()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
         return snap
 
-    @staticmethod
-    def _add(snap: Snapshot, fname: str, kind: str, name: str, local: torch.Tensor, spec) -> None:
+    def _stage(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``src`` in the staging buffer of ``key`` (allocated on first use)."""
+        buf = self._staging.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            self._staging[key] = buf
+        buf.copy_(src, non_blocking=src.is_cuda)
+        return buf
+
+    def _add(self, snap: Snapshot, fname: str, kind: str, name: str, local: torch.Tensor, spec) -> None:
         key = tensor_key(kind, name)
         full_shape = list(spec.full_shape) if spec is not None else list(local.shape)
         entry = snap.entries.setdefault(key, {"shape": full_shape, "dtype": DTYPE_NAMES[local.dtype], "slices": []})
         if spec is None:
-            snap.tensors[key] = local.cpu().clone().contiguous()
+            snap.tensors[key] = self._stage(key, local)
             entry["slices"].append(SliceRef(fname, key, None, 0, full_shape[0] if full_shape else 1).as_json())
             return
         for local_start, full_start, length in spec.runs():
             skey = f"{key}@{full_start}+{length}"
-            snap.tensors[skey] = local.narrow(spec.dim, local_start, length).cpu().clone().contiguous()
+            snap.tensors[skey] = self._stage(skey, local.narrow(spec.dim, local_start, length))
             entry["slices"].append(SliceRef(fname, skey, spec.dim, full_start, length).as_json())
 
     # ------------------------------------------------------------------ write (any thread)

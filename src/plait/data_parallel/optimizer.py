@@ -264,6 +264,16 @@ class DistributedOptimizer:
         every DP rank must run the whole iteration (collective); memory grows by one bucket at a time.
         """
         kinds = self.state_kinds()
+        if not self.zero:  # every segment is a whole parameter: hand out views, no copy
+            for i, s in enumerate(self.segments):
+                e, main = s.entry, self.main_params[i]
+                state = self.inner.state.get(main, {})
+                out = {}
+                for kind in kinds:
+                    src = main if kind == "master" else state.get(kind)
+                    out[kind] = (src if src is not None else torch.zeros_like(main)).view(e.param.shape)
+                yield e, out
+            return
         by_bucket: dict[int, list[int]] = {}
         for i, s in enumerate(self.segments):
             by_bucket.setdefault(s.bucket.index, []).append(i)
