@@ -27,6 +27,7 @@ test-slow: setup
 bench: setup
 	$(PY) bench/bench_single.py
 	$(PY) bench/bench_tp.py
+	$(PY) bench/bench_dp.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
