@@ -64,7 +64,7 @@ def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | Non
     """Write the Hugging Face directory of a plait checkpoint; returns it."""
     from plait.models.llama.hf_io import write_hf_dir
 
-    with CheckpointReader(checkpoint) as reader:
+    with CheckpointReader(checkpoint, keep_open=False) as reader:
         config = _config_of(reader.manifest)
         config_dict = config.to_hf_dict()
         names = [k[len("model/"):] for k in reader.tensors if k.startswith("model/")]

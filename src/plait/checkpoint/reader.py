@@ -21,8 +21,13 @@ from plait.checkpoint.format import CheckpointError, read_manifest, sha256_of, t
 
 
 class CheckpointReader:
-    def __init__(self, directory: str | Path) -> None:
+    """``keep_open=False`` opens a file for each read and closes it after: a streaming reader
+    (``plait convert``) then never keeps a whole file's pages mapped into the process."""
+
+    def __init__(self, directory: str | Path, *, keep_open: bool = True) -> None:
         self.dir = Path(directory)
+        self.keep_open = keep_open
+        self._verified: set[str] = set()
         self.manifest = read_manifest(self.dir)
         self.tensors: dict[str, dict[str, Any]] = self.manifest["tensors"]
         for fname in self.manifest["files"]:
@@ -46,7 +51,7 @@ class CheckpointReader:
         self.close()
 
     # ------------------------------------------------------------------ files
-    def _open(self, fname: str):
+    def _open(self, fname: str, stack: ExitStack | None = None):
         handle = self._handles.get(fname)
         if handle is not None:
             return handle
@@ -56,15 +61,18 @@ class CheckpointReader:
             raise CheckpointError(f"{path} is not listed in the manifest")
         if not path.is_file():
             raise CheckpointError(f"{path} is missing (the manifest references it)")
-        actual = sha256_of(path)
-        if actual != info["sha256"]:
-            raise CheckpointError(f"{path}: sha256 {actual} does not match the manifest's {info['sha256']}; "
-                                  f"the file is corrupt or was replaced")
+        if fname not in self._verified:
+            actual = sha256_of(path)
+            if actual != info["sha256"]:
+                raise CheckpointError(f"{path}: sha256 {actual} does not match the manifest's {info['sha256']}; "
+                                      f"the file is corrupt or was replaced")
+            self._verified.add(fname)
         try:
-            handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            handle = (stack or self._stack).enter_context(safe_open(str(path), framework="pt", device="cpu"))
         except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file, named
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
-        self._handles[fname] = handle
+        if stack is None:
+            self._handles[fname] = handle
         return handle
 
     def has(self, kind: str, name: str) -> bool:
@@ -109,10 +117,11 @@ class CheckpointReader:
             targets = [(spec.dim, local, full, length) for local, full, length in spec.runs()]
         covered = 0
         for sl in entry["slices"]:
-            handle = self._open(sl["file"])
-            src = handle.get_slice(sl["key"])
-            for dim, local, full, length in targets:
-                covered += self._copy(src, sl, out, dim, local, full, length)
+            with ExitStack() as transient:
+                handle = self._open(sl["file"], None if self.keep_open else transient)
+                src = handle.get_slice(sl["key"])
+                for dim, local, full, length in targets:
+                    covered += self._copy(src, sl, out, dim, local, full, length)
         need = out.numel() if spec is None else sum(
             length * (out.numel() // max(out.shape[spec.dim], 1)) for _, _, _, length in targets)
         if covered < need:
