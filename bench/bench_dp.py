@@ -31,6 +31,8 @@ rounds (the order rotates every round); each turn times ``--steps`` consecutive 
 barrier, and a turn's time is the slower rank's. Reported: median ms/step over rounds, CPU
 ms/step summed over both ranks, and the ratio of medians written **plait/peer as a speed ratio,
 peer ms / plait ms (> 1 means plait is faster)**; "paired" is the median of per-round ratios.
+Last, each gloo collective the implementations use is timed alone on one fp32 buffer the
+size of the model (all-reduce, reduce-scatter, all-gather, broadcast; median of 5).
 Optimizer-state bytes per rank: plait's ``memory_report()`` (``exp_avg`` + ``exp_avg_sq`` of the
 owned elements; the master column is plait's separate fp32 master shard, which ZeRO-1 keeps
 for every preset), the tensors of ``ZeroRedundancyOptimizer``'s local optimizer, and the full
@@ -49,6 +51,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -129,6 +132,32 @@ def torch_side(config, mesh: ParallelMesh, seed: int, *, zero: bool):
         return loss.detach()
 
     return run, states, lambda: 0
+
+
+def time_collectives(numel: int, repeats: int = 5) -> list[list[str]]:
+    """Median wall time of each gloo collective the implementations use, on one fp32 buffer of
+    ``numel`` elements (the whole model): what a step's data-parallel communication costs here."""
+    world = dist.get_world_size()
+    full = torch.randn(numel - numel % world)
+    shard = torch.empty(full.numel() // world)
+    gathered = torch.empty_like(full)
+    ops = {
+        "all-reduce (plait DP, DDP)": lambda: dist.all_reduce(full),
+        "reduce-scatter (plait ZeRO-1)": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all-gather (plait ZeRO-1)": lambda: dist.all_gather_into_tensor(gathered, shard),
+        "broadcast from one rank (ZeroRedundancyOptimizer's parameter sync, all owners together)":
+            lambda: dist.broadcast(full, 0),
+    }
+    rows = []
+    for name, op in ops.items():
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        rows.append([name, f"{full.numel() * 4 / MiB:.1f}", f"{1e3 * statistics.median(times):.1f}"])
+    return rows
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -213,6 +242,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                            [["fp32"] + comparison_row(results[ours], results[theirs], tokens_per_step)]))
         log()
     log("(tok/s are global: both ranks' tokens; plait/peer > 1 means plait is faster)", flush=True)
+    if not args.skip_collectives:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the *_tensor names are deprecated aliases
+            rows = time_collectives(n_params)
+        log()
+        log(markdown_table(["gloo collective, 2 ranks", "buffer MiB", "median ms (of 5)"], rows), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(parser)
     parser.add_argument("--skip-no-overlap", action="store_true",
                         help="leave out the plait DP run with overlap_grad_reduce=false")
+    parser.add_argument("--skip-collectives", action="store_true",
+                        help="leave out the timing of each gloo collective on a model-sized buffer")
     args = resolve_args(parser.parse_args(argv))
     if args.foreach:
         parser.error("--foreach does not apply: every side uses the fused AdamW")
