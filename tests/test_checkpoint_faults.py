@@ -188,3 +188,15 @@ def test_retention_keeps_the_newest_and_every_kth(tmp_path):
     assert apply_retention(tmp_path, keep=1) == [tmp_path / step_dir_name(3), tmp_path / step_dir_name(6)]
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [7]  # never the last complete one
     assert apply_retention(tmp_path, keep=1) == []
+
+
+def test_a_commit_never_removes_a_later_step_other_ranks_are_writing(tmp_path):
+    """Other ranks run ahead of rank 0's commit: cleaning up after step 2 must leave step 3's
+    directory alone (deleting it made rank 0 wait forever for a part that had been removed)."""
+    mesh, model, opt = _setup()
+    stale, ahead = tmp_path / (step_dir_name(1) + ".tmp"), tmp_path / (step_dir_name(3) + ".tmp")
+    stale.mkdir(parents=True)
+    ahead.mkdir()
+    (ahead / "part-00001.json").write_text("{}")
+    _save(tmp_path, 2, mesh, model, opt)
+    assert not stale.exists() and (ahead / "part-00001.json").exists()

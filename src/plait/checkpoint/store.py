@@ -45,11 +45,24 @@ def incomplete_dirs(root: str | Path) -> list[Path]:
                   and (d.name.endswith((".tmp", ".old")) or not (d / "manifest.json").is_file()))
 
 
-def remove_incomplete(root: str | Path, keep: Path | None = None) -> list[Path]:
-    """Delete interrupted checkpoint directories (except ``keep``, one being written); returns them."""
+def _step_of(d: Path) -> int | None:
+    try:
+        return int(d.name.split("-", 1)[1].split(".", 1)[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def remove_incomplete(root: str | Path, below_step: int | None = None) -> list[Path]:
+    """Delete interrupted checkpoint directories; returns them.
+
+    ``below_step``: only those of earlier steps. After committing step N, the directories of
+    later steps may be ones other ranks are already writing (they run ahead of rank 0's commit),
+    so they must not be touched.
+    """
     removed = []
     for d in incomplete_dirs(root):
-        if keep is not None and d.resolve() == Path(keep).resolve():
+        step = _step_of(d)
+        if below_step is not None and (step is None or step >= below_step):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)

@@ -193,7 +193,7 @@ class CheckpointWriter:
         fsync_dir(tmp)
         final = commit(tmp, snap.step)
         apply_retention(self.root, self.keep, self.keep_every)
-        remove_incomplete(self.root)
+        remove_incomplete(self.root, below_step=snap.step)
         self.last_committed = final
         return final
 
