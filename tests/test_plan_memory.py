@@ -250,9 +250,9 @@ def test_zero1_divides_optimizer_and_master_by_dp():
         assert zero.parameters == plain.parameters and zero.gradients == plain.gradients
         assert zero.gradient_shard == own * 4 and zero.step_buffers == own * 2  # bf16 all-gather staging
         assert zero.model_states == plain.parameters + plain.gradients + own * 4 * 4
-        # fp32 under ZeRO-1 also keeps a master shard (fp32 without ZeRO updates the weights in place)
+        # fp32 under ZeRO-1 updates its owned range of the weights in place: no master shard
         f32 = estimate_memory(config, _layout(config, dp=dp, zero1=True), precision="fp32", **kw)
-        assert f32.master_weights == own * 4 and f32.gradient_shard == own * 4 and f32.step_buffers == own * 4
+        assert f32.master_weights == 0 and f32.gradient_shard == own * 4 and f32.step_buffers == own * 4
         assert estimate_memory(config, _layout(config, dp=dp), precision="fp32", **kw).master_weights == 0
     pure = estimate_memory(config, _layout(config), precision="bf16-pure", **kw)
     assert pure.optimizer == 2 * pure.parameter_count * 2 and pure.master_weights == 0

@@ -6,8 +6,8 @@ One object covers every combination of data parallelism, ZeRO-1 and precision pr
   the gradient buffer of :class:`~plait.data_parallel.grad_sync.GradSync`);
 * the optimizer updates *segments*: 1-D views of the ranges this rank owns (everything without
   ZeRO-1; one ``1/dp`` shard of every bucket with it). A segment views the weights themselves
-  when they are already in the optimizer's dtype and not sharded; otherwise it views a flat
-  master buffer (fp32 master weights of ``bf16-mixed``, or the owned shard under ZeRO-1);
+  (the owned range of the parameter buffer) when they are in the optimizer's dtype, with or
+  without ZeRO-1; only ``bf16-mixed`` has a flat fp32 master buffer (of the owned ranges);
 * after the update, master values are written back to the weights (cast) and, with ZeRO-1,
   all-gathered over the data-parallel group so every replica holds the whole updated model.
 
@@ -119,7 +119,7 @@ class DistributedOptimizer:
         for e in layout.entries:
             originals[id(e.param)] = e.param.detach().reshape(-1)
             self.param_data[e.start:e.end].copy_(originals[id(e.param)])
-        self.has_master = self.zero or pol.separate_master
+        self.has_master = pol.separate_master
         self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
         if self.has_master:
             sizes = [b.numel // self.shards for b in layout.buckets]
@@ -215,11 +215,14 @@ class DistributedOptimizer:
             pass  # skip: weights, moments and step counts stay as they were
         else:
             self.inner.step()
-        if self.has_master:
+        if self.has_master or self.zero:
             works, staged = [], []
-            for b, master in zip(self.layout.buckets, self.master_views):
-                if self.zero:
-                    src = master.to(self.policy.param_dtype, copy=True)
+            for b in self.layout.buckets:
+                master = self.master_views[b.index] if self.has_master else None
+                if self.zero:  # the owned shard, staged (all-gather input and output must not overlap)
+                    lo, hi = b.shard_range(self.shard, self.shards)
+                    owned = master if master is not None else self.param_data[lo:hi]
+                    src = owned.to(self.policy.param_dtype, copy=True)
                     staged.append(src)
                     works.append(all_gather_single(self.param_data[b.start:b.end], src, group=self.dp.group,
                                                    async_op=True))

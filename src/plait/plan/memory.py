@@ -27,9 +27,9 @@ Model states follow :class:`plait.data_parallel.optimizer.DistributedOptimizer` 
                                     gradients of the owned shard (0 without ZeRO-1)
     optimizer      = 2 * P_own * o  AdamW exp_avg, exp_avg_sq of the owned elements
     master_weights = P * 4          bf16-mixed without ZeRO-1 (the fp32 master copy)
-                   = P_own * o      with ZeRO-1, every preset: the owned shard in the optimizer's
-                                    dtype (fp32 also for fp32 / autocast; bf16 for bf16-pure)
-                   = 0              otherwise (the optimizer updates the weights in place)
+                   = P_own * 4      bf16-mixed with ZeRO-1 (the owned shard of it)
+                   = 0              other presets: the optimizer updates the weights (with ZeRO-1
+                                    their owned range of the parameter buffer) in place
 
 Padding that makes buckets divide by ``dp`` (at most ``dp - 1`` elements per bucket) is ignored.
 
@@ -117,8 +117,8 @@ class PrecisionBytes:
 #: autograd's per-parameter gradients, but an fp32 gradient buffer (accumulation and the
 #: data-parallel reduction run in fp32), fp32 master weights and optimizer states: 2 + 4 + 4 + 8
 #: bytes per parameter (the ZeRO paper's 2 + 2 + 12 assumed bf16 gradients). ``bf16-pure``:
-#: everything bf16, optimizer states included. ``master`` is the non-ZeRO master copy; with
-#: ZeRO-1 every preset keeps a master shard in the optimizer-state dtype (see the module doc).
+#: everything bf16, optimizer states included. ``master`` is the master copy's bytes per owned
+#: element (bf16-mixed only; its owned shard under ZeRO-1, see the module doc).
 PRECISIONS: dict[str, PrecisionBytes] = {
     "fp32": PrecisionBytes("fp32", 4, 4, 4, 0, 4, 4, False),
     "autocast": PrecisionBytes("autocast", 4, 4, 4, 0, 2, 4, True),
@@ -655,7 +655,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
         layout=layout, precision=pb.name, pp_rank=pp_rank, parameter_count=P,
         parameters=P * pb.param, gradients=P * pb.grad, gradient_shard=owned * pb.grad if zero else 0,
         optimizer=2 * owned * pb.optimizer_state,
-        master_weights=owned * pb.optimizer_state if zero else P * pb.master,
+        master_weights=(owned if zero else P) * pb.master,
         activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
         comm_buffers=peak.p2p + tp_gather, workspace=peak.workspace, step_buffers=step_buffers,
         gradients_at_peak=peak.gradients, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},
