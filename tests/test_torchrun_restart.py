@@ -59,6 +59,7 @@ def _model_and_state(directory: Path) -> dict[str, torch.Tensor]:
         return out
 
 
+@pytest.mark.slow  # two torchrun jobs, ~18 s: `make test-slow`
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker processes through /proc")
 def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path_factory):
     corpus = corpus_dir(tmp_path_factory)
