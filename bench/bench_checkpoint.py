@@ -148,7 +148,7 @@ def main() -> None:
     rows = []
     for direction, res in results.items():
         extra = res["peak"] - res["base"]
-        rows.append([f"plait -> HF" if direction == "hf" else "HF -> plait", f"{res['seconds']:.1f}",
+        rows.append(["plait -> HF" if direction == "hf" else "HF -> plait", f"{res['seconds']:.1f}",
                      f"{extra / 2**20:.0f}", f"{extra / model_bytes:.2f}", f"{extra / largest:.2f}"])
     print(markdown_table(["direction", "seconds", "peak RSS above start (MiB)", "/ model size", "/ largest tensor"],
                          rows))

@@ -32,7 +32,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at, nan_at):
     from plait.train.trainer import Trainer
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    run_step, weights, losses = trainer.run_step, [], []
+    run_step, weights = trainer.run_step, []
     calls = {"n": trainer.start_step}
     forward = trainer.model.forward
 
