@@ -148,3 +148,33 @@ def test_watchdog_default_action_exits_with_status_3():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
     assert "rank 5 stalled for" in proc.stderr and "pipeline schedule (group pp, ranks [1, 5])" in proc.stderr
+
+
+@pytest.mark.slow  # two `plait train` launches: `make test-slow`
+def test_plait_train_exits_0_on_sigterm_and_resumes(corpus, tmp_path):
+    """Preemption through the real command: SIGTERM to `plait train` (the local launcher) gives a
+    checkpoint and exit status 0; the next `plait train ... checkpoint.resume=auto` continues from it."""
+    import subprocess
+    import sys
+    import time
+
+    from plait.checkpoint.store import latest_checkpoint
+
+    items = BASE + [f"data.source={corpus}", f"run.output_dir={tmp_path}", "train.eval_every=100000"]
+    cmd = [sys.executable, "-m", "plait.cli", "train", *items]
+    proc = subprocess.Popen(cmd + ["train.steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    assert ckpt is not None, out
+    step = int(ckpt.name.split("-")[1])
+    resumed = subprocess.run(cmd + [f"train.steps={step + 2}", "checkpoint.resume=auto"], capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {ckpt} at step {step}" in resumed.stdout
