@@ -32,6 +32,19 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     return specs
 
 
+def named_parameters_with_specs(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Parameter, ShardSpec | None]]:
+    """``(owning module, name, parameter, spec or None)`` of every distinct parameter of ``modules``
+    (a model, or a rank's pipeline stages), first owner first."""
+    out, seen = [], set()
+    for module in modules:
+        specs = shard_specs(module)
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((module, name, p, specs.get(name)))
+    return out
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module, tp: GroupInfo) -> dict[str, torch.Tensor]:
     """Every parameter as its full, unpadded tensor (on every rank), gathered over the TP group."""

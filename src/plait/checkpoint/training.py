@@ -16,7 +16,7 @@ import torch
 
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.reader import CheckpointReader
-from plait.parallel_state import shard_specs
+from plait.parallel_state import named_parameters_with_specs
 
 
 def layout_of(trainer) -> dict[str, Any]:
@@ -50,23 +50,11 @@ def model_config_dict(config) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
 
 
-def _model_params(modules) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter, Any]]:
-    out, seen = [], set()
-    for module in modules:
-        specs = shard_specs(module)
-        for name, p in module.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            out.append((module, name, p, specs.get(name)))
-    return out
-
-
 @torch.no_grad()
 def restore(trainer, directory: str | Path) -> int:
     """Load ``directory`` into the trainer's model and optimizer (any layout); returns the step to resume at."""
     with CheckpointReader(directory) as reader:
-        params = _model_params(trainer.modules)
+        params = named_parameters_with_specs(trainer.modules)
         reader.check_model({name: tuple(spec.full_shape) if spec is not None else tuple(p.shape)
                             for _, name, p, spec in params})
         step = int(reader.manifest.get("train_step", reader.step))

@@ -46,7 +46,7 @@ from plait.checkpoint.format import (
     write_json_atomic,
 )
 from plait.checkpoint.store import apply_retention, commit, remove_incomplete
-from plait.parallel_state import shard_specs
+from plait.parallel_state import named_parameters_with_specs
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -100,22 +100,16 @@ class CheckpointWriter:
                         attachments=dict(attachments or {}) if self.rank == 0 else {})
         fname = rank_file(self.rank)
         dp = mesh.info("dp")
-        owner = {}
-        specs: dict[str, Any] = {}
-        for module in modules:
-            module_specs = shard_specs(module)
-            for name, _ in module.named_parameters():
-                owner.setdefault(name, module)
-                if name in module_specs:
-                    specs[name] = module_specs[name]
+        holders = {name: (module, spec) for module, name, _, spec in named_parameters_with_specs(modules)}
         order = {e.name: i for i, e in enumerate(optimizer.layout.entries)}
         for entry, states in optimizer.param_states():  # collective under ZeRO-1: every rank iterates
             name = entry.name
-            if order[name] % dp.size != dp.rank or not _writes(owner[name], name, specs.get(name), mesh):
+            module, spec = holders[name]
+            if order[name] % dp.size != dp.rank or not _writes(module, name, spec, mesh):
                 continue
             tensors = {"model": entry.param.detach(), **states}
             for kind, local in tensors.items():
-                self._add(snap, fname, kind, name, local, specs.get(name))
+                self._add(snap, fname, kind, name, local, spec)
         for key, value in rng.items():
             snap.tensors[f"rng/{key}"] = value.detach().cpu().clone()
         if torch.cuda.is_available():

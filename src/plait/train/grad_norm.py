@@ -9,7 +9,9 @@ Each gradient entry must count exactly once, whatever the layout:
 * pipeline stages each count their own parameters (summed over the PP group), and an embedding
   tied across the first and last stage is counted on the first stage only.
 
-The result stays a device tensor: no host synchronisation inside the step.
+The result stays a device tensor: no host synchronisation inside the step. The trainer takes the
+norm from :meth:`DistributedOptimizer.grad_norm`; this function applies the same counting rule
+(:func:`plait.data_parallel.optimizer.norm_weight`) to ``.grad`` of a model without one.
 """
 
 from __future__ import annotations
@@ -19,13 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
+from plait.data_parallel.optimizer import norm_weight
 from plait.parallel_state import shard_specs
-
-
-def _counted_once_elsewhere(module: nn.Module, name: str) -> bool:
-    """The tied embedding held by a last pipeline stage is counted on the first stage only."""
-    return (name == "model.embed_tokens.weight" and getattr(module, "last", False)
-            and not getattr(module, "first", True))
 
 
 def global_grad_norm(model: nn.Module | list[nn.Module], tp: GroupInfo, pp: GroupInfo | None = None) -> torch.Tensor:
@@ -38,15 +35,11 @@ def global_grad_norm(model: nn.Module | list[nn.Module], tp: GroupInfo, pp: Grou
     for module in modules:
         specs = shard_specs(module)
         for name, p in module.named_parameters():
-            if p.grad is None or _counted_once_elsewhere(module, name):
-                continue
-            spec = specs.get(name)
-            if spec is None and tp.rank != 0:
+            weight = norm_weight(module, name, specs, tp)
+            if p.grad is None or weight == 0:
                 continue
             sq = p.grad.detach().float().pow(2).sum()
-            if spec is not None and spec.replicas > 1:
-                sq = sq / spec.replicas
-            total = sq if total is None else total + sq
+            total = sq * weight if total is None else total + sq * weight
     if total is None:
         total = torch.zeros((), device=next(modules[0].parameters()).device)
     if tp.size > 1:
