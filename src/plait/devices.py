@@ -66,6 +66,16 @@ class DeviceSpec:
     description: str = ""
 
 
+#: gloo between processes of one host, one direction per rank: its collectives go over loopback
+#: TCP, not shared memory. A ring all-reduce of 16-64 MiB fp32 buffers with one thread per rank
+#: measured 0.91-0.97 GB/s of bus bandwidth on 2 and 4 ranks of a 2-core x86 host (torch 2.13);
+#: 1 GB/s is the round, conservative figure. The table quotes intra-node links both directions
+#: summed, so the CPU entry holds twice this.
+CPU_LOOPBACK_BW = 1 * GB
+#: gloo between hosts, one direction per rank: a 10 Gb/s Ethernet link (1.25 GB/s line rate) less
+#: TCP overhead, assumed for each rank.
+CPU_NETWORK_BW = 1 * GB
+
 # Sources (checked 2025):
 # * NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: FP32 67 TFLOPS, TF32 989 / BF16 1,979 TFLOPS
 #   "with sparsity" (dense = half: 494.7 / 989.4), 80 GB HBM3, NVLink 900 GB/s. DGX H100: eight
@@ -103,7 +113,8 @@ DEVICES: dict[str, DeviceSpec] = {
         "trn2", {"fp32": 181 * T, "tf32": 667 * T, "bf16": 667 * T, "fp16": 667 * T},
         memory_bytes=96 * GiB, intra_node_bw=1280 * GB, inter_node_bw=25 * GB,
         description="AWS Trainium2 (trn2), one chip = 8 NeuronCore-v3"),
-    "cpu": DeviceSpec("cpu", measured=True, description="host CPU (peak measured by a matmul probe)"),
+    "cpu": DeviceSpec("cpu", measured=True, intra_node_bw=2 * CPU_LOOPBACK_BW, inter_node_bw=CPU_NETWORK_BW,
+                      description="host CPU (peak measured by a matmul probe)"),
 }
 
 _ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "h200-sxm": "h200", "a100-80gb": "a100",

@@ -12,6 +12,8 @@ on stderr and exit with status 2; a dry-run mismatch exits with 1.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 GiB = 1024**3
@@ -32,27 +34,32 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("items", nargs="*", metavar="section.field=value", help="recipe overrides")
     p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices (ranks)")
     p.add_argument("--device", default="h100", metavar="NAME",
-                   help="device from plait's table (h100, h200, a100, trn1, trn2, cpu); default h100")
+                   help="device from plait's table (h100, h200, a100, trn1, trn2, cpu); default h100. A cpu "
+                        "device is one rank process: the ranks of a node share its host's RAM and cores and talk "
+                        "through gloo (docs/plan.md)")
     p.add_argument("--memory", type=float, default=None, metavar="GB",
-                   help="memory per device in GB (1e9 bytes); default: the device's")
+                   help="memory per device in GB (1e9 bytes); default: the device's (cpu: host RAM / ranks per "
+                        "node)")
     p.add_argument("--headroom", type=float, default=0.10, metavar="FRACTION",
                    help="share of the memory kept free (allocator, context, NCCL); default 0.10")
     p.add_argument("--nodes-of", type=int, default=None, metavar="N", dest="nodes_of",
-                   help="devices per node; TP degrees divide it (default 8; 16 for trn1/trn2, 1 for cpu)")
+                   help="devices per node; TP degrees divide it (default 8; 16 for trn1/trn2; for cpu the world: "
+                        "every rank on this host, as plait train runs them)")
     p.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES", dest="global_batch",
                    help="sequences per optimizer step, the same for every layout")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="micro-batches per step per DP rank instead of a fixed global batch")
     p.add_argument("--precision", default=None, metavar="PRESET",
-                   help="precision preset to plan for; default: the recipe's precision.preset")
+                   help="precision preset to plan for (fp32, autocast, bf16-mixed, bf16-pure); default: the "
+                        "recipe's precision.preset")
     p.add_argument("--top", type=int, default=10, metavar="K",
                    help="rows of layouts that fit in the table (default 10)")
     p.add_argument("--unfit", type=int, default=3, metavar="K",
                    help="also show up to K layouts faster than the recommendation that do not fit (default 3)")
     p.add_argument("--no-zero1", action="store_true", dest="no_zero1",
-                   help="leave ZeRO-1 out (the trainer does not shard optimizer states over dp > 1 yet)")
+                   help="leave ZeRO-1 (parallel.zero1) out of the search: replicated optimizer states only")
     p.add_argument("--no-checkpointing", action="store_true", dest="no_checkpointing",
-                   help="leave activation checkpointing out (the trainer has no recipe switch for it yet)")
+                   help="leave activation checkpointing (train.activation_checkpointing) out of the search")
     p.add_argument("--all", action="store_true", dest="every",
                    help="list every layout, also those a faster layout beats on memory")
     p.add_argument("--dry-run", action="store_true", dest="dry_run",
@@ -62,11 +69,46 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def default_devices_per_node(device_name: str) -> int:
-    """Devices per node of the time model's table (8 GPUs; 16 Trainium chips; 1 CPU host)."""
+def default_devices_per_node(device_name: str, world: int = 1) -> int:
+    """Devices per node: the time model's table (8 GPUs; 16 Trainium chips); for ``cpu`` the whole
+    world, because ``plait train --nproc N`` starts every rank on this host."""
     from plait.plan.timing import DEVICES_PER_NODE
 
+    if device_name == "cpu":
+        return world
     return DEVICES_PER_NODE.get(device_name, 8)
+
+
+def check_options(args) -> None:
+    """Reject option values no plan can use, naming the option, the value and what is valid
+    (argparse accepts ``nan``, ``inf`` and negative numbers for these)."""
+    if args.world < 1:
+        raise ValueError(f"--world={args.world} must be a positive integer")
+    for name in ("top", "unfit"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name}={getattr(args, name)} must be >= 0")
+    if args.memory is not None and not (math.isfinite(args.memory) and args.memory > 0):
+        raise ValueError(f"--memory={args.memory} is not valid: give the memory per device as a finite number of "
+                         f"GB above 0 (e.g. --memory 80)")
+    if not (math.isfinite(args.headroom) and 0 <= args.headroom < 1):
+        raise ValueError(f"--headroom={args.headroom} is not valid: give a share of memory in [0, 1) (e.g. 0.1)")
+    for option, value in (("--nodes-of", args.nodes_of), ("--global-batch", args.global_batch),
+                          ("--microbatches", args.microbatches)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option}={value} must be a positive integer")
+    if args.microbatches is not None and args.global_batch is not None:
+        raise ValueError("give --global-batch or --microbatches, not both")
+
+
+def cpu_rank_resources(spec, ranks_per_host: int, precision: str) -> tuple[int | None, float]:
+    """``(memory bytes, peak FLOP/s)`` of one rank when ``ranks_per_host`` ranks share this host:
+    its RAM divided among them, and the matmul probe run with the threads ``plait train`` gives
+    each rank (the host's cores divided among them)."""
+    from plait.devices import peak_flops
+
+    memory = None if spec.memory_bytes is None else spec.memory_bytes // ranks_per_host
+    threads = max(1, (os.cpu_count() or 1) // ranks_per_host)
+    return memory, peak_flops(spec, "fp32" if precision == "fp32" else "bf16", threads)
 
 
 def load_plan_inputs(recipe_path: str, overrides: list[str]):
@@ -78,7 +120,7 @@ def load_plan_inputs(recipe_path: str, overrides: list[str]):
     data = recipe.model_dump()
     data["parallel"] = {}
     data["data"]["global_batch_size"] = None
-    data["precision"] = {}  # presets that are not trainable yet may still be planned for
+    data["precision"] = {}  # --precision may plan another preset than the recipe's
     resolved = validate_recipe(data, 1, check_paths=False)
     return recipe, resolved.llama_config()
 
@@ -159,6 +201,8 @@ def recipe_overrides(candidate) -> str:
     items += [f"parallel.microbatches={candidate.microbatches}", f"parallel.kv_replication={lay.kv_replication}",
               f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
               f"parallel.zero1={'true' if lay.zero1 else 'false'}"]
+    ckpt = {"none": "off"}.get(lay.activation_checkpointing, lay.activation_checkpointing)
+    items.append(f"train.activation_checkpointing={ckpt}")
     return " ".join(items)
 
 
@@ -192,9 +236,7 @@ def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every:
             f"MFU {100 * t.mfu:.1f}%, {rec.memory.total / GiB:.1f} GiB per rank "
             f"(compute {t.compute_s:.2f} s, TP comm {t.tp_comm_s:.2f} s, DP comm {t.dp_comm_s:.2f} s, "
             f"PP comm {t.pp_comm_s:.2f} s, bubble {100 * t.bubble_share:.1f}%)",
-            f"  recipe overrides: {recipe_overrides(rec)}"
-            + ("" if rec.layout.activation_checkpointing == "none"
-               else f" (and activation checkpointing: {rec.layout.activation_checkpointing})"),
+            f"  recipe overrides: {recipe_overrides(rec)}",
         ]
     return "\n".join(lines)
 
@@ -214,18 +256,10 @@ def run(args) -> int:
             if "=" not in item:
                 raise ValueError(f"{item!r} is not of the form section.field=value (the recipe file comes first)")
             overrides.append(item)
-        if args.world < 1:
-            raise ValueError(f"--world={args.world} must be a positive integer")
-        for name in ("top", "unfit"):
-            if getattr(args, name) < 0:
-                raise ValueError(f"--{name}={getattr(args, name)} must be >= 0")
+        check_options(args)
         recipe, config = load_plan_inputs(args.recipe, overrides)
         spec = resolve_device(args.device)
-        per_node = args.nodes_of or default_devices_per_node(spec.name)
-        if per_node < 1:
-            raise ValueError(f"--nodes-of={per_node} must be a positive integer")
-        if args.microbatches is not None and args.global_batch is not None:
-            raise ValueError("give --global-batch or --microbatches, not both")
+        per_node = args.nodes_of if args.nodes_of is not None else default_devices_per_node(spec.name, args.world)
         global_batch = args.global_batch
         if global_batch is None and args.microbatches is None:
             global_batch = recipe.data.global_batch_size
@@ -233,7 +267,11 @@ def run(args) -> int:
         # the recipe's split method; manual cuts fix one stage count, so layouts use the balanced split
         method = "balanced" if recipe.parallel.partition == "manual" else recipe.parallel.partition
         memory = None if args.memory is None else int(args.memory * 1e9)
-        plan = rank_layouts(config, args.world, spec, devices_per_node=per_node,
+        peak = None
+        if spec.name == "cpu":
+            host_memory, peak = cpu_rank_resources(spec, min(per_node, args.world), precision)
+            memory = host_memory if memory is None else memory
+        plan = rank_layouts(config, args.world, spec, devices_per_node=per_node, peak=peak,
                             micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
                             microbatches=args.microbatches, global_batch_size=global_batch, precision=precision,
                             memory_bytes=memory, headroom=args.headroom,

@@ -324,11 +324,12 @@ def stage_split(config, num_stages: int, seq_len: int, *, method: str = "balance
 def rank_layouts(config, world: int, device, *, devices_per_node: int = 8, micro_batch_size: int = 1,
                  seq_len: int, microbatches: int | None = None, global_batch_size: int | None = None,
                  precision: str = "autocast", memory_bytes: int | None = None, headroom: float = DEFAULT_HEADROOM,
-                 options: SearchOptions | None = None, require_fit: bool = True) -> Plan:
+                 options: SearchOptions | None = None, require_fit: bool = True, peak: float | None = None) -> Plan:
     """Price every layout of :func:`enumerate_layouts` and recommend the fastest that fits.
 
     ``device``: a table name (``"h100"``) or a :class:`~plait.devices.DeviceSpec`;
-    ``memory_bytes`` overrides its memory. Each candidate's memory is the peak over its pipeline
+    ``memory_bytes`` overrides its memory and ``peak`` its peak FLOP/s per device for the precision's
+    matmul dtype (e.g. a CPU rank that gets a share of the host's cores). Each candidate's memory is the peak over its pipeline
     ranks (``estimate_memory(..., stage=None)``). Raises :class:`PlanError` for an unknown device,
     a world without layouts, and (with ``require_fit``) a budget no layout fits, naming the
     smallest device memory that would fit one.
@@ -367,7 +368,7 @@ def rank_layouts(config, world: int, device, *, devices_per_node: int = 8, micro
         try:
             mem = estimate_memory(config, layout, stage_layers=splits[n], **kw)
             t = estimate_step_time(config, layout, spec, stage_layers=splits[n], devices_per_node=devices_per_node,
-                                   **kw)
+                                   peak=peak, **kw)
         except ValueError as e:  # e.g. a device without the bandwidths the time model needs
             raise PlanError(f"cannot price {layout.short()} on {spec.name}: {e}") from None
         candidates.append(Candidate(layout, m, m * micro_batch_size * layout.dp, mem, t, mem.total <= budget))
