@@ -6,7 +6,9 @@ When the process already belongs to a launched world (``torchrun`` or SLURM set 
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -36,6 +38,10 @@ def launched_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
+def launched_rank() -> int:
+    return int(os.environ["RANK"])
+
+
 def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
@@ -58,12 +64,55 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None
                           monitor_interval=0.5, start_method="spawn")
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    quiet = CleanStopFilter()
+    loggers = [logging.getLogger(name) for name in CleanStopFilter.LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
         # SIGTERM/SIGINT reached the launcher as well as the workers; the workers have written a
         # checkpoint and exited cleanly (see Trainer.fit), so preemption is a normal end here.
         print(f"plait: stopped by signal {e.sigval}; the workers saved a checkpoint", flush=True)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+class CleanStopFilter(logging.Filter):
+    """Drops the elastic agent's warnings that only narrate a requested stop, keeps every other one.
+
+    On SIGTERM/SIGINT the agent warns "Received 15 death signal, shutting down workers" and
+    "Closing process N via signal SIGTERM" for each worker, although the stop is the normal
+    preemption path (each worker checkpoints and exits with status 0). Those two messages are
+    dropped, and the second only after the first (the agent also closes workers that way after a
+    real failure). A worker that does not stop in time ("Unable to shutdown process ...", then
+    SIGKILL), any other death signal, and worker tracebacks still show.
+    """
+
+    LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = record.msg, record.args if isinstance(record.args, tuple) else ()
+        if msg == "Received %s death signal, shutting down workers" and args and self._is_stop(args[0]):
+            self.stopping = True
+            return False
+        if self.stopping and msg == "Closing process %s via signal %s" and len(args) == 2:
+            return not self._is_stop(args[1])
+        return True
+
+    def _is_stop(self, sig: object) -> bool:
+        """``sig``: a signal, its number or its name (the agent logs ``Signals.name`` when closing)."""
+        try:
+            value = signal.Signals[sig] if isinstance(sig, str) else signal.Signals(int(sig))
+        except (KeyError, ValueError, TypeError):
+            return False
+        return value in self.STOP_SIGNALS
 
 
 def init_worker(threads: int = 1) -> tuple[int, int]:
@@ -110,3 +159,22 @@ def finish_worker() -> None:
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def exit_worker_now(status: int = 0) -> None:
+    """End a worker process at once (after a stop signal), releasing its multiprocessing resources.
+
+    ``os._exit`` skips interpreter-exit hooks, which a preempted worker must do: the launcher is
+    shutting down and would never collect a return value. It also skips multiprocessing's exit
+    finalizers, which unregister the named semaphores a process created (tqdm's write lock is
+    one) from the launcher's resource tracker; without them the launcher warns of "leaked
+    semaphore objects" at exit. Running those finalizers first (what a normal exit does) keeps
+    the stop clean without running any other exit hook.
+    """
+    import multiprocessing.util
+
+    finish_worker()
+    multiprocessing.util._run_finalizers(0)  # the multiprocessing part of a normal exit, only that
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -40,6 +40,7 @@ from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.training import model_config_dict
 from plait.checkpoint.writer import DTYPE_NAMES
 from plait.models.llama.config import LlamaConfig
+from plait.outputs.ownership import OutputDirError, require_not_containing, require_target, write_marker
 
 TOKENIZER = "tokenizer.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,10 +61,17 @@ def _config_of(manifest: dict) -> LlamaConfig:
 
 
 def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-                progress: bool = True) -> Path:
-    """Write the Hugging Face directory of a plait checkpoint; returns it."""
+                progress: bool = True, overwrite: bool = False) -> Path:
+    """Write the Hugging Face directory of a plait checkpoint; returns it.
+
+    ``out_dir`` must be absent or empty, or a model directory plait wrote (replaced only with
+    ``overwrite``); it may never contain the checkpoint. Checked before anything is read.
+    """
     from plait.models.llama.hf_io import write_hf_dir
 
+    require_not_containing(out_dir, [("the source checkpoint", checkpoint)], what="the output directory")
+    require_target(out_dir, "hf-model", what="the output directory", replace=overwrite,
+                   replace_hint="pass --overwrite")
     with CheckpointReader(checkpoint, keep_open=False) as reader:
         config = _config_of(reader.manifest)
         config_dict = config.to_hf_dict()
@@ -94,17 +102,25 @@ def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | Non
         if tok.is_file():
             extra.append((TOKENIZER, lambda d: shutil.copy(tok, d / TOKENIZER)))
         try:
-            write_hf_dir(out_dir, config_dict, entries, stream(), max_shard_bytes=largest, extra_files=extra)
+            write_hf_dir(out_dir, config_dict, entries, stream(), max_shard_bytes=largest, extra_files=extra,
+                         replace=overwrite)
         finally:
             bar.close()
     return Path(out_dir)
 
 
-def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = True) -> Path:
-    """Write a weights-only plait checkpoint (step 0) of a Hugging Face directory under ``out_root``."""
+def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = True, overwrite: bool = False) -> Path:
+    """Write a weights-only plait checkpoint (step 0) of a Hugging Face directory under ``out_root``.
+
+    ``out_root`` must be absent, empty or a plait checkpoint directory; an existing step 0 there
+    is replaced only with ``overwrite``. Checked before anything is read.
+    """
     from plait.models.llama.hf_io import _weight_map, load_hf_config
 
     hf_dir, out_root = Path(hf_dir), Path(out_root)
+    require_target(out_root, "checkpoints", what="the output directory")
+    if (out_root / step_dir_name(0)).exists() and not overwrite:
+        raise OutputDirError(f"{out_root / step_dir_name(0)} already exists; pass --overwrite to replace it")
     config = load_hf_config(hf_dir)
     weights = _weight_map(hf_dir)
     names = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
@@ -114,8 +130,9 @@ def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = Tr
                                   f"load it with model.hf_path instead")
         names = [n for n in names if n != "lm_head.weight"]
     tmp = out_root / (step_dir_name(0) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted conversion of ours (the name is plait's)
     tmp.mkdir(parents=True)
+    write_marker(out_root, "checkpoints")
     tensors_json: dict[str, dict] = {}
     files: dict[str, dict] = {}
     bar = _progress(len(names), "HF -> plait", progress)

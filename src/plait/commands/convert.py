@@ -23,6 +23,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                            "receives step-00000000 (from Hugging Face)")
     p.add_argument("--to", choices=("hf", "plait"), help="direction (default: guessed from the source)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights (to hf only)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a model directory (or a step-0 checkpoint) that plait wrote earlier at DEST; "
+                        "a directory plait did not write is never replaced")
     p.add_argument("--info", action="store_true", help="only describe the plait checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -38,6 +41,7 @@ def run(args) -> int:
     from plait.checkpoint.convert import describe, hf_to_plait, plait_to_hf
     from plait.checkpoint.format import MANIFEST, CheckpointError
     from plait.checkpoint.store import latest_checkpoint
+    from plait.outputs.ownership import require_not_containing
 
     src = Path(args.source)
     if not src.is_dir():
@@ -54,14 +58,17 @@ def run(args) -> int:
                 return 0
             if args.dest is None:
                 return _fail("give the output Hugging Face directory")
-            out = plait_to_hf(ckpt, args.dest, dtype=args.dtype, progress=not args.no_progress)
+            require_not_containing(args.dest, [("the source", src)], what="DEST")
+            out = plait_to_hf(ckpt, args.dest, dtype=args.dtype, progress=not args.no_progress,
+                              overwrite=args.overwrite)
             print(f"wrote {out} from {ckpt}")
             return 0
         if not (src / "config.json").is_file():
             return _fail(f"{src} is neither a plait checkpoint nor a Hugging Face directory (no config.json)")
         if args.dest is None:
             return _fail("give the directory that receives the plait checkpoint")
-        out = hf_to_plait(src, args.dest, progress=not args.no_progress)
+        require_not_containing(args.dest, [("the source", src)], what="DEST")
+        out = hf_to_plait(src, args.dest, progress=not args.no_progress, overwrite=args.overwrite)
         print(f"wrote {out}; train from it with checkpoint.resume={out}")
         return 0
     except (CheckpointError, FileNotFoundError, ValueError) as e:

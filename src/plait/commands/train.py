@@ -54,7 +54,7 @@ def default_nproc(data: dict) -> int:
 def run(args) -> int:
     from plait.config import RecipeError, recipe_data, validate_recipe
     from plait.config.load import DEFAULT_RECIPE
-    from plait.launch import in_launched_world, launched_world_size
+    from plait.launch import in_launched_world, launched_rank, launched_world_size
 
     try:
         recipe_path, overrides = split_items(args.items)
@@ -71,6 +71,15 @@ def run(args) -> int:
         return 2
     for warning in resolved.warnings:
         print(f"plait train: warning: {warning}", file=sys.stderr)
+    from plait.outputs import OutputDirError
+    from plait.outputs.preflight import claim_outputs
+
+    try:
+        # Held until this process ends: the launcher here, global rank 0 under torchrun/SLURM.
+        locks = claim_outputs(resolved, lock=not in_launched_world() or launched_rank() == 0)
+    except OutputDirError as e:
+        print(f"plait train: {e}", file=sys.stderr)
+        return 2
     import yaml
 
     from plait.launch import launch_local
@@ -82,5 +91,9 @@ def run(args) -> int:
     if not in_launched_world():
         prepare_data(resolved.recipe, progress=True)  # once, in the parent, before any rank starts
         print(f"launching {world} process(es): {resolved.summary_line()}", flush=True)
-    launch_local(train_worker, world, text)
+    try:
+        launch_local(train_worker, world, text)
+    finally:
+        for lock in locks:
+            lock.release()
     return 0

@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from plait.comm.primitives import GroupInfo
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
+from plait.outputs.ownership import require_target, write_marker
 from plait.parallel_state import shard_specs
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
@@ -219,14 +220,20 @@ def _plan_shards(entries: list[tuple[str, int]], max_shard_bytes: int) -> list[l
 
 def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tuple[str, int]],
                  tensors: Iterable[tuple[str, torch.Tensor]], *, max_shard_bytes: int,
-                 extra_files: Iterable[tuple[str, Any]] = ()) -> None:
+                 extra_files: Iterable[tuple[str, Any]] = (), replace: bool = False) -> None:
     """Write a HF directory atomically from a stream of tensors in ``entries`` order.
 
     ``entries`` gives ``(name, nbytes)`` up front so the shard file names (``-of-N``) are known
     before the first tensor arrives; each file is written as soon as its tensors are in.
     ``extra_files`` are ``(name, writer(dir))`` callables run inside the temporary directory.
+
+    ``path`` must be absent, empty, or (with ``replace``) a model directory plait wrote before;
+    anything else raises :class:`~plait.outputs.OutputDirError` before a byte is written. The
+    new directory carries plait's marker, so a later write can tell it from the user's files.
     """
     path = Path(path)
+    require_target(path, "hf-model", what="the output directory", replace=replace,
+                   replace_hint="allow replacing it (--overwrite, checkpoint.overwrite=true)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
@@ -249,8 +256,11 @@ def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tupl
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
         for _, writer in extra_files:
             writer(tmp)
+        write_marker(tmp, "hf-model")
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         if path.exists():
+            # checked again just before the swap: only a model plait wrote (or nothing) is replaced
+            require_target(path, "hf-model", what="the output directory", replace=replace)
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
@@ -281,13 +291,15 @@ def _gathered(model: LlamaForCausalLM, names: list[str], tp: GroupInfo,
 
 
 def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupInfo, *,
-                       max_shard_bytes: int = 5 * 1024**3) -> None:
+                       max_shard_bytes: int = 5 * 1024**3, replace: bool = False) -> None:
     """Write ``model`` (sharded over ``tp_info``) as a Hugging Face directory at ``path``.
 
     Every rank of the job must call this (tensors are gathered over the TP group, and rank 0's
     outcome is broadcast to all ranks); global rank 0 writes. Pipeline-parallel models (each stage
     holding some layers) are not supported yet. ``lm_head.weight`` is dropped when the embeddings
     are tied, as Hugging Face does. Returns after the directory is complete on every rank.
+    ``replace``: a model directory plait wrote before at ``path`` may be replaced (see
+    :func:`write_hf_dir`).
     """
     config = model.config
     config_dict = config.to_hf_dict()  # raises for configs HF Llama cannot express, before any I/O
@@ -305,7 +317,7 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupIn
     error: BaseException | None = None
     if is_writer:
         try:
-            write_hf_dir(path, config_dict, entries, stream, max_shard_bytes=max_shard_bytes)
+            write_hf_dir(path, config_dict, entries, stream, max_shard_bytes=max_shard_bytes, replace=replace)
         except Exception as e:  # reported to every rank below, so none waits forever
             error = e
             for _ in stream:  # finish the gathers the other ranks are waiting in

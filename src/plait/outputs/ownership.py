@@ -1,0 +1,160 @@
+"""Which directories plait may write into, and which it may replace.
+
+The rule: plait never deletes or replaces anything it did not create. Every directory plait
+writes as a whole (a run's output directory, a directory of training checkpoints, a Hugging Face
+model directory) carries a small marker file, ``.plait-output.json``, naming its kind. Before any
+work starts, each target is classified:
+
+* absent or empty: plait may create it;
+* a plait output of the expected kind: plait may write into it again (a run directory, a
+  checkpoint directory) or, for a model directory, replace it when allowed (``--overwrite`` /
+  ``checkpoint.overwrite``, or the run's own final model on a re-run);
+* anything else (the user's files, a plait output of another kind, a file): refused with a
+  message naming the directory, what it holds and the fix.
+
+Directories written before markers existed are recognised by their contents: a run directory
+holding only the names a run writes, a checkpoint directory holding only ``step-N`` directories.
+
+A target may also never be the source of the same command, nor contain it (``plait convert
+RUN/checkpoints RUN`` would replace the run it reads from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Iterable, Literal
+
+MARKER = ".plait-output.json"
+Kind = Literal["run", "checkpoints", "hf-model"]
+
+#: what a run writes into its output directory (a directory holding only these is a run directory)
+RUN_ENTRIES = frozenset({"recipe.yaml", "metrics.jsonl", "tensorboard", "loss.png", "summary.txt", "sample.txt",
+                         "tokenizer.json", "final", "checkpoints"})
+_KIND_TEXT = {"run": "a plait run directory", "checkpoints": "a plait checkpoint directory",
+              "hf-model": "a Hugging Face model directory written by plait"}
+
+
+class OutputDirError(ValueError):
+    """A directory plait was asked to write is not plait's to write (or cannot be written)."""
+
+
+def _entries(path: Path) -> list[str]:
+    """Names in ``path`` apart from plait's own hidden bookkeeping files."""
+    return sorted(n for n in os.listdir(path) if not n.startswith(".plait-"))
+
+
+def read_kind(path: str | Path) -> Kind | None:
+    """The kind recorded in ``path``'s marker, or ``None`` when there is no readable marker."""
+    try:
+        data = json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    kind = data.get("kind") if isinstance(data, dict) else None
+    return kind if kind in _KIND_TEXT else None
+
+
+def write_marker(path: str | Path, kind: Kind) -> None:
+    """Record that plait created ``path`` as a ``kind`` directory (kept if already there)."""
+    marker = Path(path) / MARKER
+    if read_kind(path) == kind:
+        return
+    info = {"kind": kind, "written_by": "plait", "host": socket.gethostname(), "pid": os.getpid(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp = marker.with_name(f"{MARKER}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info) + "\n", encoding="utf-8")
+    os.replace(tmp, marker)
+
+
+def _looks_like(path: Path, kind: Kind) -> bool:
+    """Recognise a directory plait wrote before it left markers, by what it holds."""
+    names = _entries(path)
+    if kind == "run":
+        return bool(names) and set(names) <= RUN_ENTRIES
+    if kind == "checkpoints":
+        return bool(names) and all(n.startswith("step-") and (path / n).is_dir() for n in names)
+    return False
+
+
+def classify(path: str | Path, kind: Kind) -> Literal["absent", "empty", "ours", "foreign"]:
+    """What ``path`` is, seen as a target for a ``kind`` directory."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return "absent"
+    if not path.is_dir():
+        return "foreign"
+    if not _entries(path):
+        return "empty"
+    found = read_kind(path)
+    if found is not None:
+        return "ours" if found == kind else "foreign"
+    return "ours" if _looks_like(path, kind) else "foreign"
+
+
+def _describe(path: Path) -> str:
+    if not path.is_dir():
+        return "is a file, not a directory"
+    found = read_kind(path)
+    if found is not None:
+        return f"is {_KIND_TEXT[found]}"
+    names = _entries(path)
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} entries)" if len(names) > 4 else "")
+    return f"is not empty and was not written by plait (it holds {shown})"
+
+
+def require_target(path: str | Path, kind: Kind, *, what: str, replace: bool = False,
+                   replace_hint: str = "") -> Literal["absent", "empty", "ours"]:
+    """Check that ``path`` may receive a ``kind`` directory; returns its state.
+
+    ``replace``: for a model directory, whether a previous plait model there may be replaced
+    (without it, even plait's own model directory is refused: replacing is a decision the user
+    makes). ``what`` names the setting in the message (``checkpoint.dir``, ``DEST`` ...).
+    """
+    path = Path(path)
+    state = classify(path, kind)
+    if state == "foreign":
+        raise OutputDirError(f"{_named(what, path)} {_describe(path)}; plait writes {_KIND_TEXT[kind]} there only "
+                             f"when it is absent or empty: choose another directory")
+    if state == "ours" and kind == "hf-model" and not replace:
+        raise OutputDirError(f"{_named(what, path)} already holds a Hugging Face model written by plait; "
+                             f"{replace_hint or 'choose another directory'} to replace it")
+    return state
+
+
+def _named(what: str, path: Path | str) -> str:
+    """``setting=path`` for a recipe field or command argument, ``the thing path`` otherwise."""
+    return f"{what}={path}" if "." in what or what.isupper() else f"{what} {path}"
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(path).expanduser().resolve()
+
+
+def is_within(inner: str | Path, outer: str | Path) -> bool:
+    """True when ``inner`` is ``outer`` or lies below it (after resolving links)."""
+    a, b = _resolved(inner), _resolved(outer)
+    return a == b or b in a.parents
+
+
+def require_not_containing(target: str | Path, protected: Iterable[tuple[str, str | Path]], *, what: str) -> None:
+    """Refuse a ``target`` that is, or contains, one of the ``(name, path)`` directories it must not replace."""
+    for name, path in protected:
+        if path is not None and is_within(path, target):
+            raise OutputDirError(f"{_named(what, target)} contains {name} ({path}); writing it would replace "
+                                 f"{name}: choose a directory outside it")
+
+
+def probe_writable(path: str | Path, *, what: str) -> None:
+    """Create ``path`` (and its parents) and write a file in it, so an unwritable place fails now."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".plait-probe-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"plait")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise OutputDirError(f"{_named(what, path)} cannot be written ({reason}); choose a writable directory") from None

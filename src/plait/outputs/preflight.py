@@ -1,0 +1,86 @@
+"""The output checks of ``plait train``, run before any process or process group starts.
+
+:func:`check_outputs` only reads the file system (so ``plait config validate`` can run it);
+:func:`claim_outputs` then proves the directories can be created and written, and takes the
+one-run-per-directory locks. Together they turn the failures that used to surface at the end of
+a run (an unwritable save directory, a final model directory full of the user's files, a second
+run on the same directory) into one line before launch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plait.outputs.lock import DirectoryLock, acquire_all
+from plait.outputs.ownership import (
+    OutputDirError,
+    is_within,
+    probe_writable,
+    require_not_containing,
+    require_target,
+    write_marker,
+)
+
+
+def _input_paths(resolved) -> list[tuple[str, Path]]:
+    """The inputs a run reads that exist on this machine, as ``(setting, path)``."""
+    r = resolved.recipe
+    found = []
+    for what, value in (("data.source", r.data.source), ("data.tokenizer", r.data.tokenizer),
+                        ("model.hf_path", r.model.hf_path), ("data.cache_dir", r.data.cache_dir),
+                        ("checkpoint.resume", r.checkpoint.resume)):
+        if value and Path(value).expanduser().exists():
+            found.append((what, Path(value).expanduser()))
+    return found
+
+
+def check_outputs(resolved) -> None:
+    """Refuse output settings that would replace what plait did not create (reads only).
+
+    * ``run.output_dir`` is absent, empty or a plait run directory (a re-run continues in it);
+    * ``checkpoint.save_dir`` is absent, empty or a plait checkpoint directory, and not the output
+      directory itself;
+    * ``checkpoint.dir`` (with ``save_final``) is absent, empty, or a model directory plait wrote:
+      replaced when it is this run's own (inside the run directory) or ``checkpoint.overwrite``
+      is true; it never contains the run directory, the save directory or an input.
+    """
+    r = resolved.recipe
+    out, save, final = Path(resolved.output_dir), Path(resolved.save_dir), Path(resolved.checkpoint_dir)
+    run_state = require_target(out, "run", what="run.output_dir")
+    if is_within(out, save):
+        raise OutputDirError(f"checkpoint.save_dir={save} contains run.output_dir={out}; checkpoints need a "
+                             f"directory of their own, e.g. {{output_dir}}/checkpoints")
+    require_target(save, "checkpoints", what="checkpoint.save_dir")
+    inputs = _input_paths(resolved)
+    for what, path in inputs:
+        if what != "checkpoint.resume" and is_within(path, save):
+            raise OutputDirError(f"checkpoint.save_dir={save} contains {what} ({path}); old checkpoints there are "
+                                 f"deleted by retention: choose a directory outside it")
+    if not r.checkpoint.save_final:
+        return
+    protected = [("run.output_dir", out), ("checkpoint.save_dir", save), *inputs]
+    require_not_containing(final, protected, what="checkpoint.dir")
+    own = is_within(final, out) and run_state in ("ours", "absent", "empty")
+    require_target(final, "hf-model", what="checkpoint.dir", replace=own or r.checkpoint.overwrite,
+                   replace_hint="set checkpoint.overwrite=true")
+
+
+def claim_outputs(resolved, *, lock: bool = True) -> list[DirectoryLock]:
+    """Check, create and probe the run's directories, then lock them; returns the held locks.
+
+    Every rank of a multi-host job should call it with ``lock`` only on global rank 0: each host
+    proves it can write (all ranks write checkpoint shards), one process holds the locks.
+    """
+    check_outputs(resolved)
+    out, save = Path(resolved.output_dir), Path(resolved.save_dir)
+    probe_writable(out, what="run.output_dir")
+    probe_writable(save, what="checkpoint.save_dir")
+    if resolved.recipe.checkpoint.save_final:
+        # the model is written next to its final place, then renamed into it
+        probe_writable(Path(resolved.checkpoint_dir).parent, what="checkpoint.dir")
+    if not lock:
+        return []
+    locks = acquire_all([("run.output_dir", out), ("checkpoint.save_dir", save)])
+    write_marker(out, "run")
+    write_marker(save, "checkpoints")
+    return locks

@@ -1,0 +1,258 @@
+"""plait never deletes or replaces what it did not create; one run per directory; unwritable
+output directories are found before launch.
+
+Each test builds the situation a user met (a folder of their own models as the target, a run
+directory as a conversion target, two runs on one directory, a killed holder, an unwritable
+save directory) and checks both the refusal message and that every file is still there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.checkpoint.convert import hf_to_plait, plait_to_hf
+from plait.cli import main
+from plait.config import validate_recipe
+from plait.materialize import build_llama
+from plait.mesh import single_process_mesh
+from plait.models.llama.config import LlamaConfig
+from plait.models.llama.hf_io import save_hf_checkpoint
+from plait.outputs import DirectoryLock, DirectoryLockedError, OutputDirError
+from plait.outputs.ownership import MARKER, classify
+from plait.outputs.preflight import check_outputs, claim_outputs
+
+TINY = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, max_position_embeddings=32)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (what must survive a refused write)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _user_folder(path: Path) -> Path:
+    """A folder of the user's own: models and notes plait never wrote."""
+    (path / "llama-7b").mkdir(parents=True)
+    (path / "llama-7b" / "config.json").write_text('{"model_type": "llama"}')
+    (path / "notes.txt").write_text("my notes")
+    return path
+
+
+def _hf_model(path: Path) -> Path:
+    model = build_llama(TINY, single_process_mesh())
+    save_hf_checkpoint(model, path, single_process_mesh().info("tp"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run directory as plait train leaves it: a checkpoint, metrics and the recipe."""
+    run = tmp_path_factory.mktemp("run")
+    hf = _hf_model(tmp_path_factory.mktemp("src") / "hf")
+    hf_to_plait(hf, run / "checkpoints", progress=False)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "recipe.yaml").write_text("run: {}\n")
+    return run
+
+
+# ------------------------------------------------------------------ item 1: never replace foreign files
+def test_hf_writer_refuses_a_folder_it_did_not_write(tmp_path):
+    target = _user_folder(tmp_path / "models")
+    before = _snapshot(target)
+    model = build_llama(TINY, single_process_mesh())
+    for replace in (False, True):  # not even when replacing is allowed: only plait's own models are replaced
+        with pytest.raises(OutputDirError, match="not written by plait"):
+            save_hf_checkpoint(model, target, single_process_mesh().info("tp"), replace=replace)
+    assert _snapshot(target) == before
+
+
+def test_hf_writer_replaces_its_own_model_only_when_allowed(tmp_path):
+    target = _hf_model(tmp_path / "hf")
+    assert classify(target, "hf-model") == "ours" and (target / MARKER).is_file()
+    model = build_llama(TINY, single_process_mesh(), seed=1)
+    with pytest.raises(OutputDirError, match="already holds a Hugging Face model written by plait"):
+        save_hf_checkpoint(model, target, single_process_mesh().info("tp"))
+    save_hf_checkpoint(model, target, single_process_mesh().info("tp"), replace=True)
+    assert (target / "config.json").is_file()
+
+
+def test_convert_into_the_run_directory_is_refused_and_keeps_it(run_dir, capsys):
+    before = _snapshot(run_dir)
+    assert main(["convert", str(run_dir / "checkpoints"), str(run_dir), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "contains the source" in err and str(run_dir) in err
+    assert main(["convert", str(run_dir / "checkpoints"), str(run_dir), "--no-progress", "--overwrite"]) == 2
+    assert _snapshot(run_dir) == before
+
+
+def test_convert_into_a_user_folder_is_refused(run_dir, tmp_path, capsys):
+    target = _user_folder(tmp_path / "models")
+    before = _snapshot(target)
+    assert main(["convert", str(run_dir / "checkpoints"), str(target), "--no-progress", "--overwrite"]) == 2
+    assert "not written by plait" in capsys.readouterr().err
+    assert _snapshot(target) == before
+
+
+def test_convert_replaces_a_previous_conversion_only_with_overwrite(run_dir, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["convert", str(run_dir / "checkpoints"), str(out), "--no-progress"]) == 0
+    assert main(["convert", str(run_dir / "checkpoints"), str(out), "--no-progress"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["convert", str(run_dir / "checkpoints"), str(out), "--no-progress", "--overwrite"]) == 0
+
+
+def test_hf_to_plait_refuses_a_foreign_folder_and_an_existing_step(tmp_path):
+    hf = _hf_model(tmp_path / "hf")
+    target = _user_folder(tmp_path / "models")
+    before = _snapshot(target)
+    with pytest.raises(OutputDirError, match="not written by plait"):
+        hf_to_plait(hf, target, progress=False)
+    assert _snapshot(target) == before
+    hf_to_plait(hf, tmp_path / "ckpt", progress=False)
+    with pytest.raises(OutputDirError, match="--overwrite"):
+        hf_to_plait(hf, tmp_path / "ckpt", progress=False)
+    hf_to_plait(hf, tmp_path / "ckpt", progress=False, overwrite=True)
+
+
+def test_plait_to_hf_refuses_a_target_containing_the_checkpoint(run_dir):
+    with pytest.raises(OutputDirError, match="contains the source checkpoint"):
+        plait_to_hf(run_dir / "checkpoints" / "step-00000000", run_dir, progress=False, overwrite=True)
+
+
+# ------------------------------------------------------------------ item 1 through the recipe
+def _resolved(tmp_path: Path, *items: str):
+    data = {"run": {"output_dir": str(tmp_path / "run")}, "train": {"steps": 40},
+            "parallel": {"tp": 1, "sequence_parallel": False}}
+    for item in items:
+        key, value = item.split("=", 1)
+        section, field = key.split(".")
+        data.setdefault(section, {})[field] = value if not value.isdigit() else int(value)
+        if value in ("true", "false"):
+            data[section][field] = value == "true"
+    return validate_recipe(data, 1)
+
+
+@pytest.mark.parametrize("setting", ["checkpoint.dir", "checkpoint.save_dir", "run.output_dir"])
+def test_recipe_pointing_at_a_user_folder_is_refused(tmp_path, setting):
+    target = _user_folder(tmp_path / "models")
+    with pytest.raises(OutputDirError, match=f"{setting}=.*not written by plait"):
+        check_outputs(_resolved(tmp_path, f"{setting}={target}"))
+
+
+@pytest.mark.parametrize("final", ["{output_dir}", "{output_dir}/checkpoints", "{output_dir}/.."])
+def test_final_model_directory_may_not_contain_the_run(tmp_path, final):
+    with pytest.raises(OutputDirError, match="checkpoint.dir=.* contains"):
+        check_outputs(_resolved(tmp_path, f"checkpoint.dir={final}"))
+
+
+def test_final_model_may_not_replace_the_model_it_starts_from(tmp_path):
+    hf = _hf_model(tmp_path / "hf")
+    (hf / "tokenizer.json").write_text("{}")
+    resolved = _resolved(tmp_path, f"checkpoint.dir={hf}", "checkpoint.overwrite=true")
+    object.__setattr__(resolved.recipe.model, "hf_path", str(hf))  # the architecture check is not under test
+    with pytest.raises(OutputDirError, match="contains model.hf_path"):
+        check_outputs(resolved)
+
+
+def test_a_rerun_reuses_its_own_directory_but_another_runs_model_needs_overwrite(tmp_path):
+    resolved = _resolved(tmp_path)
+    for lock in claim_outputs(resolved):
+        lock.release()
+    _hf_model(Path(resolved.checkpoint_dir))
+    check_outputs(resolved)  # the same run again: its own final model may be replaced
+    other = _resolved(tmp_path / "b", f"checkpoint.dir={resolved.checkpoint_dir}")
+    with pytest.raises(OutputDirError, match="checkpoint.overwrite=true"):
+        check_outputs(other)
+    check_outputs(_resolved(tmp_path / "b", f"checkpoint.dir={resolved.checkpoint_dir}", "checkpoint.overwrite=true"))
+
+
+def test_plait_train_refuses_a_user_folder_before_launch(tmp_path, capsys):
+    target = _user_folder(tmp_path / "models")
+    before = _snapshot(target)
+    code = main(["train", f"run.output_dir={tmp_path / 'run'}", f"checkpoint.dir={target}", "--nproc", "2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.dir=" in err and "not written by plait" in err
+    assert _snapshot(target) == before
+    assert not (tmp_path / "run").exists(), "nothing is created when the recipe is refused"
+
+
+# ------------------------------------------------------------------ item 2: one run per directory
+_HOLDER = """
+import sys, time
+from plait.outputs import DirectoryLock
+DirectoryLock(sys.argv[1], what="run.output_dir").acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _hold(directory: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(directory)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_second_run_is_refused_naming_the_holder_and_a_killed_holder_frees_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    holder = _hold(out)
+    try:
+        with pytest.raises(DirectoryLockedError, match=rf"host {socket.gethostname()}, PID {holder.pid}"):
+            DirectoryLock(out, what="run.output_dir").acquire()
+        code = main(["train", f"run.output_dir={out}", "parallel.tp=1", "parallel.sequence_parallel=false"])
+        assert code == 2
+        assert f"PID {holder.pid}" in capsys.readouterr().err
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # the worst moment: no clean-up runs
+        holder.wait()
+    with DirectoryLock(out, what="run.output_dir"):  # the lock died with its holder
+        pass
+
+
+def test_the_save_directory_is_locked_too(tmp_path):
+    resolved = _resolved(tmp_path, f"checkpoint.save_dir={tmp_path / 'shared-ckpts'}")
+    holder = _hold(tmp_path / "shared-ckpts")
+    try:
+        with pytest.raises(DirectoryLockedError, match="checkpoint.save_dir="):
+            claim_outputs(resolved)
+        # the output directory's lock was released again: all or none
+        with DirectoryLock(resolved.output_dir, what="run.output_dir"):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# ------------------------------------------------------------------ item 3: unwritable directories
+def test_unwritable_save_directory_is_found_before_launch(tmp_path, capsys):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where a directory should be")
+    save = blocker / "checkpoints"
+    with pytest.raises(OutputDirError, match="checkpoint.save_dir=.*cannot be written"):
+        claim_outputs(_resolved(tmp_path, f"checkpoint.save_dir={save}"))
+    start = time.monotonic()
+    assert main(["train", f"run.output_dir={tmp_path / 'run'}", f"checkpoint.save_dir={save}", "--nproc", "2"]) == 2
+    assert "checkpoint.save_dir=" in capsys.readouterr().err
+    assert time.monotonic() - start < 30, "refused before any data preparation or launch"
+
+
+@pytest.mark.skipif(os.path.exists("/proc/self") is False, reason="needs /proc (a read-only file system)")
+def test_read_only_file_system_is_found_before_launch(tmp_path):
+    with pytest.raises(OutputDirError, match="run.output_dir=.*cannot be written"):
+        claim_outputs(_resolved(tmp_path, "run.output_dir=/proc/plait-run"))
+
+
+def test_final_model_parent_is_probed(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputDirError, match="checkpoint.dir=.*cannot be written"):
+        claim_outputs(_resolved(tmp_path, f"checkpoint.dir={blocker / 'final'}"))
