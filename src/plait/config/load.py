@@ -1,72 +1,241 @@
-"""Reading recipes: YAML files, ``section.field=value`` overrides, and YAML output.
+"""Reading recipes: YAML 1.2 files, ``section.field=value`` overrides, and YAML output.
 
-The YAML loader is PyYAML's safe loader with two changes: floats without a dot (``3e-3``) are
-floats, as in YAML 1.2, and a key written twice in one mapping is an error instead of the last
-one silently winning.
+Recipes are read as YAML 1.2 with the core schema: the only booleans are ``true``/``false``
+(``off``, ``no``, ``yes``, ``on`` are text, so ``train.activation_checkpointing: off`` means the
+string ``"off"``), and ``3e-4`` is a float. ruamel.yaml parses the text; the values are built
+here so that everything a recipe cannot use is a :class:`RecipeError` naming the file, line and
+column rather than a crash: a key written twice in one mapping (both lines named), tags such as
+``!env`` or ``!!python/object``, keys that are lists or mappings, anchors that refer to
+themselves, bytes that are not UTF-8. A ``%YAML 1.1`` directive does not bring back the 1.1
+booleans: a recipe means the same whatever its header says.
+
+YAML written by plait (:func:`dump_recipe_text`, :func:`recipe_to_yaml`) quotes every string
+that a YAML 1.1 or a YAML 1.2 reader would take for something else (``'off'``, ``'1e5'``,
+``'09'``), so it reads back identically here and in other tools.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError as RuamelYAMLError
+from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from ruamel.yaml.resolver import BaseResolver
+from ruamel.yaml.tag import Tag
 
 from plait.config.schema import SECTIONS, Recipe
 from plait.config.validate import Problem, RecipeError, Verbatim, parse_recipe_partial
 
+# ---------------------------------------------------------------------- YAML 1.2 core schema
+_TAG = "tag:yaml.org,2002:"
+#: The YAML 1.2 core schema's plain scalars that are not strings (spec 10.3.2), in resolution order.
+_CORE_PATTERNS = {
+    "null": r"null|Null|NULL|~|",
+    "bool": r"true|True|TRUE|false|False|FALSE",
+    "int": r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+",
+    "float": r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+}
+_CORE = {name: re.compile(rf"(?:{pattern})\Z") for name, pattern in _CORE_PATTERNS.items()}
+#: Tags a recipe may write explicitly (``!!str 09``); any other tag is refused.
+_KNOWN_TAGS = {_TAG + name for name in ("str", "null", "bool", "int", "float", "seq", "map")}
+#: Bounds that keep a hostile or broken file from exhausting memory or the stack (a recipe is a
+#: few hundred values, three levels deep).
+MAX_VALUES = 100_000
+MAX_DEPTH = 64
 
-class RecipeLoader(yaml.SafeLoader):
-    """Safe loader that reads ``1e-3`` as a float (YAML 1.2)."""
+
+_FILE = Verbatim("(file)")
 
 
-RecipeLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-RecipeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                    |\.[0-9_]+(?:[eE][-+][0-9]+)?
-                    |[-+]?\.(?:inf|Inf|INF)
-                    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+def core_tag(text: str) -> str:
+    """The YAML 1.2 core-schema tag of a plain (unquoted, untagged) scalar."""
+    for name, pattern in _CORE.items():
+        if pattern.match(text):
+            return _TAG + name
+    return _TAG + "str"
 
 
-def _duplicates(node: yaml.Node, path: str = "") -> list[Problem]:
-    out: list[Problem] = []
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
+class _CoreResolver(BaseResolver):
+    """Resolves plain scalars by the YAML 1.2 core schema only, whatever ``%YAML`` directive the
+    text carries (ruamel's own resolver switches to 1.1 booleans under ``%YAML 1.1``)."""
+
+    def __init__(self, version: Any = None, loader: Any = None, loadumper: Any = None) -> None:
+        super().__init__(loadumper if loadumper is not None else loader)
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Tag:
+        if kind is ScalarNode:
+            return Tag(suffix=core_tag(value) if implicit[0] else _TAG + "str")
+        return Tag(suffix=_TAG + ("seq" if kind is SequenceNode else "map"))
+
+    @property
+    def processing_version(self) -> tuple[int, int]:
+        return (1, 2)
+
+
+class _Bad(Exception):
+    """A problem at one place of a YAML text: ``(line, column)`` (1-based, or None), what is shown, why."""
+
+    def __init__(self, where: tuple[int, int] | None, shown: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.where, self.shown, self.reason = where, shown, reason
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _mark(node_or_mark: Any) -> tuple[int, int] | None:
+    mark = getattr(node_or_mark, "start_mark", node_or_mark)
+    line, column = getattr(mark, "line", None), getattr(mark, "column", None)
+    return None if line is None or column is None else (line + 1, column + 1)
+
+
+def _compose(text: str) -> Node | None:
+    """The node tree of ``text`` (``None`` for an empty document); syntax errors raise :class:`_Bad`."""
+    reader = YAML(typ="safe", pure=True)
+    reader.Resolver = _CoreResolver
+    try:
+        return reader.compose(text)
+    except RuamelYAMLError as e:
+        position = getattr(e, "position", None)
+        where = _mark(getattr(e, "problem_mark", None))
+        if where is None and isinstance(position, int):
+            where = (text.count("\n", 0, position) + 1, position - text.rfind("\n", 0, position))
+        reason = getattr(e, "problem", None) or getattr(e, "reason", None) or str(e)
+        raise _Bad(where, _FILE, f"not valid YAML: {_one_line(reason)}") from None
+    except RecursionError:
+        raise _Bad(None, _FILE, f"nested too deeply; a recipe needs at most {MAX_DEPTH} levels") from None
+
+
+@dataclass
+class _Builder:
+    """Builds Python values from a node tree: YAML 1.2 core scalars, lists and string-keyed dicts.
+
+    Repeated keys are collected (all reported together); anything else a recipe cannot hold
+    raises :class:`_Bad` at once. Aliases are expanded, so ``left`` bounds the expanded size.
+    """
+
+    source: str
+    duplicates: list[Problem] = field(default_factory=list)
+    left: int = MAX_VALUES
+    active: set[int] = field(default_factory=set)
+
+    def build(self, node: Node, path: str = "", depth: int = 0) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise _Bad(_mark(node), _FILE, f"expands to more than {MAX_VALUES} values (aliases of aliases?)")
+        if depth > MAX_DEPTH:
+            raise _Bad(_mark(node), _FILE, f"nested too deeply; a recipe needs at most {MAX_DEPTH} levels")
+        if id(node) in self.active:
+            raise _Bad(_mark(node), Verbatim(f"*{node.anchor}" if node.anchor else "(alias)"),
+                       "an alias inside its own anchor; a recipe cannot hold a recursive value")
+        tag = node.tag
+        if tag not in _KNOWN_TAGS or (tag == _TAG + "map") != isinstance(node, MappingNode) or (
+                tag == _TAG + "seq") != isinstance(node, SequenceNode):
+            raise _Bad(_mark(node), Verbatim(_short(node.ctag)),
+                       "tags are not supported in a recipe; write the plain value (text, number, true/false, "
+                       "null, list or mapping)")
+        if isinstance(node, ScalarNode):
+            return _scalar(node)
+        self.active.add(id(node))
+        try:
+            if isinstance(node, SequenceNode):
+                return [self.build(item, f"{path}.{i}" if path else str(i), depth + 1)
+                        for i, item in enumerate(node.value)]
+            return self._mapping(node, path, depth)
+        finally:
+            self.active.discard(id(node))
+
+    def _mapping(self, node: MappingNode, path: str, depth: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        lines: dict[str, int] = {}
         for key_node, value_node in node.value:
-            key, line = key_node.value, key_node.start_mark.line + 1
-            where = f"{path}.{key}" if path else str(key)
-            if key in seen:
-                shown = value_node.value if isinstance(value_node, yaml.ScalarNode) else "..."
-                out.append(Problem(where, Verbatim(shown), f"written twice (lines {seen[key]} and {line}); keep one"))
-            seen.setdefault(key, line)
-            out += _duplicates(value_node, where)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out += _duplicates(item, f"{path}.{i}")
-    return out
+            key = _key(key_node)
+            where = f"{path}.{key}" if path else key
+            value = self.build(value_node, where, depth + 1)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                shown = value_node.value if isinstance(value_node, ScalarNode) else "..."
+                self.duplicates.append(Problem(where, Verbatim(shown), f"written twice in {self.source} "
+                                                                       f"(lines {lines[key]} and {line}); keep one"))
+                continue
+            lines[key] = line
+            out[key] = value
+        return out
+
+
+def _short(tag: Any) -> str:
+    try:
+        text = str(tag)
+    except Exception:  # noqa: BLE001 - a malformed tag URI; show it as written
+        text = f"{getattr(tag, 'handle', '') or ''}{getattr(tag, 'suffix', '')}"
+    if text.startswith(_TAG):
+        text = "!!" + text[len(_TAG):]
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _key(node: Node) -> str:
+    """A mapping key as written: plain text (``1:`` is the key ``"1"``); lists, mappings and tags are refused."""
+    if not isinstance(node, ScalarNode):
+        raise _Bad(_mark(node), Verbatim("? ..."), "a key must be plain text (a section or field name), "
+                                                    "not a list or mapping")
+    if node.tag not in _KNOWN_TAGS:
+        raise _Bad(_mark(node), Verbatim(_short(node.ctag)), "tags are not supported in a recipe; "
+                                                              "write the plain key")
+    return node.value
+
+
+def _scalar(node: ScalarNode) -> Any:
+    """A scalar's value by its (resolved or explicit) core-schema tag."""
+    kind, text = node.tag[len(_TAG):], node.value
+    if kind == "str":
+        return text
+    if not _CORE[kind].match(text):
+        raise _Bad(_mark(node), text, f"is not a valid !!{kind}; remove the tag or fix the value")
+    if kind == "null":
+        return None
+    if kind == "bool":
+        return text.lower() == "true"
+    if kind == "int":
+        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+        try:
+            return int(text[2:] if base != 10 else text, base)
+        except ValueError:  # more digits than Python converts
+            raise _Bad(_mark(node), Verbatim(text[:20] + "..."), "has too many digits") from None
+    lowered = text.lower()
+    if lowered.endswith((".inf", ".nan")):
+        return -math.inf if lowered.startswith("-") else (math.nan if "nan" in lowered else math.inf)
+    return float(text)
+
+
+def _yaml_value(text: str, source: str) -> Any:
+    """The value of one YAML document, or :class:`_Bad` / :class:`RecipeError` (repeated keys)."""
+    node = _compose(text)
+    if node is None:
+        return None
+    builder = _Builder(source)
+    value = builder.build(node)
+    if builder.duplicates:
+        raise RecipeError(builder.duplicates)
+    return value
 
 
 def parse_yaml(text: str, source: str = "<recipe>") -> Any:
-    """Parse YAML text with :class:`RecipeLoader`; syntax errors and repeated keys raise :class:`RecipeError`."""
+    """Parse YAML 1.2 text (core schema). Syntax errors, repeated keys, tags, non-text keys and
+    recursive aliases raise :class:`RecipeError` naming ``source`` and the line."""
     try:
-        node = yaml.compose(text, Loader=RecipeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        reason = getattr(e, "problem", None) or str(e)
-        raise RecipeError([Problem(where, Verbatim("(file)"), f"not valid YAML: {reason}")]) from None
-    if node is None:
-        return None
-    dups = _duplicates(node)
-    if dups:
-        raise RecipeError(dups)
-    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - RecipeLoader is a SafeLoader
+        return _yaml_value(text, source)
+    except _Bad as e:
+        where = f"{source}:{e.where[0]}:{e.where[1]}" if e.where else source
+        raise RecipeError([Problem(where, e.shown, e.reason)]) from None
 
 
 def _as_mapping(data: Any, source: str) -> dict[str, Any]:
@@ -78,12 +247,50 @@ def _as_mapping(data: Any, source: str) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
+def _decode(raw: bytes, source: str) -> str:
+    """UTF-8 text of a recipe file (a leading byte-order mark dropped); other bytes are a
+    :class:`RecipeError` naming the file, the line and the byte."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        bad = raw[e.start:e.start + 1].hex()
+        raise RecipeError([Problem(f"{source}:{line}", Verbatim(f"byte 0x{bad}"),
+                                   "the file is not UTF-8 text; save it as UTF-8")]) from None
+
+
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
     """The raw data of a recipe file (an empty file is the default recipe)."""
     p = Path(path)
     if not p.is_file():
         raise RecipeError([Problem("recipe", str(path), "no such file" if not p.exists() else "not a file")])
-    return _as_mapping(parse_yaml(p.read_text(encoding="utf-8"), str(path)), str(path))
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise RecipeError([Problem("recipe", str(path), f"cannot be read: {e.strerror or e}")]) from None
+    return _as_mapping(parse_yaml(_decode(raw, str(path)), str(path)), str(path))
+
+
+def parse_recipe_text(text: str, source: str = "<recipe>") -> dict[str, Any]:
+    """The raw data of recipe YAML text (e.g. :func:`dump_recipe_text` output sent to a worker)."""
+    return _as_mapping(parse_yaml(text, source), source)
+
+
+def dump_recipe_text(data: Mapping[str, Any] | Any) -> str:
+    """Raw recipe data (plain values, lists and mappings) as YAML text that :func:`parse_recipe_text`
+    reads back equal, keys in their order; strings that a YAML 1.1 or 1.2 reader would take for
+    another type are quoted."""
+    return yaml.dump(data, Dumper=_RecipeDumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, which quotes strings YAML 1.1 would misread (``'off'``), also quoting
+    those the YAML 1.2 core schema would (``'1e5'``, ``'09'``, ``'0o7'``)."""
+
+
+_RecipeDumper.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeDumper.yaml_implicit_resolvers.items()}
+_RecipeDumper.add_implicit_resolver(_TAG + "int", _CORE["int"], list("-+0123456789"))
+_RecipeDumper.add_implicit_resolver(_TAG + "float", _CORE["float"], list("-+0123456789."))
 
 
 # ---------------------------------------------------------------------- overrides
@@ -104,9 +311,10 @@ def _field_type(parts: list[str]) -> tuple[bool, bool]:
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"parallel.tp=2"`` -> ``(["parallel", "tp"], 2)``.
 
-    Values are parsed as YAML (``null``, ``true``, ``1e-3``, ``{rope_type: llama3, factor: 8}``),
-    except for text fields, which take the text as written (``train.sample_prompt=ROMEO:``) unless
-    it is quoted or ``null``.
+    Values are parsed as YAML 1.2 (``null``, ``true``, ``1e-3``, ``off`` is text,
+    ``{rope_type: llama3, factor: 8}``), except for text fields, which take the text as written
+    (``train.sample_prompt=ROMEO:``) unless it is quoted or ``null``. A value that is not valid
+    YAML is an error naming the field, except for text fields, which then take it as written.
     """
     key, sep, raw = item.partition("=")
     parts = key.strip().split(".")
@@ -115,8 +323,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     parts = [p.strip() for p in parts]
     is_str, nullable = _field_type(parts)
     try:
-        value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else ""  # noqa: S506
-    except yaml.YAMLError:
+        value = _yaml_value(raw, f"the override {item!r}") if raw.strip() else ""
+    except (_Bad, RecipeError) as e:
+        if not is_str:
+            reason = e.reason if isinstance(e, _Bad) else "; ".join(p.valid for p in e.problems)
+            raise RecipeError([Problem(".".join(parts), raw, f"override value: {reason}")]) from None
         value = raw
     if is_str:
         quoted = raw.strip()[:1] in ("'", '"') and isinstance(value, str)
@@ -189,7 +400,7 @@ def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recip
 
 def load_recipe_text(text: str, overrides: Iterable[str] = ()) -> Recipe:
     """Like :func:`load_recipe`, from YAML text (e.g. :func:`recipe_to_yaml` output)."""
-    return parse_recipe(apply_overrides(_as_mapping(parse_yaml(text), "<recipe>"), overrides))
+    return parse_recipe(apply_overrides(parse_recipe_text(text), overrides))
 
 
 def recipe_to_yaml(recipe: Recipe | Any, *, header: str | None = None) -> str:
@@ -200,8 +411,7 @@ def recipe_to_yaml(recipe: Recipe | Any, *, header: str | None = None) -> str:
     """
     if not isinstance(recipe, Recipe):
         recipe = recipe.as_recipe()
-    text = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=False,
-                          allow_unicode=True)
+    text = dump_recipe_text(recipe.model_dump(mode="json"))
     if header:
         text = "".join(f"# {line}\n" for line in header.splitlines()) + text
     return text
