@@ -186,6 +186,41 @@ def detect_device(index: int | None = None) -> DeviceSpec:
     return _cpu_spec()
 
 
+# ------------------------------------------------------------------------------ torch devices
+def available_torch_devices() -> list[str]:
+    """Devices this torch build can run on here: ``cpu``, then each device of every accelerator
+    backend torch knows (``cuda:0``, ``mps``, ``xpu:0``, ...) that reports itself available."""
+    found = ["cpu"]
+    for kind in ("cuda", "xpu", "mps", "hpu", "mtia"):
+        module = getattr(torch, kind, None) if kind != "mps" else getattr(torch.backends, "mps", None)
+        try:
+            if module is None or not module.is_available():
+                continue
+            count = module.device_count() if hasattr(module, "device_count") else 1
+        except (RuntimeError, AssertionError, AttributeError):  # a backend compiled in but unusable
+            continue
+        found += [kind] if kind == "mps" else [f"{kind}:{i}" for i in range(count)]
+    return found
+
+
+def usable_torch_device(name: str) -> torch.device:
+    """``torch.device(name)`` if this build can run on it here, else :class:`DeviceError` naming
+    the device and the available ones (a CPU-only build has ``cuda`` in its vocabulary but no
+    CUDA, and ``torch.device`` alone accepts any known device type)."""
+    available = available_torch_devices()
+    hint = f"available here: {', '.join(available)} (torch {torch.__version__})"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"device {name!r} is not a torch device name; {hint}") from None
+    if device.type == "cpu" and device.index in (None, 0):
+        return device
+    wanted = str(device) if device.index is not None else device.type
+    if any(a == wanted or a.split(":")[0] == wanted for a in available):
+        return device
+    raise DeviceError(f"device {name!r} is not available in this build on this machine; {hint}")
+
+
 # ------------------------------------------------------------------------------ measured peaks
 @functools.lru_cache(maxsize=1)
 def cpu_model() -> str:
@@ -293,5 +328,6 @@ def peak_flops(device: DeviceSpec | str, dtype_name: str | torch.dtype = "bf16",
     return _measured_peak(spec, name, threads or torch.get_num_threads())
 
 
-__all__ = ["DEVICES", "DEVICE_ENV", "DeviceError", "DeviceSpec", "cache_file", "canonical_dtype", "cpu_model",
-           "detect_device", "get_device", "measure_matmul_flops", "peak_flops"]
+__all__ = ["CPU_LOOPBACK_BW", "CPU_NETWORK_BW", "DEVICES", "DEVICE_ENV", "DeviceError", "DeviceSpec",
+           "available_torch_devices", "cache_file", "canonical_dtype", "cpu_model", "detect_device", "get_device",
+           "measure_matmul_flops", "peak_flops", "usable_torch_device"]

@@ -1,17 +1,25 @@
 """``plait generate``: sample text from a trained run or a Hugging Face model directory (one process).
 
-A run directory holds ``final/`` (the Hugging Face directory the trainer writes at the end) and
-``tokenizer.json``; a Hugging Face directory holds ``config.json``, ``*.safetensors`` and
-``tokenizer.json``. Problems with the inputs are reported on one line with exit status 2.
+A run directory holds ``final/`` (the Hugging Face directory the trainer writes at the end, or
+wherever its ``recipe.yaml`` puts ``checkpoint.dir``) and ``tokenizer.json``; a Hugging Face
+directory holds ``config.json``, ``*.safetensors`` and ``tokenizer.json``. Problems with the inputs
+(a device this build lacks, a truncated weights file, a run without a final checkpoint) are
+reported on one line with exit status 2, before the model is built where they can be.
+The text goes to stdout; a progress bar, when there is one, to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 EOS_TOKEN = "<|endoftext|>"
+#: generations of more tokens than this show a progress bar on a terminal
+PROGRESS_MIN_TOKENS = 16
 
 
 class _UsageError(Exception):
@@ -35,6 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="softmax temperature (default 1)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
     p.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
+    p.add_argument("--no-progress", action="store_true", dest="no_progress",
+                   help=f"no progress bar (shown on stderr at a terminal for more than {PROGRESS_MIN_TOKENS} tokens)")
     p.set_defaults(func=run)
     return p
 
@@ -48,13 +58,98 @@ def _check_args(args: argparse.Namespace) -> None:
         raise _UsageError(f"--top-p={args.top_p} must be in (0, 1]")
     if not args.greedy and not args.temperature > 0:
         raise _UsageError(f"--temperature={args.temperature} must be > 0 (use --greedy for argmax decoding)")
+    _check_device(args.device)
+
+
+def _check_device(name: str) -> None:
+    """A device this torch build cannot use here fails now, not as a traceback from the model build."""
+    from plait.devices import DeviceError, usable_torch_device
+
+    try:
+        usable_torch_device(name)
+    except DeviceError as e:
+        raise _UsageError(f"--device: {e}") from None
 
 
 def _check_model_dir(path: Path, what: str) -> None:
     if not (path / "config.json").is_file():
         raise _UsageError(f"{what} {path} has no config.json")
-    if not any(path.glob("*.safetensors")):
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
         raise _UsageError(f"{what} {path} has no *.safetensors weights")
+    for file in files:
+        _check_weights_file(file)
+
+
+def _check_weights_file(file: Path) -> None:
+    """Open a safetensors file's header, which covers the whole file: a truncated or damaged file
+    is named here instead of failing as a traceback inside the loader."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _UsageError(f"weights file {file} is truncated or corrupt ({reason}); copy or convert it again")
+
+
+@dataclass(frozen=True)
+class RunCheckpoints:
+    """Where a run's recipe says its checkpoints go (the defaults when it has no readable recipe)."""
+
+    save_final: bool | None  # None: recipe.yaml missing or unreadable
+    final_dir: Path
+    save_dir: Path
+
+
+def run_checkpoints(run_dir: Path) -> RunCheckpoints:
+    """``checkpoint.save_final``, ``checkpoint.dir`` and ``checkpoint.save_dir`` of the run's
+    ``recipe.yaml`` (the resolved recipe the trainer writes), falling back to ``final/`` and
+    ``checkpoints/`` inside the run. Read loosely: a damaged recipe only loses the hint."""
+    import yaml
+
+    default = RunCheckpoints(None, run_dir / "final", run_dir / "checkpoints")
+    try:
+        section = (yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8")) or {}).get("checkpoint")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return default
+    if not isinstance(section, dict):
+        return default
+    save_final = section.get("save_final")
+
+    def where(key: str, fallback: Path) -> Path:
+        value = section.get(key)
+        return Path(value) if isinstance(value, str) and value and "{" not in value else fallback
+
+    return RunCheckpoints(save_final if isinstance(save_final, bool) else None,
+                          where("dir", default.final_dir), where("save_dir", default.save_dir))
+
+
+def _no_final_message(run_dir: Path, facts: RunCheckpoints) -> str:
+    """Why the run has no final checkpoint, and how to get a model out of its training checkpoints."""
+    from plait.checkpoint.store import latest_checkpoint
+
+    if facts.save_final is False:
+        why = f"run directory {run_dir} has no final checkpoint: it was trained with checkpoint.save_final=false"
+    else:
+        why = (f"run directory {run_dir} has no final checkpoint {facts.final_dir} (written when training ends; "
+               f"did it finish?)")
+    save_dir = facts.save_dir if facts.save_dir.is_dir() else run_dir / "checkpoints"
+    latest = latest_checkpoint(save_dir)
+    if latest is None:
+        return f"{why}, and {save_dir} holds no complete training checkpoint to convert"
+    return (f"{why}; convert its newest training checkpoint ({latest.name}) with "
+            f"`plait convert {save_dir} DIR`, then run `plait generate --hf DIR`")
+
+
+def _run_model_dir(run_dir: Path) -> Path:
+    """The run's final Hugging Face directory: ``final/``, or the recipe's ``checkpoint.dir``."""
+    facts = run_checkpoints(run_dir)
+    for model_dir in (run_dir / "final", facts.final_dir):
+        if model_dir.is_dir():
+            return model_dir
+    raise _UsageError(_no_final_message(run_dir, facts))
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -63,9 +158,7 @@ def resolve_paths(args: argparse.Namespace) -> tuple[Path, Path]:
         run_dir = Path(args.run)
         if not run_dir.is_dir():
             raise _UsageError(f"run directory {run_dir} does not exist")
-        model_dir = run_dir / "final"
-        if not model_dir.is_dir():
-            raise _UsageError(f"run directory {run_dir} has no final/ checkpoint (written when training ends)")
+        model_dir = _run_model_dir(run_dir)
         _check_model_dir(model_dir, "checkpoint")
         for tok in (run_dir / "tokenizer.json", model_dir / "tokenizer.json"):
             if tok.is_file():
@@ -129,10 +222,14 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
         tokenizer = Tokenizer.from_file(str(tok_file))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
         raise _UsageError(f"cannot read tokenizer {tok_file}: {str(e).splitlines()[0] if str(e) else e!r}")
+    from safetensors import SafetensorError
+
     try:
         model = load_llama_from_hf(model_dir, single_process_mesh(), device=args.device)
     except (ModelConfigError, CheckpointMismatchError, FileNotFoundError) as e:
         raise _UsageError(f"cannot load {model_dir}: {e}")
+    except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)
+        raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})")
     config = model.config
     ids = tokenizer.encode(args.prompt).ids if args.prompt else []
     start, stop = start_and_stop_ids(tokenizer, config)
@@ -145,8 +242,10 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
         raise _UsageError(f"the tokenizer produced id {too_big[0]} but the model's vocab_size is "
                           f"{config.vocab_size}; the tokenizer does not belong to this model")
     prompt = torch.tensor([ids], dtype=torch.long)
-    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, greedy=args.greedy, seed=args.seed, eos_id=stop)
+    with _progress(args, sys.stderr) as bar:
+        out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, greedy=args.greedy, seed=args.seed, eos_id=stop,
+                       on_token=None if bar is None else (lambda _token: bar.update(1)))
     new_ids = out[0, len(ids):].tolist()
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     sys.stdout.write(args.prompt + text + "\n")
@@ -154,4 +253,30 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     return 0
 
 
-__all__ = ["add_parser", "resolve_paths", "run", "start_and_stop_ids"]
+def show_progress(args: argparse.Namespace, stream) -> bool:
+    """A bar only helps a person watching: a terminal, a generation long enough to wait for, and
+    no ``--no-progress``. Redirected or piped stderr gets none, so logs stay clean."""
+    if args.no_progress or args.max_new_tokens <= PROGRESS_MIN_TOKENS:
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+@contextmanager
+def _progress(args: argparse.Namespace, stream) -> Iterator:
+    """A tqdm bar over the new tokens on ``stream`` (stderr), or ``None`` when :func:`show_progress`
+    says no; closed on exit, so the text printed afterwards starts on a clean line."""
+    if not show_progress(args, stream):
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.max_new_tokens, unit="tok", desc="generating", file=stream, leave=False)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+__all__ = ["PROGRESS_MIN_TOKENS", "RunCheckpoints", "add_parser", "resolve_paths", "run", "run_checkpoints",
+           "show_progress", "start_and_stop_ids"]
