@@ -20,7 +20,7 @@ def train_worker(recipe_yaml: str) -> None:
     import yaml
 
     from plait.config import recipe_to_yaml, validate_recipe
-    from plait.launch import finish_worker, init_worker, local_world_size
+    from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
     from plait.train.trainer import Trainer
 
     threads = max(1, (os.cpu_count() or 1) // local_world_size())
@@ -40,8 +40,7 @@ def train_worker(recipe_yaml: str) -> None:
         trainer = Trainer(resolved, prepared, rank, world)
         final = trainer.fit()
         if trainer.stopped_by_signal:  # preempted: the checkpoint is written; leave quickly and cleanly
-            finish_worker()
-            os._exit(0)  # the launcher is shutting down too; do not wait for it to collect a return value
+            exit_worker_now(0)  # the launcher is shutting down too; do not wait for it to collect a return value
         trainer.finish(final, prepared)
     finally:
         finish_worker()

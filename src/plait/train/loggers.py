@@ -76,6 +76,32 @@ class JsonlSink(MetricsSink):
             self._file.close()
 
 
+def keep_metrics_through(path: str | os.PathLike, step: int) -> int:
+    """Rewrite a ``metrics.jsonl`` keeping the records of steps ``<= step``; returns how many were dropped.
+
+    A run resumed from the checkpoint of ``step`` trains the later steps again; their records
+    from the interrupted attempt (and a partial last line) would otherwise appear twice in the
+    curve. The file is replaced atomically, so a crash here leaves the old one.
+    """
+    path = Path(path)
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += bool(line.strip())
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line + "\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
 class TensorBoardSink(MetricsSink):
     """Each numeric metric becomes a TensorBoard scalar with the metric's name as its tag."""
 
@@ -202,4 +228,4 @@ def peak_memory_bytes(device: str | torch.device = "cpu") -> int:
 
 
 __all__ = ["JsonlSink", "MetricsSink", "MultiSink", "ProgressSink", "TensorBoardSink", "default_sinks",
-           "peak_memory_bytes"]
+           "keep_metrics_through", "peak_memory_bytes"]

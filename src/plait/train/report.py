@@ -109,9 +109,9 @@ def _ppl(loss: float) -> str:
     return f"{math.exp(loss):.2f}" if loss < 700 else "inf"
 
 
-def _wall_time(records: list[dict[str, Any]]) -> float | None:
+def _wall_time(records: list[dict[str, Any]], start_step: int = 0) -> float | None:
     """``elapsed_s`` / ``wall_seconds`` if logged; else the span of the ``time`` stamps, extended
-    back to step 0 at the average seconds per step (the first record is written after its steps)."""
+    back to ``start_step`` at the average seconds per step (the first record is written after its steps)."""
     for key in ("elapsed_s", "wall_seconds"):
         _, values = _series(records, key)
         if values:
@@ -119,7 +119,7 @@ def _wall_time(records: list[dict[str, Any]]) -> float | None:
     steps, times = _series(records, "time")
     if len(times) >= 2 and steps[-1] > steps[0]:
         span = times[-1] - times[0]
-        return span + steps[0] * span / (steps[-1] - steps[0])
+        return span + (steps[0] - start_step) * span / (steps[-1] - steps[0])
     _, step_times = _series(records, "step_time_s")
     return sum(step_times) if step_times else None
 
@@ -143,17 +143,27 @@ def _peak_memory(records: list[dict[str, Any]]) -> float | None:
     return max(mem_gb) * 1e9 if mem_gb else None
 
 
-def summarize(metrics_jsonl: PathLike) -> dict[str, Any]:
-    """The numbers behind :func:`summary_table` (``None`` where the run did not log them)."""
+def summarize(metrics_jsonl: PathLike, start_step: int = 0) -> dict[str, Any]:
+    """The numbers behind :func:`summary_table` (``None`` where the run did not log them).
+
+    ``start_step``: the step this run started (resumed) from. The loss curve covers every record
+    of the file; throughput, MFU, memory, data-wait share and wall time cover this run's steps
+    only (records after ``start_step``), and ``steps_trained`` counts them.
+    """
     records = read_metrics(metrics_jsonl)
+    this_run = [r for r in records if int(r["step"]) > start_step]
     steps, loss = _series(records, "loss")
     vsteps, vloss = _series(records, "val_loss")
-    _, tps = _series(records, "tokens_per_s")
-    _, mfus = _series(records, "mfu")
+    _, tps = _series(this_run, "tokens_per_s")
+    _, mfus = _series(this_run, "mfu")
     best = min(range(len(loss)), key=loss.__getitem__) if loss else None
     vbest = min(range(len(vloss)), key=vloss.__getitem__) if vloss else None
+    final_step = max((int(r["step"]) for r in records), default=None)
     return {
-        "steps": max((int(r["step"]) for r in records), default=None),
+        "steps": final_step,
+        "final_step": final_step,
+        "start_step": start_step,
+        "steps_trained": None if final_step is None else max(final_step - start_step, 0),
         "final_loss": loss[-1] if loss else None,
         "best_loss": loss[best] if best is not None else None,
         "best_loss_step": steps[best] if best is not None else None,
@@ -162,15 +172,21 @@ def summarize(metrics_jsonl: PathLike) -> dict[str, Any]:
         "best_val_loss_step": vsteps[vbest] if vbest is not None else None,
         "median_tokens_per_s": statistics.median(tps) if tps else None,
         "median_mfu": statistics.median(mfus) if mfus else None,
-        "peak_memory_bytes": _peak_memory(records),
-        "data_wait_share": _data_wait_share(records),
-        "wall_time_s": _wall_time(records),
+        "peak_memory_bytes": _peak_memory(this_run),
+        "data_wait_share": _data_wait_share(this_run),
+        "wall_time_s": _wall_time(this_run, start_step),
     }
 
 
-def summary_table(metrics_jsonl: PathLike) -> str:
-    """A plain-text two-column table of a run's headline numbers."""
-    s = summarize(metrics_jsonl)
+def _steps_trained(s: dict[str, Any]) -> str:
+    if s["steps_trained"] is None:
+        return "n/a"
+    return f"{s['steps_trained']}" + (f" (resumed at step {s['start_step']})" if s["start_step"] else "")
+
+
+def summary_table(metrics_jsonl: PathLike, start_step: int = 0) -> str:
+    """A plain-text two-column table of a run's headline numbers (``start_step``: see :func:`summarize`)."""
+    s = summarize(metrics_jsonl, start_step)
     na = "n/a"
 
     def loss_at(value, step):
@@ -180,7 +196,8 @@ def summary_table(metrics_jsonl: PathLike) -> str:
         return na if value is None else f"{loss_at(value, step)}, ppl {_ppl(value)}"
 
     rows = [
-        ("steps", na if s["steps"] is None else str(s["steps"])),
+        ("final step", na if s["final_step"] is None else str(s["final_step"])),
+        ("steps trained", _steps_trained(s)),
         ("final loss", loss_at(s["final_loss"], None)),
         ("best loss", loss_at(s["best_loss"], s["best_loss_step"])),
         ("final val loss", val(s["final_val_loss"], None)),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from plait.checkpoint.writer import CheckpointWriter
 from plait.mesh import ParallelMesh
+from plait.train.evaluation import evaluate, evaluate_pipeline
 from plait.train.running_metrics import RunningMetrics
 from plait.train.schedules import build_scheduler
 from plait.train.precision import PrecisionPolicy, policy_for
@@ -46,24 +47,6 @@ def build_model(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.dev
     return model
 
 
-@torch.no_grad()
-def evaluate(model, dataset, *, batches: int, micro_batch_size: int, dp, policy: PrecisionPolicy) -> float:
-    """Mean validation loss over the first ``batches`` batches, split over DP ranks."""
-    device = next(model.parameters()).device
-    n = min(len(dataset), batches * micro_batch_size * dp.size)
-    idx = list(range(dp.rank, n, dp.size))
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(0, len(idx), micro_batch_size):
-        ids = torch.stack([dataset[j] for j in idx[i:i + micro_batch_size]]).to(device)
-        with policy.compute_context(device):
-            loss = model(ids, ids)
-        total += torch.stack([loss.double() * ids.shape[0], torch.tensor(ids.shape[0], dtype=torch.float64,
-                                                                         device=device)])
-    if dp.size > 1:
-        dist.all_reduce(total, group=dp.group)
-    return (total[0] / total[1].clamp(min=1)).item()
-
-
 def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device, policy: PrecisionPolicy):
     """This rank's stages (only they are allocated), the runtime that drives them, and the config."""
     from plait.materialize import build_llama_stages
@@ -85,24 +68,6 @@ def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.
                               dtype=policy.param_dtype,
                               precision_context=(lambda: policy.compute_context(device)))
     return stages, runtime, config
-
-
-@torch.no_grad()
-def evaluate_pipeline(runtime, dataset, *, batches: int, dp, pp, microbatches: int, micro_batch_size: int) -> float:
-    """Mean validation loss through the pipeline (forward only), over DP ranks."""
-    per_step = microbatches * micro_batch_size
-    n = min(len(dataset) // (per_step * dp.size), batches)
-    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
-    for b in range(max(n, 1)):
-        start = (b * dp.size + dp.rank) * per_step
-        idx = [(start + j) % len(dataset) for j in range(per_step)]
-        batch = torch.stack([dataset[j] for j in idx]).view(microbatches, micro_batch_size, -1)
-        total += runtime.run(batch, train=False).double()
-    if pp.size > 1:
-        dist.all_reduce(total, group=pp.group)
-    if dp.size > 1:
-        dist.all_reduce(total, group=dp.group)
-    return (total / (max(n, 1) * dp.size)).item()
 
 
 def build_optimizer(resolved, modules: list[torch.nn.Module], mesh: ParallelMesh, policy: PrecisionPolicy):
@@ -307,16 +272,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ outputs
     def _build_sinks(self):
-        from plait.train.loggers import JsonlSink, MultiSink, ProgressSink, TensorBoardSink
+        """Rank 0's sinks. A resumed run continues the run's ``metrics.jsonl`` from its start step
+        (records past it, from steps trained again now, are dropped); a fresh run starts it anew."""
+        from plait.train.loggers import JsonlSink, MultiSink, ProgressSink, TensorBoardSink, keep_metrics_through
 
         lg = self.recipe.logging
         self.out.mkdir(parents=True, exist_ok=True)
         sinks = []
         if lg.jsonl:
-            sinks.append(JsonlSink(self.out / "metrics.jsonl"))
+            metrics = self.out / "metrics.jsonl"
+            resumed = self.start_step > 0 and metrics.is_file()
+            if resumed:
+                keep_metrics_through(metrics, self.start_step)
+            sinks.append(JsonlSink(metrics, append=resumed))
         if lg.tensorboard:
             sinks.append(TensorBoardSink(self.out / "tensorboard"))
-        sinks.append(ProgressSink(self.recipe.train.steps, enabled=lg.progress_bar))
+        sinks.append(ProgressSink(self.recipe.train.steps, enabled=lg.progress_bar, initial=self.start_step))
         return MultiSink(sinks)
 
     def _throughput_fields(self, steps: int, seconds: float, data_wait: float) -> dict[str, float]:
@@ -353,6 +324,11 @@ class Trainer:
         return lr
 
     def fit(self) -> dict[str, Any]:
+        """Train from ``start_step`` to ``train.steps`` (or to a stop signal); returns the last record.
+
+        A step stopped by SIGTERM/SIGINT is checkpointed and then logged like any logging step
+        (without evaluation, to leave quickly), so the log and the checkpoint end at the same step.
+        """
         r = self.recipe
         steps, log_every, eval_every = r.train.steps, r.train.log_every, r.train.eval_every
         last: dict[str, Any] = {}
@@ -361,39 +337,33 @@ class Trainer:
         batches = iter(self.loader)
         c = r.checkpoint
         self.stopped_by_signal = 0
+        self.steps_trained = 0
         self._install_signal_handlers()
         try:
             for step in range(self.start_step, steps):
                 lr = self.run_step(next(batches))
                 done = step + 1
+                self.steps_trained += 1
                 signum = self._stop_requested()
                 if signum:
                     self._guard_finite(done)
+                    # read before the save, so that the save does not count against the throughput
+                    last = self._train_record(done, lr, interval_start, interval_wait0, run_start)
                     self.save_checkpoint(done, sync=True)
-                    self.stopped_by_signal = signum
+                    self.stopped_by_signal = last["stopped_by_signal"] = signum
+                    self._log(done, last)
                     if self.rank == 0:
                         print(f"stopped by signal {signum} after step {done}; checkpoint written to "
                               f"{self.resolved.save_dir}", flush=True)
-                    last = {"step": done, "stopped_by_signal": signum}
                     break
                 if c.save_every and (done % c.save_every == 0 or done == steps):
                     self._guard_finite(done)
                     self.checkpoint_stall_s = self.save_checkpoint(done)
                 if done % log_every == 0 or done == steps:
-                    now = time.perf_counter()
-                    n = self.metrics.steps
-                    record = {"step": done, **self.metrics.read(average_over=self.dp, loss_from=self.pp), "lr": lr}
-                    if not math.isfinite(record["loss"]) and "skipped_steps" not in record:
-                        raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
-                                                 f"optimizer.lr or enable optimizer.grad_clip")
-                    wait = self.loader.wait_seconds - interval_wait0
-                    record.update(self._throughput_fields(n, now - interval_start, wait))
+                    last = self._train_record(done, lr, interval_start, interval_wait0, run_start)
                     if done % eval_every == 0 or done == steps:
-                        record.update(self._eval_fields())
-                    record["elapsed_s"] = now - run_start
-                    last = record
-                    if self.sinks is not None:
-                        self.sinks.log(done, record)
+                        last.update(self._eval_fields())
+                    self._log(done, last)
                     # the next interval starts after evaluation and logging, so they do not count
                     # against the training throughput
                     interval_start, interval_wait0 = time.perf_counter(), self.loader.wait_seconds
@@ -405,7 +375,27 @@ class Trainer:
             self.watchdog.close()
         self.finish_checkpoints()
         last["wall_seconds"] = time.perf_counter() - run_start
+        last["steps_trained"] = self.steps_trained
+        last["final_step"] = self.start_step + self.steps_trained
         return last
+
+    def _train_record(self, done: int, lr: float, interval_start: float, interval_wait0: float,
+                      run_start: float) -> dict[str, Any]:
+        """The logged numbers of the interval ending at step ``done`` (collective: every rank calls it)."""
+        now = time.perf_counter()
+        n = self.metrics.steps
+        record = {"step": done, **self.metrics.read(average_over=self.dp, loss_from=self.pp), "lr": lr}
+        if not math.isfinite(record["loss"]) and "skipped_steps" not in record:
+            raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
+                                     f"optimizer.lr or enable optimizer.grad_clip")
+        wait = self.loader.wait_seconds - interval_wait0
+        record.update(self._throughput_fields(n, now - interval_start, wait))
+        record["elapsed_s"] = now - run_start
+        return record
+
+    def _log(self, done: int, record: dict[str, Any]) -> None:
+        if self.sinks is not None:
+            self.sinks.log(done, record)
 
     def _guard_finite(self, step: int) -> None:
         """Refuse to checkpoint a state reached through a non-finite loss (read since the last log)."""
@@ -414,21 +404,24 @@ class Trainer:
                                      f"checkpoint was written (train.nonfinite={self.recipe.train.nonfinite!r})")
 
     def _eval_fields(self) -> dict[str, float]:
+        """Validation loss on the same sequences under every layout (see train/evaluation.py)."""
         r = self.recipe
+        split = dict(global_batch=self.resolved.global_batch_size, batches=r.train.eval_batches,
+                     microbatches=r.parallel.microbatches, micro_batch_size=r.data.micro_batch_size, dp=self.dp)
         if self.pipeline is not None:
-            val = evaluate_pipeline(self.pipeline, self.val_data, batches=r.train.eval_batches, dp=self.dp,
-                                    pp=self.pp, microbatches=r.parallel.microbatches,
-                                    micro_batch_size=r.data.micro_batch_size)
+            val = evaluate_pipeline(self.pipeline, self.val_data, pp=self.pp, **split)
         else:
-            val = evaluate(self.model, self.val_data, batches=r.train.eval_batches,
-                           micro_batch_size=r.data.micro_batch_size, dp=self.dp, policy=self.policy)
+            val = evaluate(self.model, self.val_data, policy=self.policy, **split)
         return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
 
     # ------------------------------------------------------------------ end of run
     def finish(self, final: dict[str, Any], prepared_dir: str | Path) -> None:
-        """Final checkpoint, tokenizer, plot, summary and a generated sample."""
+        """Final checkpoint, tokenizer, plot, summary and a generated sample.
+
+        ``train.sample_tokens=0`` asks for no sample: nothing is generated or printed and no
+        ``sample.txt`` is written.
+        """
         from plait.data.baseline import unigram_loss
-        from plait.generate import generate
         from plait.models.llama.hf_io import save_hf_checkpoint
         from plait.train.report import plot_run, summary_table
 
@@ -438,11 +431,7 @@ class Trainer:
             return
         if r.checkpoint.save_final:
             save_hf_checkpoint(self.model, self.resolved.checkpoint_dir, self.tp)
-        tokenizer = self.train_data.tokenizer()
-        prompt = tokenizer.encode(r.train.sample_prompt).ids or [self.train_data.eos_id]
-        ids = generate(self.model, torch.tensor([prompt]), r.train.sample_tokens, top_k=40, top_p=0.95,
-                       temperature=0.8, seed=r.run.seed, eos_id=self.train_data.eos_id)
-        sample = tokenizer.decode(ids[0].tolist())
+        sample = self._sample() if r.train.sample_tokens > 0 else None
         if not self.is_writer:
             return
         shutil.copy(Path(prepared_dir) / "tokenizer.json", self.out / "tokenizer.json")
@@ -451,16 +440,28 @@ class Trainer:
         metrics_file = self.out / "metrics.jsonl"
         if r.logging.plot and metrics_file.exists():
             plot_run(metrics_file, self.out / "loss.png")
-        summary = summary_table(metrics_file) if metrics_file.exists() else json.dumps(final, indent=1)
+        summary = summary_table(metrics_file, self.start_step) if metrics_file.exists() else json.dumps(final, indent=1)
         baseline = unigram_loss(prepared_dir, self.train_data.vocab_size)
         summary += f"\nunigram baseline val loss {baseline:.4f} (a model ignoring context)"
         if "val_loss" in final:
             summary += f"; this run: {final['val_loss']:.4f}"
         (self.out / "summary.txt").write_text(summary + "\n")
-        (self.out / "sample.txt").write_text(sample + "\n")
         print("\n" + summary, flush=True)
-        print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
+        if sample is not None:
+            (self.out / "sample.txt").write_text(sample + "\n")
+            print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
         print(f"outputs in {self.out}", flush=True)
+
+    def _sample(self) -> str:
+        """``train.sample_tokens`` tokens generated after ``train.sample_prompt`` (every rank takes part)."""
+        from plait.generate import generate
+
+        r = self.recipe
+        tokenizer = self.train_data.tokenizer()
+        prompt = tokenizer.encode(r.train.sample_prompt).ids or [self.train_data.eos_id]
+        ids = generate(self.model, torch.tensor([prompt]), r.train.sample_tokens, top_k=40, top_p=0.95,
+                       temperature=0.8, seed=r.run.seed, eos_id=self.train_data.eos_id)
+        return tokenizer.decode(ids[0].tolist())
 
     def _finish_pipeline(self, prepared_dir: str | Path) -> None:
         """Under pipeline parallelism: the final Hugging Face checkpoint (through a sharded checkpoint
@@ -485,10 +486,11 @@ class Trainer:
         metrics_file = self.out / "metrics.jsonl"
         if self.recipe.logging.plot and metrics_file.exists():
             plot_run(metrics_file, self.out / "loss.png")
-        summary = summary_table(metrics_file) if metrics_file.exists() else ""
+        summary = summary_table(metrics_file, self.start_step) if metrics_file.exists() else ""
         summary += f"\nunigram baseline val loss {unigram_loss(prepared_dir, self.train_data.vocab_size):.4f}"
         (self.out / "summary.txt").write_text(summary + "\n")
         print("\n" + summary, flush=True)
         if r.checkpoint.save_final:
             print(f"final Hugging Face checkpoint: {self.resolved.checkpoint_dir}", flush=True)
-        print("note: under pipeline parallelism this version generates no sample", flush=True)
+        if r.train.sample_tokens > 0:
+            print("note: under pipeline parallelism this version generates no sample", flush=True)

@@ -1,0 +1,99 @@
+"""Validation loss: one definition of the evaluated sequences and one reduction for every layout.
+
+A validation loss is comparable across runs only if it scores the same sequences the same way.
+So the evaluated set depends on the recipe's global batch and ``train.eval_batches`` alone:
+the first ``eval_batches`` global batches of the validation split (``eval_batches x
+global_batch_size`` sequences in file order; fewer whole batches when the split is shorter, and
+one batch wrapping around the split when it is shorter than a global batch). Each global batch
+is cut like a training batch: data-parallel rank ``r`` takes the ``r``-th contiguous share of
+``microbatches x micro_batch_size`` sequences and runs it as ``microbatches`` micro-batches
+(through the pipeline schedule under PP, one forward per micro-batch otherwise).
+
+The loss is the exact token mean: every rank adds (sum of its token losses, its token count) in
+float64; the pair is summed over the pipeline group (only the last stage holds a loss) and the
+data-parallel group, then divided. TP ranks compute the same full loss and are not reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def validation_indices(num_sequences: int, global_batch: int, batches: int) -> list[int]:
+    """Indices of the evaluated validation sequences, global batch after global batch (layout-free)."""
+    if num_sequences <= 0:
+        return []
+    whole = max(1, min(batches, num_sequences // global_batch))
+    return [i % num_sequences for i in range(whole * global_batch)]
+
+
+def rank_batches(dataset, *, global_batch: int, batches: int, microbatches: int, micro_batch_size: int,
+                 dp) -> Iterator[torch.Tensor]:
+    """This DP rank's share of each evaluated global batch, ``[microbatches, micro_batch_size, seq]``."""
+    share = microbatches * micro_batch_size
+    assert share * dp.size == global_batch, (share, dp.size, global_batch)
+    indices = validation_indices(len(dataset), global_batch, batches)
+    for start in range(0, len(indices), global_batch):
+        mine = indices[start + dp.rank * share:start + (dp.rank + 1) * share]
+        yield torch.stack([dataset[j] for j in mine]).view(microbatches, micro_batch_size, -1)
+
+
+def counted_tokens(ids: torch.Tensor) -> int:
+    """Tokens scored in ``ids`` (``[..., seq]``): every position but the last, whose label is past the end."""
+    return ids[..., :-1].numel()
+
+
+def mean_token_loss(totals: torch.Tensor, *groups) -> float:
+    """``totals`` = (sum of token losses, token count), float64, summed over ``groups`` then divided."""
+    for g in groups:
+        if g is not None and g.size > 1:
+            dist.all_reduce(totals, group=g.group)
+    loss, count = totals.tolist()
+    return loss / count if count > 0 else math.nan
+
+
+@torch.no_grad()
+def evaluate(model, dataset, *, global_batch: int, batches: int, microbatches: int, micro_batch_size: int, dp,
+             policy) -> float:
+    """Validation loss of a whole model (no pipeline parallelism); see the module docstring."""
+    device = next(model.parameters()).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in rank_batches(dataset, global_batch=global_batch, batches=batches, microbatches=microbatches,
+                              micro_batch_size=micro_batch_size, dp=dp):
+        for ids in batch.to(device):
+            with policy.compute_context(device):
+                loss = model(ids, ids)
+            tokens = counted_tokens(ids)
+            totals += torch.stack([loss.detach().double() * tokens, torch.tensor(float(tokens), dtype=torch.float64,
+                                                                                   device=device)])
+    return mean_token_loss(totals, dp)
+
+
+@torch.no_grad()
+def evaluate_pipeline(runtime, dataset, *, global_batch: int, batches: int, microbatches: int,
+                      micro_batch_size: int, dp, pp) -> float:
+    """Validation loss through the pipeline schedule (forward only); see the module docstring.
+
+    ``runtime.run`` returns the mean of the micro-batch mean losses on the last stage (zero
+    elsewhere); micro-batches hold equal token counts, so times the batch's tokens it is the
+    token-loss sum. Only the last stage counts tokens, so the PP sum counts each batch once.
+    """
+    device = runtime.device
+    last = any(stage.last for stage in runtime.stages)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in rank_batches(dataset, global_batch=global_batch, batches=batches, microbatches=microbatches,
+                              micro_batch_size=micro_batch_size, dp=dp):
+        loss = runtime.run(batch, train=False)
+        if last:
+            tokens = counted_tokens(batch)
+            totals += torch.stack([loss.detach().double() * tokens, torch.tensor(float(tokens), dtype=torch.float64,
+                                                                                   device=device)])
+    return mean_token_loss(totals, pp, dp)
+
+
+__all__ = ["counted_tokens", "evaluate", "evaluate_pipeline", "mean_token_loss", "rank_batches",
+           "validation_indices"]
