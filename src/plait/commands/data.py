@@ -17,7 +17,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "tokenizer. Rerunning with the same inputs returns the existing directory at once.")
     prep.add_argument("source", metavar="SOURCE",
                       help="a built-in corpus (shakespeare, bible), a .txt file, a .jsonl file with a 'text' field "
-                           "per line, or a directory of .txt/.jsonl files")
+                           "per line, a directory of .txt/.jsonl files, or a prepared directory (checked only)")
     prep.add_argument("--tokenizer", default="bpe", metavar="bpe|PATH",
                       help="'bpe' trains a byte-level BPE on the training documents (default), or the path of a "
                            "tokenizer.json (or a directory holding one)")
@@ -26,8 +26,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
                       help="share of the tokens held out for validation, as whole documents (default 0.05)")
     prep.add_argument("--out", default=None, metavar="DIR",
-                      help="output directory (default: <cache>/datasets/<name>-<key>; cache is $PLAIT_CACHE "
-                           "or ~/.cache/plait)")
+                      help="output directory (default: <cache>/datasets/<name>-<key>)")
+    prep.add_argument("--cache-dir", default=None, metavar="DIR",
+                      help="plait's cache, as data.cache_dir in a recipe (default: $PLAIT_CACHE or ~/.cache/plait)")
     prep.add_argument("--seed", type=int, default=0, metavar="S", help="seed choosing the validation documents")
     prep.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N documents")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -42,15 +43,16 @@ def run(args: argparse.Namespace) -> int:
     if args.data_command != "prepare":
         print(f"plait data: unknown subcommand {args.data_command!r}; expected prepare", file=sys.stderr)
         return 2
+    from plait.data.checks import verify_prepared
     from plait.data.prepare import prepare_dataset_ex
-    from plait.data.token_shards import load_index
 
     try:
         path, reused = prepare_dataset_ex(args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                                           val_fraction=args.val_fraction, out_dir=args.out, seed=args.seed,
-                                          progress=not args.no_progress, limit=args.limit)
-        index = load_index(path)
-    except ValueError as exc:
+                                          progress=not args.no_progress, limit=args.limit,
+                                          cache_dir=args.cache_dir)
+        index = verify_prepared(path).index  # the same checks as plait train (a reused directory may be damaged)
+    except ValueError as exc:  # DataError and argument errors: one line naming the file
         print(f"plait data prepare: {_one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:

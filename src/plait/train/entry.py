@@ -7,11 +7,26 @@ from pathlib import Path
 
 
 def prepare_data(recipe, progress: bool = False) -> Path:
+    """The prepared directory ``recipe.data`` names, made (or found) and checked for this run.
+
+    ``data.source`` may be a corpus, text files or a directory written by ``plait data prepare``
+    (used as it is); ``data.cache_dir`` is the cache the data is prepared into. The data is checked
+    against its index, its tokenizer, ``data.seq_len`` (one sample in each split) and the model's
+    vocabulary (every id below it). Called by ``plait train`` before launch and by every rank, so a
+    problem is one :class:`~plait.data.errors.DataError` (or a ``ModelConfigError`` for a tokenizer
+    larger than ``model.hf_path``'s vocabulary), both ``ValueError``, naming the file and the numbers.
+    """
+    from plait.data.checks import check_model_vocab, check_samples, verify_prepared
     from plait.data.prepare import prepare_dataset
 
     d = recipe.data
-    return prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                           out_dir=None, seed=recipe.run.seed, progress=progress)
+    path = prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                           out_dir=None, seed=recipe.run.seed, progress=progress, cache_dir=d.cache_dir)
+    data = verify_prepared(path)
+    check_samples(data, d.seq_len)
+    # the trainer builds the model from the same call, so this is the vocabulary it will have
+    check_model_vocab(data, recipe.model.to_llama_config(data.vocab_size).vocab_size)
+    return path
 
 
 def train_worker(recipe_yaml: str) -> None:
