@@ -109,7 +109,8 @@ def _compose(text: str) -> Node | None:
         where = _mark(getattr(e, "problem_mark", None))
         if where is None and isinstance(position, int):
             where = (text.count("\n", 0, position) + 1, position - text.rfind("\n", 0, position))
-        reason = getattr(e, "problem", None) or getattr(e, "reason", None) or str(e)
+        parts = [getattr(e, "context", None), getattr(e, "problem", None) or getattr(e, "reason", None)]
+        reason = ": ".join(str(p) for p in parts if p) or str(e)
         raise _Bad(where, _FILE, f"not valid YAML: {_one_line(reason)}") from None
     except RecursionError:
         raise _Bad(None, _FILE, f"nested too deeply; a recipe needs at most {MAX_DEPTH} levels") from None
