@@ -130,11 +130,11 @@ def _no_final_message(run_dir: Path, facts: RunCheckpoints) -> str:
     """Why the run has no final checkpoint, and how to get a model out of its training checkpoints."""
     from plait.checkpoint.store import latest_checkpoint
 
+    where = "final/" if facts.final_dir == run_dir / "final" else f"final checkpoint ({facts.final_dir})"
     if facts.save_final is False:
-        why = f"run directory {run_dir} has no final checkpoint: it was trained with checkpoint.save_final=false"
+        why = f"run directory {run_dir} has no {where}: it was trained with checkpoint.save_final=false"
     else:
-        why = (f"run directory {run_dir} has no final checkpoint {facts.final_dir} (written when training ends; "
-               f"did it finish?)")
+        why = f"run directory {run_dir} has no {where} (written when training ends; did it finish?)"
     save_dir = facts.save_dir if facts.save_dir.is_dir() else run_dir / "checkpoints"
     latest = latest_checkpoint(save_dir)
     if latest is None:
