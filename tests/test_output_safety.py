@@ -256,3 +256,18 @@ def test_final_model_parent_is_probed(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OutputDirError, match="checkpoint.dir=.*cannot be written"):
         claim_outputs(_resolved(tmp_path, f"checkpoint.dir={blocker / 'final'}"))
+
+
+# ------------------------------------------------------------------ shared directories: readable outputs
+def test_written_models_and_checkpoints_follow_the_umask(tmp_path):
+    """safetensors writes 0600 files and mkdtemp 0700 directories; with umask 022 a colleague must
+    be able to read what plait wrote."""
+    old = os.umask(0o022)
+    try:
+        hf = _hf_model(tmp_path / "hf")
+        ckpt = hf_to_plait(hf, tmp_path / "ckpt", progress=False)
+    finally:
+        os.umask(old)
+    assert hf.stat().st_mode & 0o777 == 0o755
+    for f in [*hf.iterdir(), *ckpt.glob("*.safetensors")]:
+        assert f.stat().st_mode & 0o777 == 0o644, f

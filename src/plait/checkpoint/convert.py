@@ -41,6 +41,7 @@ from plait.checkpoint.training import model_config_dict
 from plait.checkpoint.writer import DTYPE_NAMES
 from plait.models.llama.config import LlamaConfig
 from plait.outputs.ownership import OutputDirError, require_not_containing, require_target, write_marker
+from plait.outputs.permissions import apply_umask
 
 TOKENIZER = "tokenizer.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -143,6 +144,7 @@ def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = Tr
             fname = f"tensor-{i:05d}.safetensors"
             key = tensor_key("model", name)
             save_file({key: t.contiguous()}, str(tmp / fname), metadata={"format": FORMAT})
+            apply_umask(tmp / fname)
             fsync_file(tmp / fname)
             files[fname] = {"sha256": sha256_of(tmp / fname), "bytes": (tmp / fname).stat().st_size}
             tensors_json[key] = {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype],

@@ -46,6 +46,7 @@ from plait.checkpoint.format import (
     write_json_atomic,
 )
 from plait.checkpoint.store import apply_retention, commit, remove_incomplete
+from plait.outputs.permissions import apply_umask
 from plait.parallel_state import named_parameters_with_specs
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -148,6 +149,7 @@ class CheckpointWriter:
         tmp.mkdir(parents=True, exist_ok=True)
         path = tmp / rank_file(self.rank)
         save_file(snap.tensors, str(path), metadata={"format": FORMAT, "step": str(snap.step)})
+        apply_umask(path)  # safetensors writes owner-only files
         fsync_file(path)
         part = {"rank": self.rank, "file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size,
                 "tensors": snap.entries}

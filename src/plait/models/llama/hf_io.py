@@ -37,6 +37,7 @@ from plait.comm.primitives import GroupInfo
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
 from plait.outputs.ownership import require_target, write_marker
+from plait.outputs.permissions import apply_umask
 from plait.parallel_state import shard_specs
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
@@ -257,6 +258,7 @@ def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tupl
         for _, writer in extra_files:
             writer(tmp)
         write_marker(tmp, "hf-model")
+        apply_umask(tmp)  # mkdtemp and safetensors make owner-only files
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         if path.exists():
             # checked again just before the swap: only a model plait wrote (or nothing) is replaced
