@@ -271,3 +271,27 @@ def test_written_models_and_checkpoints_follow_the_umask(tmp_path):
     assert hf.stat().st_mode & 0o777 == 0o755
     for f in [*hf.iterdir(), *ckpt.glob("*.safetensors")]:
         assert f.stat().st_mode & 0o777 == 0o644, f
+
+
+# ------------------------------------------------------------------ item 9 through plait train
+def test_damaged_prepared_data_is_one_line_from_plait_train(tmp_path, monkeypatch, capsys):
+    """A truncated shard is found by plait train before launch, reported as one line naming the file,
+    and the run's directory locks are released again (a later run in-process is not refused)."""
+    from plait.config import load_recipe
+    from plait.train.entry import prepare_data
+
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(f'{{"text": "Record {i}: a small brown dog runs home to eat {i} apples."}}\n'
+                           for i in range(200)))
+    items = [f"data.source={src}", "data.vocab_size=300", "data.seq_len=16", "parallel.tp=1",
+             "parallel.sequence_parallel=false", "model.max_position_embeddings=16"]
+    prepared = prepare_data(load_recipe(None, items))
+    shard = prepared / "train-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-3])
+    args = ["train", *items, f"run.output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "train-00000.bin" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    with DirectoryLock(tmp_path / "run", what="run.output_dir"):
+        pass

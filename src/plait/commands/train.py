@@ -65,6 +65,12 @@ def run(args) -> int:
             world = args.nproc if args.nproc is not None else default_nproc(data)
             if world < 1:
                 raise ValueError(f"--nproc={world} must be a positive integer")
+            from plait.config.resolve import default_layout_for
+
+            layout = default_layout_for(recipe_path, overrides, args.nproc)
+            if layout is not None:  # the built-in default follows --nproc; a user's recipe keeps its layout
+                data = recipe_data(DEFAULT_RECIPE, overrides + layout.overrides())
+                print(f"plait train: {layout.describe()}", flush=True)
         resolved = validate_recipe(data, world)  # type errors and cross-field rules reported together
     except (RecipeError, ValueError, FileNotFoundError) as e:
         print(f"plait train: the recipe cannot run:\n{e}", file=sys.stderr)
@@ -80,20 +86,32 @@ def run(args) -> int:
     except OutputDirError as e:
         print(f"plait train: {e}", file=sys.stderr)
         return 2
+    try:
+        return _prepare_and_launch(resolved, data, world)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _prepare_and_launch(resolved, data: dict, world: int) -> int:
+    """Prepare the data once (in the parent) and start the ranks; exit status 2 for data errors."""
     import yaml
 
-    from plait.launch import launch_local
+    from plait.launch import in_launched_world, launch_local
     from plait.train.entry import prepare_data, train_worker
 
     # The ranks receive the recipe as the user wrote it (file + overrides) and validate it again
     # for their world; defaults are not frozen in, so fields that come from model.hf_path stay free.
     text = yaml.safe_dump(data, sort_keys=False)
     if not in_launched_world():
-        prepare_data(resolved.recipe, progress=True)  # once, in the parent, before any rank starts
+        try:
+            prepare_data(resolved.recipe, progress=True)  # once, in the parent, before any rank starts
+        except ValueError as e:  # DataError (source, prepared data, seq_len, vocabulary) or ModelConfigError
+            print(f"plait train: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"plait train: {e}", file=sys.stderr)
+            return 1
         print(f"launching {world} process(es): {resolved.summary_line()}", flush=True)
-    try:
-        launch_local(train_worker, world, text)
-    finally:
-        for lock in locks:
-            lock.release()
+    launch_local(train_worker, world, text)
     return 0
