@@ -1,8 +1,10 @@
-"""``plait config show [RECIPE] [--nproc N] [key=value ...]`` and ``plait config validate RECIPE ...``.
+"""``plait config show [RECIPE] [--nproc N] [key=value ...]`` and ``plait config validate [RECIPE] ...``.
 
 ``show`` prints the resolved recipe as YAML (derived values filled in, so the output is itself a
 recipe) followed by the derived numbers as comments. ``validate`` prints ``ok``, or every
 problem, one per line, and exits with status 2. Neither starts a process or touches the data.
+Without a recipe both take the built-in default, as ``plait train`` does, including the layout
+``plait train --nproc N`` would choose for it.
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Print the recipe with every field and derived value filled in, then the derived "
                     "numbers (dp, micro-batches, tokens per step, parameters, FLOPs per token).")
     validate = actions.add_parser(
-        "validate", help="check a recipe: prints 'ok' or every problem (exit status 2)",
-        description="Check a recipe for a world size; prints 'ok', or one line per problem and exits with 2.")
+        "validate", help="check a recipe (no recipe: the default): prints 'ok' or every problem (exit status 2)",
+        description="Check a recipe for a world size; prints 'ok', or one line per problem and exits with 2. "
+                    "With no recipe, the built-in default is checked.")
     for q in (show, validate):
         q.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="world size to check against (default: tp*pp*dp of the recipe, dp=1 when unset)")
         q.add_argument("--no-path-checks", action="store_true",
-                       help="do not check that data.source and data.tokenizer exist on this machine "
-                            "(a recipe for another machine)")
+                       help="do not check the data.source and data.tokenizer files, nor the model state "
+                            "against this host's memory (a recipe for another machine)")
         q.add_argument("items", nargs=argparse.REMAINDER, metavar=USAGE_ITEMS,
-                       help="a recipe file (optional for show) followed by overrides")
+                       help="an optional recipe file (default: the built-in one) followed by overrides")
     return p
 
 
@@ -93,12 +96,15 @@ def render_show(resolved, recipe_path: str | None, overrides: list[str]) -> str:
 def run(args) -> int:
     from plait.config import RecipeError, check_recipe
     from plait.config.load import DEFAULT_RECIPE
+    from plait.config.resolve import default_layout_for
 
     action = args.config_command
     try:
         recipe_path, overrides, nproc, no_path_checks = split_items(args.items, args.nproc, args.no_path_checks)
-        if action == "validate" and recipe_path is None:
-            raise ValueError("validate needs a recipe file: plait config validate RECIPE [section.field=value ...]")
+        layout = default_layout_for(recipe_path, overrides, nproc)
+        if layout is not None:  # what `plait train --nproc N` would run
+            overrides = overrides + layout.overrides()
+            print(f"plait config {action}: {layout.describe()}", file=sys.stderr)
         resolved = check_recipe(recipe_path or DEFAULT_RECIPE, overrides, nproc, check_paths=not no_path_checks)
     except RecipeError as e:
         n = len(e.problems)

@@ -147,3 +147,55 @@ def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | 
     return ResolvedRecipe(recipe=r, world_size=world, dp=dp, kv_replication=kv, global_batch_size=gbs,
                           tokens_per_step=gbs * r.data.seq_len, output_dir=out, checkpoint_dir=ckpt, save_dir=save_dir,
                           hf_config=hf_config, warnings=tuple(warnings))
+
+
+# ---------------------------------------------------------------------- the default recipe's layout
+@dataclass(frozen=True)
+class DefaultLayout:
+    """The parallel layout given to the built-in default recipe for an explicit process count."""
+
+    nproc: int
+    tp: int
+    dp: int
+    sequence_parallel: bool
+
+    def overrides(self) -> list[str]:
+        """The ``parallel.*`` overrides that give the default recipe this layout."""
+        return [f"parallel.tp={self.tp}", f"parallel.sequence_parallel={'true' if self.sequence_parallel else 'false'}"]
+
+    def describe(self) -> str:
+        sp = ", sequence parallelism" if self.sequence_parallel else ""
+        return (f"the built-in default recipe on {self.nproc} process(es): tp={self.tp} dp={self.dp}{sp} "
+                f"(set parallel.* to choose another layout)")
+
+
+#: tensor-parallel degrees the default recipe's model takes, best first (8 query heads, 4 KV heads,
+#: intermediate size 768 and 128-token sequences divide by each)
+DEFAULT_TP_CHOICES = (2, 1)
+
+
+def choose_default_layout(nproc: int, tp_choices: tuple[int, ...] = DEFAULT_TP_CHOICES) -> DefaultLayout:
+    """The layout of the built-in default recipe on ``nproc`` processes: the largest tensor-parallel
+    degree of ``tp_choices`` that divides ``nproc``, data parallelism over the rest, and sequence
+    parallelism only where there is a TP group to split over.
+
+    The default recipe is written for two processes (tp=2 with sequence parallelism); carried over
+    unchanged it fails for any odd ``nproc``. A user's own recipe keeps its layout (and its error).
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"--nproc={nproc!r} must be a positive integer")
+    tp = next(t for t in (*sorted(tp_choices, reverse=True), 1) if nproc % t == 0)
+    return DefaultLayout(nproc=nproc, tp=tp, dp=nproc // tp, sequence_parallel=tp > 1)
+
+
+def sets_parallel(overrides: list[str]) -> bool:
+    """True when an override sets the ``parallel`` section or one of its fields."""
+    return any(item.split("=", 1)[0].split(".", 1)[0].strip() == "parallel" for item in overrides)
+
+
+def default_layout_for(recipe_path: str | None, overrides: list[str], nproc: int | None) -> DefaultLayout | None:
+    """The layout to give the built-in default recipe (no recipe file, an explicit ``nproc`` and no
+    ``parallel.*`` override); ``None`` when the recipe's own layout stands."""
+    if recipe_path is not None or nproc is None or sets_parallel(overrides):
+        return None
+    return choose_default_layout(nproc)

@@ -110,7 +110,10 @@ def read_hf_config(hf_path: str) -> LlamaConfig:
         raise ModelConfigError(f"{path} is not readable JSON: {e}") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path} does not hold a JSON object")
-    return LlamaConfig.from_hf_dict(data)
+    try:
+        return LlamaConfig.from_hf_dict(data)
+    except ModelConfigError as e:  # name the file: the message alone does not say which config
+        raise ModelConfigError(f"{path}: {e}") from None
 
 
 class ParallelSection(Section):
@@ -314,6 +317,7 @@ def reference_markdown() -> str:
         for field_name, f in cls.model_fields.items():
             bounds = _bounds(f)
             kind = _type_name(f.annotation) + (f" ({bounds})" if bounds else "")
-            out.append(f"| `{name}.{field_name}` | {kind} | {_default_text(f.default)} | {f.description} |")
+            default = f.get_default(call_default_factory=True)  # a default_factory field has no f.default
+            out.append(f"| `{name}.{field_name}` | {kind} | {_default_text(default)} | {f.description} |")
         out.append("")
     return "\n".join(out)

@@ -1,7 +1,8 @@
 """Validation of a recipe: every problem at once, one line each, before anything starts.
 
-:func:`validate_recipe` is pure: it reads at most a Hugging Face ``config.json`` and checks
-that data/tokenizer paths exist; it creates no directory, process or process group. Problems
+:func:`validate_recipe` is pure: it reads at most a Hugging Face ``config.json``, checks that
+the data source exists and is of a readable kind, loads a tokenizer file, and estimates the model
+state against this host's memory; it creates no directory, process or process group. Problems
 are reported as ``<field.path>: <value> — <what is valid>``; type errors found by pydantic are
 converted to the same form. When some fields have type errors, the rules between fields still
 run on the rest of the recipe, skipping the rules that involve a broken field, so one pass
@@ -10,6 +11,7 @@ reports everything.
 
 from __future__ import annotations
 
+import codecs
 import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,8 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from plait.config.schema import ARCH_FIELDS, SECTIONS, Recipe, read_hf_config
-from plait.models.llama.config import LlamaConfig, ModelConfigError
-
+from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scaling_problems
 
 
 @dataclass(frozen=True)
@@ -217,15 +218,8 @@ def _check_architecture(c: _Checker) -> LlamaConfig | None:
     if head_dim is not None and head_dim % 2:
         where = "" if m.head_dim is not None else " (hidden_size / num_attention_heads)"
         c.add("model.head_dim", head_dim, f"head dimension{where} must be even for rotary embeddings")
-    if m.rope_scaling is not None:
-        kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            c.add("model.rope_scaling", m.rope_scaling, f"rope_type {kind!r} is not supported; valid: 'default', "
-                                                        f"'llama3'")
-        elif kind == "llama3":
-            missing = [k for k in ("factor", "original_max_position_embeddings") if k not in m.rope_scaling]
-            if missing:
-                c.add("model.rope_scaling", m.rope_scaling, f"rope_type 'llama3' needs {' and '.join(missing)}")
+    for message in rope_scaling_problems(m.rope_scaling):
+        c.add("model.rope_scaling", m.rope_scaling, message)
     if len(c.problems) > start:
         return None
     try:
@@ -433,20 +427,95 @@ def _check_paths(c: _Checker) -> None:
         c.add("checkpoint.resume", resume, "'none', 'auto', or an existing checkpoint directory (step-N)")
 
 
-def _check_data(c: _Checker, check_paths: bool) -> None:
-    from plait.data.corpora import CORPORA
+def _text_sniff(path: Path, size: int = 1 << 16) -> str | None:
+    """Why the start of ``path`` is not UTF-8 text (``None`` when it is): a binary file renamed
+    ``.txt`` would otherwise fail, or train on garbage, only after launch."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(size)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if b"\x00" in head:
+        return "holds NUL bytes (a binary file, not text)"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as e:
+        return f"is not UTF-8 text (byte {e.start} is invalid)"
+    return None
 
+
+def _check_source(c: _Checker) -> None:
+    """``data.source``: a built-in corpus, an existing directory, or a readable .txt/.jsonl file."""
+    from plait.data.corpora import CORPORA
+    from plait.data.prepare import SOURCE_SUFFIXES
+
+    source = c.r.data.source
+    if source in CORPORA:
+        return
+    path = Path(source).expanduser()
+    if not path.exists():
+        c.add("data.source", source, f"not a built-in corpus ({', '.join(CORPORA)}) and no such file or directory")
+    elif path.is_file():
+        kinds = " or ".join(SOURCE_SUFFIXES)
+        if path.suffix.lower() not in SOURCE_SUFFIXES:
+            what = f"a {path.suffix!r} file" if path.suffix else "a file without a suffix"
+            c.add("data.source", source, f"is {what}; a source file must be {kinds} (plain text, or a 'text' field "
+                                         f"per JSON line): convert it, or give a directory of such files")
+        elif (why := _text_sniff(path)) is not None:
+            c.add("data.source", source, f"{why}; a {path.suffix} source must be UTF-8 text")
+
+
+def _check_tokenizer_file(c: _Checker) -> int | None:
+    """``data.tokenizer`` as a file: it must load as a tokenizer and have an end-of-text token
+    (what data preparation needs). Returns its vocabulary size (``None`` when it is unusable)."""
+    from plait.data.token_shards import TOKENIZER_FILE
+    from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
+
+    spec = c.r.data.tokenizer
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        hint = f"; did you mean '{path / TOKENIZER_FILE}'?" if (path / TOKENIZER_FILE).is_file() else ""
+        c.add("data.tokenizer", spec, f"must be 'bpe' or a tokenizer.json file, not a directory{hint}")
+        return None
+    if not path.is_file():
+        c.add("data.tokenizer", spec, "must be 'bpe' or the path of an existing tokenizer.json file")
+        return None
+    try:
+        tokenizer = load_tokenizer_file(path)
+    except ValueError as e:
+        reason = str(e).partition("cannot be loaded ")[2] or str(e)
+        c.add("data.tokenizer", spec, f"is not a tokenizer file, tokenizers cannot load it {reason[:160]}; give "
+                                      f"a Hugging Face tokenizer.json, or 'bpe' to train one on the source")
+        return None
+    try:
+        find_eos(tokenizer)
+    except ValueError as e:
+        c.add("data.tokenizer", spec, f"{e}: documents could not be separated; use a tokenizer that has one, "
+                                      f"or 'bpe'")
+        return None
+    return tokenizer_vocab_size(tokenizer)
+
+
+def _check_vocab_fits(c: _Checker, arch: LlamaConfig | None, tokens: int) -> None:
+    """The embedding must have a row for every id the tokenizer file can produce."""
     d, m = c.r.data, c.r.model
-    if check_paths and c.ok("data.source") and d.source not in CORPORA and not Path(d.source).exists():
-        c.add("data.source", d.source, f"not a built-in corpus ({', '.join(CORPORA)}) and no such file or "
-                                       f"directory")
+    if m.hf_path is not None:
+        if arch is not None and tokens > arch.vocab_size:
+            c.add("data.tokenizer", d.tokenizer, f"has {tokens} tokens but model.hf_path's config.json has "
+                                                 f"vocab_size={arch.vocab_size}; use the checkpoint's own tokenizer")
+    elif c.ok("model.vocab_size") and m.vocab_size is not None and m.vocab_size < tokens:
+        c.add("model.vocab_size", m.vocab_size, f"must be >= {tokens}, the size of data.tokenizer "
+                                                f"'{d.tokenizer}', or null to use the tokenizer's size")
+
+
+def _check_data(c: _Checker, arch: LlamaConfig | None, check_paths: bool) -> None:
+    d, m = c.r.data, c.r.model
+    if check_paths and c.ok("data.source"):
+        _check_source(c)
     if check_paths and c.ok("data.tokenizer") and d.tokenizer != "bpe":
-        path = Path(d.tokenizer)
-        if path.is_dir():
-            hint = (f"; did you mean '{path / 'tokenizer.json'}'?" if (path / "tokenizer.json").is_file() else "")
-            c.add("data.tokenizer", d.tokenizer, f"must be 'bpe' or a tokenizer.json file, not a directory{hint}")
-        elif not path.is_file():
-            c.add("data.tokenizer", d.tokenizer, "must be 'bpe' or the path of an existing tokenizer.json file")
+        tokens = _check_tokenizer_file(c)
+        if tokens is not None and c.ok("model.hf_path"):
+            _check_vocab_fits(c, arch, tokens)
     if c.ok("data.tokenizer", "model.hf_path") and m.hf_path is not None and d.tokenizer == "bpe":
         c.add("data.tokenizer", "bpe", f"a model initialised from model.hf_path needs its own tokenizer; "
                                        f"set data.tokenizer to '{Path(m.hf_path) / 'tokenizer.json'}'")
@@ -460,7 +529,7 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
                      check_paths: bool = True) -> tuple[list[Problem], list[str], LlamaConfig | None]:
     """``(problems, warnings, architecture)`` of the rules between fields, skipping rules that
     involve a field in ``broken`` (those already reported as type errors). ``check_paths=False``
-    skips the existence checks of ``data.source`` and ``data.tokenizer`` (a recipe meant for
+    skips the checks of the files ``data.source`` and ``data.tokenizer`` name (a recipe meant for
     another machine); ``model.hf_path`` is always read, since the rules need its architecture."""
     c = _Checker(recipe, set(broken or ()))
     dp = _check_layout(c, world_size)
@@ -473,7 +542,7 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_zero_and_precision(c, dp)
     _check_activation_checkpointing(c, arch)
     _check_paths(c)
-    _check_data(c, check_paths)
+    _check_data(c, arch, check_paths)
     return c.problems, c.warnings, arch
 
 
@@ -484,9 +553,12 @@ def validate_recipe(recipe: Recipe | Mapping[str, Any], world_size: int | None =
 
     ``recipe`` is a :class:`Recipe` or raw recipe data (a mapping, as read from YAML); raw data
     lets type errors and rule violations be reported together. ``world_size=None`` assumes
-    ``tp * pp * (dp or 1)`` processes. ``check_paths=False`` skips the checks that ``data.source``
-    and ``data.tokenizer`` exist here. Raises :class:`RecipeError` listing every problem.
+    ``tp * pp * (dp or 1)`` processes. ``check_paths=False`` (a recipe meant for another machine)
+    skips the checks of the files ``data.source`` and ``data.tokenizer`` name and of the model
+    state against this host's memory (:mod:`plait.config.host_memory`). Raises
+    :class:`RecipeError` listing every problem.
     """
+    from plait.config.host_memory import model_state_problem
     from plait.config.resolve import resolve
 
     broken: set[str] = set()
@@ -503,7 +575,12 @@ def validate_recipe(recipe: Recipe | Mapping[str, Any], world_size: int | None =
     if problems:
         raise RecipeError(problems)
     hf_config = arch if recipe.model.hf_path is not None else None
-    return resolve(recipe, world_size, hf_config=hf_config, warnings=warnings)
+    resolved = resolve(recipe, world_size, hf_config=hf_config, warnings=warnings)
+    if check_paths:  # the memory of this host is the limit only for a recipe meant to run here
+        problem = model_state_problem(resolved)
+        if problem is not None:
+            raise RecipeError([problem])
+    return resolved
 
 
 def check_recipe(path: str | None, overrides: Iterable[str] = (), world_size: int | None = None, *,

@@ -3,12 +3,98 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class ModelConfigError(ValueError):
     """A model configuration that cannot describe a valid model."""
+
+
+#: ``config.json`` model types this family reads: Llama, and Qwen2 (Llama with q/k/v biases), which
+#: :meth:`LlamaConfig.to_hf_dict` also writes. Another architecture (GPT-2, Mistral's sliding window,
+#: MoE models) would be silently misread with Llama defaults filling the gaps, so it is refused.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+#: ``config.json`` keys without which the architecture is not described: a missing one would
+#: silently take a Llama default (e.g. 32 layers of width 4096) instead of the checkpoint's value.
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "max_position_embeddings")
+
+ROPE_TYPES = ("default", "llama3")
+#: keys a ``llama3`` rope_scaling mapping may hold (``rope_theta`` comes with Hugging Face's newer
+#: ``rope_parameters``, which :meth:`LlamaConfig.from_hf_dict` maps to ``rope_scaling``)
+LLAMA3_ROPE_KEYS = ("rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings", "rope_theta")
+#: defaults :func:`plait.models.llama.model.rope_inv_freq` uses when a ``llama3`` mapping omits them
+LLAMA3_FREQ_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rope_scaling_problems(scaling: Any) -> list[str]:
+    """One message per problem of a ``rope_scaling`` mapping, each naming the key, its value and
+    what is valid (empty when the mapping is usable).
+
+    Checked here rather than where the frequencies are computed because a bad value fails late
+    and far from its cause: a string ``factor`` raises a TypeError after launch, and a zero
+    factor gives infinite frequencies that train to NaN.
+    """
+    if scaling is None:
+        return []
+    if not isinstance(scaling, dict):
+        return ["must be a mapping with a rope_type, or null"]
+    kinds = {k: scaling[k] for k in ("rope_type", "type") if k in scaling}
+    if not kinds:
+        return [f"needs rope_type (one of {', '.join(map(repr, ROPE_TYPES))}); use null for no scaling"]
+    if len({str(v) for v in kinds.values()}) > 1:
+        return [f"type={kinds['type']!r} disagrees with rope_type={kinds['rope_type']!r}; keep one"]
+    key, kind = next(iter(kinds.items()))
+    if kind not in ROPE_TYPES:
+        return [f"{key}={kind!r} is not supported; valid: {', '.join(map(repr, ROPE_TYPES))}"]
+    if kind != "llama3":
+        return []
+    problems = []
+    for name in scaling:
+        if name not in LLAMA3_ROPE_KEYS:
+            close = difflib.get_close_matches(str(name), LLAMA3_ROPE_KEYS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(f"{name!s} is not a llama3 rope_scaling key; {hint}valid: "
+                            f"{', '.join(LLAMA3_ROPE_KEYS[2:6])}")
+    for name in ("factor", "original_max_position_embeddings"):
+        if name not in scaling:
+            problems.append(f"rope_type 'llama3' needs {name}")
+    factor = scaling.get("factor", 1.0)
+    if not (_is_number(factor) and factor > 0):
+        problems.append(f"factor={factor!r} must be a finite number > 0 (the context extension, e.g. 8.0)")
+    original = scaling.get("original_max_position_embeddings", 1)
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        problems.append(f"original_max_position_embeddings={original!r} must be a positive integer (the "
+                        f"pre-training context, e.g. 8192)")
+    freqs = {k: scaling.get(k, d) for k, d in LLAMA3_FREQ_DEFAULTS.items()}
+    bad = [k for k, v in freqs.items() if not (_is_number(v) and v > 0)]
+    problems += [f"{k}={freqs[k]!r} must be a finite number > 0" for k in bad]
+    if not bad and freqs["high_freq_factor"] <= freqs["low_freq_factor"]:
+        problems.append(f"high_freq_factor={freqs['high_freq_factor']!r} must be greater than low_freq_factor="
+                        f"{freqs['low_freq_factor']!r} (the smoothing between them divides by their difference)")
+    return problems
+
+
+def check_hf_architecture(d: dict[str, Any]) -> None:
+    """Refuse a ``config.json`` mapping that does not describe a model this family can run:
+    another model type, or one missing the keys that fix the architecture."""
+    model_type = d.get("model_type")
+    supported = ", ".join(map(repr, SUPPORTED_MODEL_TYPES))
+    if model_type is None:
+        raise ModelConfigError(f"has no model_type; plait reads Llama-architecture configs ({supported}); add "
+                               f"\"model_type\": \"llama\" if this is a Llama model")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(f"model_type {model_type!r} is not supported; plait runs Llama-architecture "
+                               f"models: {supported}")
 
 
 @dataclass
@@ -74,12 +160,13 @@ class LlamaConfig:
                 raise ModelConfigError(f"model.{name}={value!r} must be a probability in [0, 1)")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3"):
-                raise ModelConfigError(
-                    f"rope_scaling.rope_type={kind!r} is not supported; valid: 'default', 'llama3'"
-                )
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not _is_number(value) or value <= 0:
+                raise ModelConfigError(f"model.{name}={value!r} must be a finite number > 0")
+        problems = rope_scaling_problems(self.rope_scaling)
+        if problems:
+            raise ModelConfigError(f"rope_scaling={self.rope_scaling!r}: {'; '.join(problems)}")
 
     @property
     def rope_type(self) -> str:
@@ -90,6 +177,10 @@ class LlamaConfig:
     # ------------------------------------------------------------------ Hugging Face I/O
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """The config a Hugging Face ``config.json`` mapping describes; another architecture or a
+        mapping missing an architecture key raises :class:`ModelConfigError` (see
+        :func:`check_hf_architecture`)."""
+        check_hf_architecture(d)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
         if d.get("model_type") == "qwen2":
@@ -100,6 +191,10 @@ class LlamaConfig:
                 )
             known.setdefault("attention_bias", True)
             known.setdefault("o_proj_bias", False)
+        missing = [k for k in REQUIRED_HF_KEYS if k not in d]
+        if missing:
+            raise ModelConfigError(f"lacks {', '.join(missing)}; a model_type {d['model_type']!r} config needs "
+                                   f"{', '.join(REQUIRED_HF_KEYS)} (plait does not guess an architecture)")
         if "rope_theta" not in known and isinstance(d.get("rope_parameters"), dict):
             params = d["rope_parameters"]
             known["rope_theta"] = params.get("rope_theta", cls.rope_theta)

@@ -1,0 +1,118 @@
+"""The model state of a recipe against this host's physical memory: refuse what cannot be allocated.
+
+A model too large for the machine otherwise fails after launch, each rank dying while it
+materializes its shard, with a launcher traceback per rank. The check is deliberately a lower
+bound on the need, so it refuses only what certainly cannot run here:
+
+* only the model state counts (parameters, gradient buffer, optimizer state, master weights,
+  ZeRO-1's gradient shard: :attr:`plait.plan.memory.MemoryBreakdown.model_states`, the memory
+  model the planner uses); activations, allocator caches and the framework itself come on top;
+* on a CPU host every process on it keeps its state in host memory, so the state of all the
+  processes this host runs is compared with its physical memory. ``plait train`` runs the whole
+  world here; under torchrun/SLURM ``LOCAL_WORLD_SIZE`` says how many processes this host runs;
+* with CUDA a process keeps its state on its device, which the parent process cannot price
+  without creating a CUDA context on the first device; the state of one process is then compared
+  with the host's memory (no device holds more than its host, and checkpoints stage each rank's
+  state in host memory).
+"""
+
+from __future__ import annotations
+
+import os
+
+from plait.config.resolve import ResolvedRecipe
+from plait.config.validate import Problem, Verbatim
+
+GiB = 1024**3
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host, ``None`` where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def processes_on_this_host(world_size: int) -> int:
+    """``LOCAL_WORLD_SIZE`` inside a launched world (torchrun, SLURM), else the whole world
+    (``plait train`` starts every process here)."""
+    if "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        try:
+            return max(1, min(world_size, int(os.environ["LOCAL_WORLD_SIZE"])))
+        except ValueError:
+            pass
+    return world_size
+
+
+def _accelerated() -> bool:
+    """True when training would run on CUDA devices (the trainer's rule); creates no context."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def state_bytes_per_stage(resolved: ResolvedRecipe) -> tuple[list[int], str]:
+    """``(model-state bytes of one process of each pipeline rank, precision priced)``.
+
+    A ``manual`` precision is priced as ``bf16-pure``, the preset with the fewest bytes per
+    parameter, so the estimate stays a lower bound.
+    """
+    from plait.pipeline.layout import plan_partition
+    from plait.plan.layout import Layout
+    from plait.plan.memory import PRECISIONS, estimate_memory
+
+    r, p = resolved.recipe, resolved.recipe.parallel
+    precision = r.precision.preset if r.precision.preset in PRECISIONS else "bf16-pure"
+    checkpointing = r.train.activation_checkpointing
+    layout = Layout(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
+                    sequence_parallel=p.sequence_parallel, zero1=p.zero1,
+                    activation_checkpointing="none" if checkpointing == "off" else checkpointing,
+                    schedule=p.schedule)
+    config = resolved.llama_config()
+    seq = r.data.seq_len
+    split = None
+    if p.pp * p.vpp > 1:
+        split = plan_partition(config, p.pp * p.vpp, seq, method=p.partition, cost=p.partition_cost,
+                               cuts=p.pipeline_cuts).stage_layers()
+    states = [estimate_memory(config, layout, precision=precision, micro_batch_size=r.data.micro_batch_size,
+                              seq_len=seq, microbatches=p.microbatches, stage=s, stage_layers=split).model_states
+              for s in range(p.pp)]
+    return states, precision
+
+
+def local_state_bytes(states: list[int], world_size: int, local: int) -> int:
+    """Model-state bytes of the ``local`` processes on this host, from each pipeline rank's
+    per-process ``states``: exact when they are the whole world (each pipeline rank has
+    ``world / pp`` processes), else ``local`` times the largest."""
+    if local == world_size:
+        return sum(states) * (world_size // len(states))
+    return max(states) * local
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:,.1f} GiB" if n < 1024 * GiB else f"{n / 1024**4:,.1f} TiB"
+
+
+def model_state_problem(resolved: ResolvedRecipe, *, memory: int | None = None,
+                        local: int | None = None, accelerated: bool | None = None) -> Problem | None:
+    """A :class:`Problem` when the model state cannot fit this host (see the module doc), else
+    ``None``. ``memory``, ``local`` and ``accelerated`` default to this machine's."""
+    memory = host_memory_bytes() if memory is None else memory
+    if not memory:
+        return None
+    accelerated = _accelerated() if accelerated is None else accelerated
+    local = processes_on_this_host(resolved.world_size) if local is None else local
+    states, precision = state_bytes_per_stage(resolved)
+    need = max(states) if accelerated else local_state_bytes(states, resolved.world_size, local)
+    if need <= memory:
+        return None
+    params = resolved.num_parameters()
+    who = "one process" if accelerated or local == 1 else f"{local} processes on this host"
+    p = resolved.recipe.parallel
+    return Problem(
+        "model", Verbatim(f"{params / 1e9:,.2f}B parameters"),
+        f"the model state of {who} ({_size(need)}: parameters, gradients and optimizer state in {precision}, "
+        f"tp={p.tp} pp={p.pp} dp={resolved.dp}{' zero1' if p.zero1 else ''}) exceeds this host's "
+        f"{_size(memory)} of physical memory; use a smaller model, or shard it over more processes "
+        f"(parallel.tp, parallel.pp, parallel.zero1) on more hosts")
