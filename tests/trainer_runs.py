@@ -110,3 +110,24 @@ def run_checkpointed(corpus, out_dir, items: list[str], world: int, steps: int, 
     prepared = str(prepare_data(load_recipe(base, items)))
     return run_distributed(_checkpoint_worker, world, yaml.safe_dump(recipe_data(base, items)), prepared,
                            steps, save_at)
+
+
+def _eval_worker(rank, world, recipe_yaml, prepared):
+    """The validation loss of the freshly built model (layout-invariant initial weights)."""
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    trainer.loader.close()
+    return trainer._eval_fields()["val_loss"]
+
+
+def run_eval(corpus, out_dir, items: list[str], world: int) -> list[float]:
+    """Per-rank validation loss of the default recipe with overrides ``items`` at step 0 on ``world`` ranks."""
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    items = items + [f"data.source={corpus}", f"run.output_dir={out_dir}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    return run_distributed(_eval_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared)
