@@ -90,8 +90,16 @@ def local_state_bytes(states: list[int], world_size: int, local: int) -> int:
     return max(states) * local
 
 
-def _size(n: float) -> str:
-    return f"{n / GiB:,.1f} GiB" if n < 1024 * GiB else f"{n / 1024**4:,.1f} TiB"
+def _size(n: int) -> str:
+    if n < 1024 * GiB:
+        return f"{n / GiB:,.1f} GiB"
+    if n < 10**9 * 1024**4:
+        return f"{n / 1024**4:,.1f} TiB"
+    return f"~10^{len(str(n)) - 1} bytes"  # beyond what a float division can print
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f}B" if n < 10**15 else f"~10^{len(str(n)) - 1}"
 
 
 def model_state_problem(resolved: ResolvedRecipe, *, memory: int | None = None,
@@ -111,7 +119,7 @@ def model_state_problem(resolved: ResolvedRecipe, *, memory: int | None = None,
     who = "one process" if accelerated or local == 1 else f"{local} processes on this host"
     p = resolved.recipe.parallel
     return Problem(
-        "model", Verbatim(f"{params / 1e9:,.2f}B parameters"),
+        "model", Verbatim(f"{_count(params)} parameters"),
         f"the model state of {who} ({_size(need)}: parameters, gradients and optimizer state in {precision}, "
         f"tp={p.tp} pp={p.pp} dp={resolved.dp}{' zero1' if p.zero1 else ''}) exceeds this host's "
         f"{_size(memory)} of physical memory; use a smaller model, or shard it over more processes "

@@ -33,12 +33,24 @@ LLAMA3_FREQ_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """An int or float (not a bool) that is a finite float: what the frequency math can use."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def rope_scaling_problems(scaling: Any) -> list[str]:
     """One message per problem of a ``rope_scaling`` mapping, each naming the key, its value and
-    what is valid (empty when the mapping is usable).
+    what is valid (empty when the mapping is usable). A message about a key starts with it; one
+    about the whole mapping starts with "needs" or "must".
 
     Checked here rather than where the frequencies are computed because a bad value fails late
     and far from its cause: a string ``factor`` raises a TypeError after launch, and a zero
@@ -52,35 +64,35 @@ def rope_scaling_problems(scaling: Any) -> list[str]:
     if not kinds:
         return [f"needs rope_type (one of {', '.join(map(repr, ROPE_TYPES))}); use null for no scaling"]
     if len({str(v) for v in kinds.values()}) > 1:
-        return [f"type={kinds['type']!r} disagrees with rope_type={kinds['rope_type']!r}; keep one"]
+        return [f"type={_show(kinds['type'])} disagrees with rope_type={_show(kinds['rope_type'])}; keep one"]
     key, kind = next(iter(kinds.items()))
     if kind not in ROPE_TYPES:
-        return [f"{key}={kind!r} is not supported; valid: {', '.join(map(repr, ROPE_TYPES))}"]
+        return [f"{key}={_show(kind)} is not supported; valid: {', '.join(map(repr, ROPE_TYPES))}"]
     if kind != "llama3":
         return []
     problems = []
     for name in scaling:
         if name not in LLAMA3_ROPE_KEYS:
             close = difflib.get_close_matches(str(name), LLAMA3_ROPE_KEYS, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = f"did you mean {_show(close[0])}? " if close else ""
             problems.append(f"{name!s} is not a llama3 rope_scaling key; {hint}valid: "
                             f"{', '.join(LLAMA3_ROPE_KEYS[2:6])}")
     for name in ("factor", "original_max_position_embeddings"):
         if name not in scaling:
-            problems.append(f"rope_type 'llama3' needs {name}")
+            problems.append(f"{name} is missing (rope_type 'llama3' needs it)")
     factor = scaling.get("factor", 1.0)
     if not (_is_number(factor) and factor > 0):
-        problems.append(f"factor={factor!r} must be a finite number > 0 (the context extension, e.g. 8.0)")
+        problems.append(f"factor={_show(factor)} must be a finite number > 0 (the context extension, e.g. 8.0)")
     original = scaling.get("original_max_position_embeddings", 1)
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-        problems.append(f"original_max_position_embeddings={original!r} must be a positive integer (the "
+        problems.append(f"original_max_position_embeddings={_show(original)} must be a positive integer (the "
                         f"pre-training context, e.g. 8192)")
     freqs = {k: scaling.get(k, d) for k, d in LLAMA3_FREQ_DEFAULTS.items()}
     bad = [k for k, v in freqs.items() if not (_is_number(v) and v > 0)]
-    problems += [f"{k}={freqs[k]!r} must be a finite number > 0" for k in bad]
+    problems += [f"{k}={_show(freqs[k])} must be a finite number > 0" for k in bad]
     if not bad and freqs["high_freq_factor"] <= freqs["low_freq_factor"]:
-        problems.append(f"high_freq_factor={freqs['high_freq_factor']!r} must be greater than low_freq_factor="
-                        f"{freqs['low_freq_factor']!r} (the smoothing between them divides by their difference)")
+        problems.append(f"high_freq_factor={_show(freqs['high_freq_factor'])} must be greater than low_freq_factor="
+                        f"{_show(freqs['low_freq_factor'])} (the smoothing between them divides by their difference)")
     return problems
 
 
@@ -166,7 +178,8 @@ class LlamaConfig:
                 raise ModelConfigError(f"model.{name}={value!r} must be a finite number > 0")
         problems = rope_scaling_problems(self.rope_scaling)
         if problems:
-            raise ModelConfigError(f"rope_scaling={self.rope_scaling!r}: {'; '.join(problems)}")
+            raise ModelConfigError("; ".join(f"rope_scaling {m}" if m.startswith(("needs", "must")) else
+                                             f"rope_scaling.{m}" for m in problems))
 
     @property
     def rope_type(self) -> str:
