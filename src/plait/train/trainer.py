@@ -430,7 +430,7 @@ class Trainer:
             self._finish_pipeline(prepared_dir)
             return
         if r.checkpoint.save_final:
-            save_hf_checkpoint(self.model, self.resolved.checkpoint_dir, self.tp)
+            save_hf_checkpoint(self.model, self.resolved.checkpoint_dir, self.tp, replace=True)  # checked before launch
         sample = self._sample() if r.train.sample_tokens > 0 else None
         if not self.is_writer:
             return
@@ -479,7 +479,8 @@ class Trainer:
                 self.save_checkpoint(steps, sync=True)
             self.finish_checkpoints()
             if self.is_writer:
-                plait_to_hf(latest_checkpoint(self.resolved.save_dir), self.resolved.checkpoint_dir, progress=False)
+                plait_to_hf(latest_checkpoint(self.resolved.save_dir), self.resolved.checkpoint_dir, progress=False,
+                            overwrite=True)  # checked before launch
         if not self.is_writer:
             return
         shutil.copy(Path(prepared_dir) / "tokenizer.json", self.out / "tokenizer.json")
