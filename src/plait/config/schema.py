@@ -207,7 +207,9 @@ class TrainSection(Section):
     steps: Int = Field(300, ge=1, description="Optimizer steps")
     eval_every: Int = Field(100, ge=1, description="Evaluate on the validation split every this many steps "
                                                    "(and at the end)")
-    eval_batches: Int = Field(8, ge=1, description="Validation batches per evaluation")
+    eval_batches: Int = Field(8, ge=1, description="Validation global batches per evaluation: the first "
+                                                    "eval_batches x global_batch_size validation sequences, the same "
+                                                    "under every layout")
     log_every: Int = Field(10, ge=1, description="Log metrics every this many steps (and at the end)")
     sample_prompt: str = Field("ROMEO:", description="Prompt of the text sample generated at the end")
     sample_tokens: Int = Field(48, ge=0, description="Tokens generated for the final sample; 0 = no sample text")
@@ -229,6 +231,9 @@ class CheckpointSection(Section):
     dir: str = Field("{output_dir}/final", min_length=1,
                      description="Directory of the final Hugging Face checkpoint; {output_dir} and {name} are "
                                  "substituted")
+    overwrite: Bool = Field(False, description="Replace a Hugging Face model that plait wrote earlier at "
+                                               "checkpoint.dir outside this run's directory (a directory plait did "
+                                               "not write is never replaced)")
     save_every: Int = Field(0, ge=0, description="Write a sharded training checkpoint every this many steps and at "
                                                  "the end; 0 = only when preempted (SIGTERM/SIGINT)")
     save_dir: str = Field("{output_dir}/checkpoints", min_length=1,
