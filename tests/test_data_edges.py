@@ -192,3 +192,16 @@ def test_cache_dir_is_honoured(tmp_path, cache, capsys):
     assert data.run(parser.parse_args(argv)) == 0  # the same inputs and cache: the directory plait train made
     assert "reused existing directory" in capsys.readouterr().out
     assert not cache.exists()
+
+
+def test_prepared_source_is_not_held_to_the_bpe_vocab_rule(tmp_path):
+    """model.vocab_size is compared with a prepared directory's own tokenizer before launch, not with
+    data.vocab_size (the size of a BPE that is never trained for it)."""
+    from plait.config import validate_recipe
+
+    src = tmp_path / "docs.jsonl"
+    _jsonl(src, [_doc(i) for i in range(60)])
+    prepared = prepare_data(load_recipe(None, [f"data.source={src}", f"data.vocab_size={VOCAB}", "data.seq_len=16"]))
+    data = {"data": {"source": str(prepared), "seq_len": 16}, "model": {"vocab_size": VOCAB},
+            "parallel": {"tp": 1, "sequence_parallel": False}}
+    validate_recipe(data, 1)  # data.vocab_size keeps its default 2048 > model.vocab_size

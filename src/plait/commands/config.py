@@ -97,6 +97,7 @@ def run(args) -> int:
     from plait.config import RecipeError, check_recipe
     from plait.config.load import DEFAULT_RECIPE
     from plait.config.resolve import default_layout_for
+    from plait.outputs.preflight import check_outputs
 
     action = args.config_command
     try:
@@ -106,6 +107,8 @@ def run(args) -> int:
             overrides = overrides + layout.overrides()
             print(f"plait config {action}: {layout.describe()}", file=sys.stderr)
         resolved = check_recipe(recipe_path or DEFAULT_RECIPE, overrides, nproc, check_paths=not no_path_checks)
+        if action == "validate" and not no_path_checks:
+            check_outputs(resolved)  # the output directories' rules, reading only (plait train also locks)
     except RecipeError as e:
         n = len(e.problems)
         print(f"plait config {action}: the recipe has {n} problem{'s' if n != 1 else ''}:\n{e}", file=sys.stderr)

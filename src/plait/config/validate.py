@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from plait.config.schema import ARCH_FIELDS, SECTIONS, Recipe, read_hf_config
+from plait.data.prepare import prepared_source
 from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scaling_problems
 
 
@@ -519,8 +520,10 @@ def _check_data(c: _Checker, arch: LlamaConfig | None, check_paths: bool) -> Non
     if c.ok("data.tokenizer", "model.hf_path") and m.hf_path is not None and d.tokenizer == "bpe":
         c.add("data.tokenizer", "bpe", f"a model initialised from model.hf_path needs its own tokenizer; "
                                        f"set data.tokenizer to '{Path(m.hf_path) / 'tokenizer.json'}'")
+    # a prepared source carries its own tokenizer; its size is checked against the model before launch
     if (c.ok("model.vocab_size", "data.vocab_size", "data.tokenizer") and m.hf_path is None
-            and d.tokenizer == "bpe" and m.vocab_size is not None and m.vocab_size < d.vocab_size):
+            and d.tokenizer == "bpe" and m.vocab_size is not None and m.vocab_size < d.vocab_size
+            and not (c.ok("data.source") and prepared_source(d.source) is not None)):
         c.add("model.vocab_size", m.vocab_size, f"must be >= data.vocab_size={d.vocab_size} (the BPE's size), "
                                                 f"or null to use the tokenizer's size")
 

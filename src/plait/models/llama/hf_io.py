@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from plait.comm.primitives import GroupInfo
-from plait.models.llama.config import LlamaConfig
+from plait.models.llama.config import LlamaConfig, ModelConfigError
 from plait.models.llama.model import LlamaForCausalLM
 from plait.outputs.ownership import require_target, write_marker
 from plait.outputs.permissions import apply_umask
@@ -58,8 +58,11 @@ def load_hf_config(path: PathLike) -> LlamaConfig:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
-    with open(file) as f:
-        return LlamaConfig.from_hf_dict(json.load(f))
+    try:
+        with open(file, encoding="utf-8") as f:
+            return LlamaConfig.from_hf_dict(json.load(f))
+    except (ValueError, UnicodeDecodeError) as e:  # ModelConfigError, bad JSON: name the file
+        raise ModelConfigError(f"{file}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------- loading
