@@ -131,6 +131,7 @@ UNUSABLE = {
     "complex key": ("? [parallel]\n: 1\n", ":1:3: ? ... — a key must be plain text"),
     "mapping key": ("parallel:\n  ? {tp: 1}\n  : 2\n", ":2:5: ? ... — a key must be plain text"),
     "tagged key": ("parallel:\n  !env tp: 2\n", ":2:3: !env — tags are not supported"),
+    "key with a line break": ('"par\\nallel": {}\n', ":1:1: 'par\\nallel' — a key must be printable text on one line"),
     "recursive alias": ("parallel: &p\n  tp: *p\n", ":1:11: *p — an alias inside its own anchor"),
     "alias bomb": ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
@@ -175,6 +176,8 @@ def test_bad_override_values_name_the_field():
         parse_override("parallel.tp=[1")
     with pytest.raises(RecipeError, match=r"^parallel.tp: '!env X' — override value: tags are not supported"):
         parse_override("parallel.tp=!env X")
+    with pytest.raises(RecipeError, match=r"^override: 'run.na\\nme=x' — must be section.field=value"):
+        parse_override("run.na\nme=x")
     assert parse_override("run.name=!env X") == (["run", "name"], "!env X")  # text fields take it as written
     assert parse_override("train.sample_prompt='unclosed") == (["train", "sample_prompt"], "'unclosed")
 
@@ -188,7 +191,9 @@ TRICKY_TEXT = ["no", "off", "On", "yes", "y", "n", "1e5", "3e-4", "09", "0o7", "
 @pytest.mark.parametrize("text", TRICKY_TEXT)
 def test_written_recipes_read_back_identically(text):
     data = {"run": {"name": text}, "train": {"sample_prompt": text, "checkpoint_modules": [text]},
-            "model": {"rope_scaling": {text: text, "factor": 2.0}}, "optimizer": {"lr": 3e-4}}
+            "model": {"rope_scaling": {"rope_type": text, "factor": 2.0}}, "optimizer": {"lr": 3e-4}}
+    if text.isprintable():  # keys are printable text on one line
+        data["model"]["rope_scaling"][text] = text
     written = dump_recipe_text(data)
     assert parse_recipe_text(written) == data  # YAML 1.2 here
     assert yaml.safe_load(written) == data  # and YAML 1.1 readers (PyYAML) elsewhere

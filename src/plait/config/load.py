@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 import typing
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError as RuamelYAMLError
+from ruamel.yaml.error import YAMLWarning
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.resolver import BaseResolver
 from ruamel.yaml.tag import Tag
@@ -103,7 +105,9 @@ def _compose(text: str) -> Node | None:
     reader = YAML(typ="safe", pure=True)
     reader.Resolver = _CoreResolver
     try:
-        return reader.compose(text)
+        with warnings.catch_warnings():  # a reused anchor is valid YAML (the later one counts): no noise
+            warnings.simplefilter("ignore", YAMLWarning)
+            return reader.compose(text)
     except RuamelYAMLError as e:
         position = getattr(e, "position", None)
         where = _mark(getattr(e, "problem_mark", None))
@@ -191,6 +195,8 @@ def _key(node: Node) -> str:
     if node.tag not in _KNOWN_TAGS:
         raise _Bad(_mark(node), Verbatim(_short(node.ctag)), "tags are not supported in a recipe; "
                                                               "write the plain key")
+    if not node.value.isprintable():  # a line break or control character: no field has one
+        raise _Bad(_mark(node), node.value, "a key must be printable text on one line (a section or field name)")
     return node.value
 
 
@@ -319,7 +325,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     """
     key, sep, raw = item.partition("=")
     parts = key.strip().split(".")
-    if not sep or not all(p.strip() for p in parts):
+    if not sep or not all(p.strip() and p.strip().isprintable() for p in parts):
         raise RecipeError([Problem("override", item, "must be section.field=value, e.g. parallel.tp=2")])
     parts = [p.strip() for p in parts]
     is_str, nullable = _field_type(parts)
