@@ -5,8 +5,10 @@ Shakespeare in one process). Unknown keys are rejected (``extra="forbid"``) so a
 ``parallel.tpp`` is an error rather than a silently ignored setting. Single-field bounds live
 here (``ge=1`` ...); rules between fields live in :mod:`plait.config.validate`.
 
-Integers and booleans are strict (``true`` is not ``1``, ``2.0`` is not ``2``); floats accept
-integers and numeric strings, since YAML 1.1 reads ``1e-3`` (no dot) as a string.
+Integers and booleans are strict (``true`` is not ``1``, ``2.0`` is not ``2``, ``"off"`` is not
+``false``); floats accept integers and numeric strings (``"1e-3"`` quoted, or numbers written as text
+by another tool). Recipes are read as YAML 1.2, where ``1e-3`` is a float and only ``true``/``false``
+are booleans (:mod:`plait.config.load`).
 """
 
 from __future__ import annotations
