@@ -168,7 +168,7 @@ class _Builder:
             value = self.build(value_node, where, depth + 1)
             line = key_node.start_mark.line + 1
             if key in lines:
-                shown = value_node.value if isinstance(value_node, ScalarNode) else "..."
+                shown = _one_line(value_node.value)[:60] if isinstance(value_node, ScalarNode) else "..."
                 self.duplicates.append(Problem(where, Verbatim(shown), f"written twice in {self.source} "
                                                                        f"(lines {lines[key]} and {line}); keep one"))
                 continue
