@@ -95,14 +95,13 @@ def run(args) -> int:
 
 def _prepare_and_launch(resolved, data: dict, world: int) -> int:
     """Prepare the data once (in the parent) and start the ranks; exit status 2 for data errors."""
-    import yaml
-
+    from plait.config.load import dump_recipe_text
     from plait.launch import in_launched_world, launch_local
     from plait.train.entry import prepare_data, train_worker
 
     # The ranks receive the recipe as the user wrote it (file + overrides) and validate it again
     # for their world; defaults are not frozen in, so fields that come from model.hf_path stay free.
-    text = yaml.safe_dump(data, sort_keys=False)
+    text = dump_recipe_text(data)  # read back by the ranks with the recipe loader's own YAML 1.2 rules
     if not in_launched_world():
         try:
             prepare_data(resolved.recipe, progress=True)  # once, in the parent, before any rank starts

@@ -32,16 +32,15 @@ def prepare_data(recipe, progress: bool = False) -> Path:
 def train_worker(recipe_yaml: str) -> None:
     import torch.distributed as dist
 
-    import yaml
-
     from plait.config import recipe_to_yaml, validate_recipe
+    from plait.config.load import parse_recipe_text
     from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
     from plait.train.trainer import Trainer
 
     threads = max(1, (os.cpu_count() or 1) // local_world_size())
     rank, world = init_worker(threads)
     try:
-        resolved = validate_recipe(yaml.safe_load(recipe_yaml), world)
+        resolved = validate_recipe(parse_recipe_text(recipe_yaml, "<recipe sent to the ranks>"), world)
         # Rank 0 prepares (or finds) the data first; the others then find it ready.
         if rank == 0:
             prepared = prepare_data(resolved.recipe)
