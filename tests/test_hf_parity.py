@@ -122,14 +122,15 @@ def test_tied_checkpoint_that_also_stores_lm_head(checkpoints, tmp_path):
 
 
 def test_tp1_save_overwrites_atomically(checkpoints, tmp_path):
-    """Without torch.distributed the caller writes; a second save replaces the first, no temp left."""
+    """Without torch.distributed the caller writes; a second save (allowed to replace) replaces the
+    first, no temp left, and plait's ownership marker is the only extra file."""
     path, ids, ref = checkpoints["untied_gqa_bias"]
     model = load_llama_from_hf(path, single_process_mesh())
     out = tmp_path / "ckpt"
     for _ in range(2):
-        save_hf_checkpoint(model, out, single_process_mesh().info("tp"))
+        save_hf_checkpoint(model, out, single_process_mesh().info("tp"), replace=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".plait-output.json", "config.json", "model.safetensors"]
     assert "lm_head.weight" in load_file(out / "model.safetensors")  # untied: the head is kept
     assert _max_diff(_plait_logits(out, ids), ref) <= TOL
 
