@@ -62,11 +62,13 @@ def _config_of(manifest: dict) -> LlamaConfig:
 
 
 def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-                progress: bool = True, overwrite: bool = False) -> Path:
+                progress: bool = True, overwrite: bool = False, max_shard_bytes: int | None = None) -> Path:
     """Write the Hugging Face directory of a plait checkpoint; returns it.
 
     ``out_dir`` must be absent or empty, or a model directory plait wrote (replaced only with
     ``overwrite``); it may never contain the checkpoint. Checked before anything is read.
+    ``max_shard_bytes``: size cap of an output file (default: the largest tensor, so host memory
+    stays near one tensor; the end of training uses Hugging Face's usual 5 GiB).
     """
     from plait.models.llama.hf_io import write_hf_dir
 
@@ -103,7 +105,8 @@ def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | Non
         if tok.is_file():
             extra.append((TOKENIZER, lambda d: shutil.copy(tok, d / TOKENIZER)))
         try:
-            write_hf_dir(out_dir, config_dict, entries, stream(), max_shard_bytes=largest, extra_files=extra,
+            write_hf_dir(out_dir, config_dict, entries, stream(), max_shard_bytes=max_shard_bytes or largest,
+                         extra_files=extra,
                          replace=overwrite)
         finally:
             bar.close()
