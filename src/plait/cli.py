@@ -7,7 +7,7 @@ import importlib
 import sys
 
 #: subcommand modules, each with ``add_parser(subparsers)`` and ``run(args) -> int``
-COMMANDS = ("train", "data", "generate", "config", "plan", "convert")
+COMMANDS = ("train", "data", "generate", "config", "plan", "convert", "import_nxdt")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""Reading other toolkits' configurations into plait recipes (``plait import-nxdt``)."""
