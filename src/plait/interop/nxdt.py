@@ -36,6 +36,9 @@ from plait.interop.nxdt_sections import (
 #: sections only an NxDT (or NeMo/Lightning) config has; a plait recipe has none of them
 NXDT_SECTIONS = ("trainer", "exp_manager", "distributed_strategy")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+#: a problem on a field the import left at plait's default is settled by withdrawing the mapped
+#: value that constrains it (e.g. an interleaved schedule with too few micro-batches: the vpp)
+_CONSTRAINED_BY = {"parallel.microbatches": "parallel.vpp", "parallel.schedule": "parallel.vpp"}
 #: how many times a plait refusal may withdraw mapped values before the rest is reported as is
 _SETTLE_ROUNDS = 8
 
@@ -169,7 +172,8 @@ def _settle(c: Collector) -> list[str]:
             problems = e.problems
         withdrawn = False
         for problem in problems:
-            entry = c.owner(".".join(problem.field.split(".")[:2]))  # model.rope_scaling.x -> its field
+            name = ".".join(problem.field.split(".")[:2])  # model.rope_scaling.x -> its field
+            entry = c.owner(name) or (c.owner(_CONSTRAINED_BY[name]) if name in _CONSTRAINED_BY else None)
             if entry is not None and entry.kind == "mapped":
                 c.drop(entry, f"invalid for plait, left to plait's default: {problem}")
                 withdrawn = True

@@ -1,0 +1,246 @@
+"""``plait import-nxdt``: NxDT configs (tests/fixtures/nxdt) become plait recipes that validate.
+
+The three fixtures are NxDT-style configs written for these tests (Llama 3 8B pre-training, a
+Llama 2 SFT, a Mistral with its architecture in a config.json). Each test checks what the
+import maps, what it reports as ignored or not mapped, and that plait's own validation accepts
+the written recipe for its world size. No training runs here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from plait.cli import main
+from plait.config import load_recipe, validate_recipe
+from plait.config.schema import ModelSection
+from plait.interop.nxdt import NxdtConfigError, import_nxdt, read_nxdt
+from plait.interop.nxdt_collect import leaf_keys
+
+FIXTURES = Path(__file__).parent / "fixtures" / "nxdt"
+LLAMA3 = FIXTURES / "llama3_8b_pretrain.yaml"
+SFT = FIXTURES / "llama2_7b_sft.yaml"
+MISTRAL = FIXTURES / "mistral_7b_pretrain.yaml"
+
+
+def _import(path: Path, **changes):
+    """Import ``path`` with dotted-key ``changes`` applied (``None`` removes the key)."""
+    data = read_nxdt(path)
+    for key, value in changes.items():
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return import_nxdt(data, path.parent, source=str(path))
+
+
+def _fields(result) -> dict[str, object]:
+    """Every plait field the mapped entries set, flattened (``section.field`` -> value)."""
+    return {f"{section}.{name}": value for section, values in result.recipe.items() for name, value in values.items()}
+
+
+def _by_kind(result, kind: str) -> dict[str, str]:
+    return {e.key: e.reason for e in result.entries if e.kind == kind}
+
+
+# ---------------------------------------------------------------------- the three fixtures
+EXPECTED = {
+    LLAMA3: (128, {
+        "run.name": "llama3-8b-pretrain", "run.seed": 1234, "run.output_dir": "/shared/experiments/{name}",
+        "parallel.tp": 32, "parallel.pp": 1, "parallel.dp": 4, "parallel.vpp": 1, "parallel.zero1": True,
+        "parallel.sequence_parallel": True, "parallel.kv_replication": 4, "parallel.microbatches": 128,
+        "data.global_batch_size": 512, "data.micro_batch_size": 1, "data.seq_len": 8192,
+        "data.tokenizer": "/shared/tokenizers/llama3/tokenizer.json", "data.source": "/shared/data/fineweb_text",
+        "model.num_hidden_layers": 32, "model.hidden_size": 4096, "model.intermediate_size": 14336,
+        "model.num_attention_heads": 32, "model.num_key_value_heads": 8, "model.vocab_size": 128256,
+        "model.rope_theta": 500000.0, "model.max_position_embeddings": 8192, "model.rms_norm_eps": 1e-5,
+        "model.tie_word_embeddings": False, "train.steps": 10000, "train.log_every": 10, "train.eval_every": 500,
+        "train.eval_batches": 4, "train.activation_checkpointing": "selective",
+        "train.checkpoint_modules": ["self_attn.core"], "optimizer.lr": 3e-4, "optimizer.weight_decay": 0.1,
+        "optimizer.beta1": 0.9, "optimizer.beta2": 0.95, "optimizer.grad_clip": 1.0, "scheduler.name": "cosine",
+        "scheduler.warmup_steps": 2000, "scheduler.min_lr_ratio": pytest.approx(0.1),
+        "precision.preset": "bf16-mixed", "checkpoint.save_every": 250, "checkpoint.keep": 2,
+        "checkpoint.resume": "auto", "checkpoint.async_save": True, "logging.tensorboard": True,
+    }, set()),
+    SFT: (32, {
+        "run.name": "llama2-sft", "run.output_dir": "/shared/runs/llama2-sft", "parallel.tp": 8, "parallel.dp": 4,
+        "parallel.microbatches": 8, "data.global_batch_size": 32, "data.seq_len": 4096,
+        "data.source": "/shared/data/instructions/train.jsonl", "model.max_position_embeddings": 4096,
+        "model.num_key_value_heads": 32, "model.intermediate_size": 11008, "model.tie_word_embeddings": False,
+        "train.activation_checkpointing": "full", "optimizer.beta2": 0.999, "optimizer.grad_clip": 0.0,
+        "optimizer.weight_decay": 0.0, "scheduler.name": "linear", "scheduler.min_lr_ratio": 0.0,
+        "precision.preset": "bf16-pure", "checkpoint.save_every": 400, "checkpoint.keep_every": 400,
+        "checkpoint.resume": "none", "logging.tensorboard": False,
+    }, {"model_alignment_strategy", "trainer.val_check_interval", "trainer.limit_val_batches", "data.val_dir",
+        "data.dev_choose_samples"}),
+    MISTRAL: (64, {
+        "run.name": "hf_mistral_7b", "parallel.tp": 8, "parallel.pp": 4, "parallel.vpp": 2, "parallel.dp": 2,
+        "parallel.schedule": "interleaved-1f1b", "parallel.kv_replication": 1, "parallel.microbatches": 32,
+        "model.num_hidden_layers": 32, "model.num_key_value_heads": 8, "model.vocab_size": 32000,
+        "model.max_position_embeddings": 4096, "model.tie_word_embeddings": False,
+        "train.activation_checkpointing": "off", "precision.preset": "manual", "precision.param_dtype": "bf16",
+        "precision.master_weights": True, "precision.grad_dtype": "fp32", "precision.stochastic_rounding": False,
+        "scheduler.min_lr_ratio": pytest.approx(0.1), "data.tokenizer": "/shared/models/mistral-7b/tokenizer.json",
+    }, {"model.model_config:sliding_window", "model.optim.sched.constant_steps"}),
+}
+
+
+@pytest.mark.parametrize("path", list(EXPECTED), ids=lambda p: p.stem)
+def test_fixture_mapping(path: Path) -> None:
+    world, fields, not_mapped = EXPECTED[path]
+    result = _import(path)
+    got = _fields(result)
+    for name, value in fields.items():
+        assert got.get(name) == value, name
+    assert result.world_size == world
+    assert result.problems == []
+    unmapped = set(_by_kind(result, "not mapped"))
+    if path is MISTRAL and "family" not in ModelSection.model_fields:
+        not_mapped = not_mapped | {"model.model_config:model_type"}  # reported: no model.family field to hold it
+    assert unmapped == not_mapped
+
+
+def test_mistral_family() -> None:
+    """model.family comes from config.json's model_type when the recipe has the field; else it is reported."""
+    result = _import(MISTRAL)
+    if "family" in ModelSection.model_fields:
+        assert _fields(result)["model.family"] == "mistral"
+    else:
+        reason = _by_kind(result, "not mapped")["model.model_config:model_type"]
+        assert "model.family" in reason
+
+
+@pytest.mark.parametrize("path", list(EXPECTED), ids=lambda p: p.stem)
+def test_every_key_is_accounted_for(path: Path) -> None:
+    """Each leaf key of the config has one entry: mapped, ignored or not mapped (with a reason unless mapped)."""
+    result = _import(path)
+    keys = [e.key for e in result.entries]
+    for leaf in leaf_keys(read_nxdt(path)):
+        covering = [k for k in keys if leaf == k or leaf.startswith(k + ".")]
+        assert len(covering) == 1, (leaf, covering)
+    for e in result.entries:
+        assert e.kind == "mapped" or e.reason, e.key
+
+
+def test_ignored_keys_say_why() -> None:
+    ignored = _by_kind(_import(LLAMA3), "ignored")
+    assert "Neuron" in ignored["compiler_flags"]
+    assert "Neuron" in ignored["neuron_rt_exec_timeout"]
+    assert "scaled_dot_product_attention" in ignored["model.fusions.flash_attention"]
+    assert "mixed_precision" in ignored["precision.master_weights"]
+    assert "train.steps" in ignored["model.optim.sched.max_steps"]
+
+
+@pytest.mark.parametrize("path", list(EXPECTED), ids=lambda p: p.stem)
+def test_written_recipe_validates(path: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "recipe.yaml"
+    assert main(["import-nxdt", str(path), "-o", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "mapped (" in report and "ignored (" in report and "not mapped (" in report
+    world = EXPECTED[path][0]
+    assert f"--nproc {world} --no-path-checks: ok" in report
+    resolved = validate_recipe(load_recipe(out), world, check_paths=False)
+    assert resolved.world_size == world
+    assert main(["config", "validate", str(out), "--nproc", str(world), "--no-path-checks"]) == 0
+
+
+# ---------------------------------------------------------------------- values plait refuses
+def test_kv_multiplier_plait_cannot_place_is_withdrawn() -> None:
+    """NxDT accepts kv_size_multiplier=3 at its own risk; plait's head layout refuses it: reported, left null."""
+    result = _import(LLAMA3, **{"distributed_strategy.kv_size_multiplier": 3})
+    reason = _by_kind(result, "not mapped")["distributed_strategy.kv_size_multiplier"]
+    assert "invalid for plait" in reason and "kv_replication" in reason
+    assert "parallel.kv_replication" not in _fields(result)
+    assert result.problems == []
+    validate_recipe(result.recipe, result.world_size, check_paths=False)
+
+
+def test_global_batch_not_divisible_is_reported() -> None:
+    result = _import(LLAMA3, **{"data.global_batch_size": 510})
+    reason = _by_kind(result, "not mapped")["data.global_batch_size"]
+    assert "multiple of micro_batch_size*dp = 1*4" in reason
+    assert "data.global_batch_size" not in _fields(result) and "parallel.microbatches" not in _fields(result)
+    validate_recipe(result.recipe, result.world_size, check_paths=False)
+
+
+def test_without_device_count_dp_stays_open() -> None:
+    result = _import(SFT, **{"trainer.devices": None, "trainer.num_nodes": None})
+    assert "parallel.dp" not in _fields(result)
+    assert "dp is unknown" in _by_kind(result, "not mapped")["data.global_batch_size"]
+    assert result.world_size == 8
+    validate_recipe(result.recipe, result.world_size, check_paths=False)
+
+
+def test_interleaved_schedule_needs_enough_microbatches() -> None:
+    """vpp=2 at pp=4 with 2 micro-batches: plait's interleaved schedule refuses; the vpp is withdrawn, said so."""
+    result = _import(MISTRAL, **{"data.global_batch_size": 4})
+    assert result.problems == []
+    unmapped = _by_kind(result, "not mapped")
+    assert "invalid for plait" in unmapped["data.global_batch_size"]
+    assert "interleaved-1f1b" in unmapped["distributed_strategy.virtual_pipeline_model_parallel_size"]
+    assert "parallel.vpp" not in _fields(result) and _fields(result)["parallel.pp"] == 4
+    validate_recipe(result.recipe, result.world_size, check_paths=False)
+
+
+def test_unreadable_model_config_is_reported(tmp_path: Path) -> None:
+    result = _import(MISTRAL, **{"model.model_config": str(tmp_path / "missing.json")})
+    assert "cannot read" in _by_kind(result, "not mapped")["model.model_config"]
+
+
+@pytest.mark.parametrize("kind,preset", [("fp32", "fp32"), ("autocast", "autocast"),
+                                         ("mixed_precision", "bf16-mixed"), ("mixed_precisionSR", "bf16-mixed"),
+                                         ("bf16SR", "bf16-pure")])
+def test_precision_types(kind: str, preset: str) -> None:
+    result = _import(SFT, **{"precision.type": kind})
+    assert _fields(result)["precision.preset"] == preset
+
+
+def test_unknown_precision_type_is_not_mapped() -> None:
+    result = _import(SFT, **{"precision.type": "fp8"})
+    assert "precision.type" in _by_kind(result, "not mapped")
+    assert "precision.preset" not in _fields(result)
+
+
+# ---------------------------------------------------------------------- the command
+def test_recipe_to_stdout_report_to_stderr(capsys) -> None:
+    assert main(["import-nxdt", str(SFT)]) == 0
+    captured = capsys.readouterr()
+    recipe = yaml.safe_load(captured.out)
+    assert recipe["parallel"]["tp"] == 8
+    assert "not mapped (5):" in captured.err
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("- a\n- b\n", "not a YAML mapping"),
+    ("parallel:\n  tp: 2\n", "not an NxDT config"),
+    ("trainer: [\n", "not valid YAML"),
+])
+def test_bad_input_exit_2(tmp_path: Path, capsys, text: str, expected: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert main(["import-nxdt", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and str(path) in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_file_exit_2(tmp_path: Path, capsys) -> None:
+    assert main(["import-nxdt", str(tmp_path / "none.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(NxdtConfigError):
+        read_nxdt(tmp_path / "none.yaml")
+
+
+def test_existing_output_needs_force(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "recipe.yaml"
+    out.write_text("keep me\n")
+    assert main(["import-nxdt", str(SFT), "-o", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert out.read_text() == "keep me\n"
+    assert main(["import-nxdt", str(SFT), "-o", str(out), "--force"]) == 0
+    assert load_recipe(out).parallel.tp == 8
