@@ -23,11 +23,11 @@ from typing import Any
 from plait.config.load import dump_recipe_text, parse_yaml
 from plait.config.validate import RecipeError, format_value, validate_recipe
 from plait.interop.nxdt_collect import Collector, Entry
+from plait.interop.nxdt_model import import_model
 from plait.interop.nxdt_numerics import import_optim, import_precision
 from plait.interop.nxdt_sections import (
     import_data,
     import_exp_manager,
-    import_model,
     import_strategy,
     import_top,
     import_trainer,
