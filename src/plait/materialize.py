@@ -1,8 +1,11 @@
 """Build a model for one rank: on the meta device, parallelized, then only the local shard allocated.
 
-The whole model is described on the meta device (no memory), the tensor-parallel plan swaps in
-parallel modules (still on meta), and only then is this rank's shard allocated on the target
-device and filled, either with the layout-invariant initial values or from a checkpoint.
+The whole model is described on the meta device (no memory), the family's tensor-parallel plan
+swaps in parallel modules (still on meta), and only then is this rank's shard allocated on the
+target device and filled, either with the layout-invariant initial values or from a Hugging Face
+directory. One builder serves every model family (:mod:`plait.models.registry`; the config's
+class says which) and every layout: a rank holds a list of pipeline stages, one stage with every
+layer when there is no pipeline parallelism.
 
 Every built model (and stage) carries ``rng_tracker``, the per-TP-rank random stream for dropout
 on sharded activations (:class:`~plait.tensor_parallel.random.TensorParallelRNG`), seeded from
@@ -13,66 +16,111 @@ ranks of a TP group.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
+from torch import nn
 
 from plait.init import init_parameters
 from plait.mesh import ParallelMesh
+from plait.models.hf_io import check_hf_tensors, read_hf_tensors
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
-from plait.models.llama.parallelize import parallelize, reset_buffers
+from plait.models.registry import family_of
+from plait.nn.buffers import reset_buffers
 from plait.tensor_parallel.random import TensorParallelRNG
+
+PathLike = str | os.PathLike
+
+
+def _meta_model(config: Any, mesh: ParallelMesh, dtype: torch.dtype, sequence_parallel: bool,
+                rng: TensorParallelRNG) -> nn.Module:
+    """The full model of ``config``'s family on the meta device, with its TP plan applied."""
+    family = family_of(config)
+    with torch.device("meta"):
+        model = family.causal_lm_cls(config, dtype=dtype)
+    if mesh.tp > 1:
+        family.parallelize(model, mesh, sequence_parallel=sequence_parallel, rng=rng)
+    model.rng_tracker = rng  # also without TP, so every built model has one
+    return model
+
+
+def _allocate(module: nn.Module, device: str | torch.device) -> None:
+    module.to_empty(device=device)
+    module.tie_weights()
+    reset_buffers(module)
+
+
+def build_model(config: Any, mesh: ParallelMesh, *, seed: int = 0, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, init: bool = True,
+                rng_seed: int | None = None, hf_path: PathLike | None = None) -> nn.Module:
+    """This rank's shard of the full (unsplit) model of ``config``'s family on ``device``.
+
+    Weights come from ``hf_path`` (a Hugging Face directory, checked against the model before
+    anything is allocated) when given, else from ``seed`` unless ``init=False``.
+    ``rng_seed`` seeds ``model.rng_tracker`` (default ``seed``).
+    """
+    rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
+    model = _meta_model(config, mesh, dtype, sequence_parallel, rng)
+    tensors = check_hf_tensors(model, hf_path) if hf_path is not None else None
+    _allocate(model, device)
+    if tensors is not None:
+        read_hf_tensors(model, tensors)
+    elif init:
+        init_parameters(model, seed, config.initializer_range)
+    return model
+
+
+def build_stages(config: Any, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 sequence_parallel: bool = False, init: bool = True, rng_seed: int | None = None,
+                 hf_path: PathLike | None = None) -> list[nn.Module]:
+    """This rank's pipeline stages (its virtual chunks, in chunk order), each allocated alone.
+
+    ``stage_layers[s]`` lists the decoder layers of global stage ``s`` (``len == pp * vpp``); rank
+    ``r`` holds stages ``r, r + pp, ...`` (chunk ``c`` is stage ``c * pp + r``). The full model is
+    only ever described on the meta device: nothing outside this rank's stages is allocated.
+    With one stage holding every layer (pp=1) the stage has the full model's parameter names and
+    computes exactly what the full model does.
+
+    Weights come from ``hf_path`` when given: its names and shapes are checked once against the
+    full model, then each stage reads only its own tensors (its TP slices of them). Otherwise they
+    are the layout-invariant initial values of ``seed`` unless ``init=False``.
+
+    The stages share one ``rng_tracker`` seeded from ``rng_seed`` (default ``seed``) and the TP
+    rank; pass a ``rng_seed`` that depends on the pipeline rank for streams that also differ
+    between pipeline ranks.
+    """
+    family = family_of(config)
+    num_stages = len(stage_layers)
+    rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
+    full = _meta_model(config, mesh, dtype, sequence_parallel, rng)
+    tensors = check_hf_tensors(full, hf_path) if hf_path is not None else None
+    stages = []
+    for s in range(mesh.pp_rank, num_stages, mesh.pp):
+        stage = family.stage_cls(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)
+        _allocate(stage, device)
+        if tensors is not None:
+            read_hf_tensors(stage, tensors)
+        elif init:
+            init_parameters(stage, seed, config.initializer_range)
+        stages.append(stage)
+    return stages
 
 
 def build_llama(config: LlamaConfig, mesh: ParallelMesh, *, seed: int = 0, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                 init: bool = True, rng_seed: int | None = None) -> LlamaForCausalLM:
-    """This rank's Llama shard on ``device``; weights initialised from ``seed`` unless ``init=False``.
-
-    ``rng_seed`` seeds ``model.rng_tracker`` (default ``seed``).
-    """
-    rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype)
-    if mesh.tp > 1:
-        parallelize(model, mesh, sequence_parallel=sequence_parallel, rng=rng)
-    model.rng_tracker = rng  # also without TP, so every built model has one
-    model.to_empty(device=device)
-    model.tie_weights()
-    reset_buffers(model)
-    if init:
-        init_parameters(model, seed, config.initializer_range)
-    return model
+    """This rank's model shard (:func:`build_model`; kept under its first name)."""
+    return build_model(config, mesh, seed=seed, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
+                       init=init, rng_seed=rng_seed)
 
 
 def build_llama_stages(config: LlamaConfig, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,
                        device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False, init: bool = True,
                        rng_seed: int | None = None) -> list[torch.nn.Module]:
-    """This rank's pipeline stages (its virtual chunks, in chunk order), each allocated alone.
-
-    ``stage_layers[s]`` lists the decoder layers of global stage ``s`` (``len == pp * vpp``); rank
-    ``r`` holds stages ``r, r + pp, ...`` (chunk ``c`` is stage ``c * pp + r``). The full model is
-    only ever described on the meta device: nothing outside this rank's stages is allocated.
-    The stages share one ``rng_tracker`` seeded from ``rng_seed`` (default ``seed``) and the TP
-    rank; pass a ``rng_seed`` that depends on the pipeline rank for streams that also differ
-    between pipeline ranks.
-    """
-    from plait.models.llama.pipeline_stage import LlamaStage
-
-    num_stages = len(stage_layers)
-    rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
-    with torch.device("meta"):
-        full = LlamaForCausalLM(config, dtype=dtype)
-    if mesh.tp > 1:
-        parallelize(full, mesh, sequence_parallel=sequence_parallel, rng=rng)
-    full.rng_tracker = rng
-    stages = []
-    for s in range(mesh.pp_rank, num_stages, mesh.pp):
-        stage = LlamaStage(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)
-        stage.to_empty(device=device)
-        stage.tie_weights()
-        reset_buffers(stage)
-        if init:
-            init_parameters(stage, seed, config.initializer_range)
-        stages.append(stage)
-    return stages
+    """This rank's pipeline stages (:func:`build_stages`; kept under its first name)."""
+    return build_stages(config, mesh, stage_layers, seed=seed, device=device, dtype=dtype,
+                        sequence_parallel=sequence_parallel, init=init, rng_seed=rng_seed)

@@ -57,7 +57,7 @@ class ResolvedRecipe:
         """The :class:`~plait.tensor_parallel.heads.HeadLayout` of the attention heads over TP."""
         from plait.tensor_parallel.heads import HeadLayout
 
-        c = self.llama_config(self.vocab_size_hint()[0])
+        c = self.model_config(self.vocab_size_hint()[0])
         return HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.tp,
                                self.kv_replication, self.recipe.parallel.kv_placement)
 
@@ -71,24 +71,33 @@ class ResolvedRecipe:
             return self.recipe.model.vocab_size, "model.vocab_size"
         return self.recipe.data.vocab_size, "data.vocab_size"
 
-    def llama_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
-        """The model's :class:`LlamaConfig` for a tokenizer of ``vocab_size`` tokens
-        (``None``: :meth:`vocab_size_hint`)."""
+    def model_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
+        """The model's config, of its family (``model.family``, or ``model.hf_path``'s model_type),
+        for a tokenizer of ``vocab_size`` tokens (``None``: :meth:`vocab_size_hint`)."""
         if self.hf_config is not None:
             config = copy.deepcopy(self.hf_config)
             for key, value in extra.items():
                 setattr(config, key, value)
             return config
-        return self.recipe.model.to_llama_config(vocab_size or self.vocab_size_hint()[0], **extra)
+        return self.recipe.model.to_model_config(vocab_size or self.vocab_size_hint()[0], **extra)
+
+    def llama_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
+        """:meth:`model_config` under its first name (every family's config derives from :class:`LlamaConfig`)."""
+        return self.model_config(vocab_size, **extra)
+
+    @property
+    def family(self) -> str:
+        """The model family's name."""
+        return type(self.hf_config).family if self.hf_config is not None else self.recipe.model.family
 
     def num_parameters(self, vocab_size: int | None = None) -> int:
-        return self.llama_config(vocab_size).num_parameters()
+        return self.model_config(vocab_size).num_parameters()
 
     def flops_per_token(self, vocab_size: int | None = None) -> int:
-        return model_flops_per_token(self.llama_config(vocab_size), self.recipe.data.seq_len)
+        return model_flops_per_token(self.model_config(vocab_size), self.recipe.data.seq_len)
 
     def model_numbers(self, vocab_size: int | None = None) -> ModelNumbers:
-        c = self.llama_config(vocab_size)
+        c = self.model_config(vocab_size)
         n = c.num_parameters()
         embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
         fpt = model_flops_per_token(c, self.recipe.data.seq_len)
@@ -125,7 +134,8 @@ class ResolvedRecipe:
         data["checkpoint"]["dir"] = self.checkpoint_dir.replace("{", "{{").replace("}", "}}")
         data["checkpoint"]["save_dir"] = self.save_dir.replace("{", "{{").replace("}", "}}")
         if self.hf_config is not None:
-            data["model"].update({name: getattr(self.hf_config, name) for name in ARCH_FIELDS})
+            data["model"].update({name: getattr(self.hf_config, name, None) for name in ARCH_FIELDS})
+            data["model"]["family"] = type(self.hf_config).family
         return Recipe.model_validate(data)
 
 
@@ -137,7 +147,7 @@ def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | 
 
     r, p = recipe, recipe.parallel
     world, dp = derive_world_and_dp(p.tp, p.pp, p.dp, world_size)
-    arch = hf_config or r.model.to_llama_config(r.model.vocab_size or r.data.vocab_size)
+    arch = hf_config or r.model.to_model_config(r.model.vocab_size or r.data.vocab_size)
     kv = HeadLayout.plan(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, p.tp,
                          p.kv_replication, p.kv_placement).kv_replication
     gbs = r.data.global_batch_size or r.data.micro_batch_size * p.microbatches * dp

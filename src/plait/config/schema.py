@@ -13,6 +13,7 @@ are booleans (:mod:`plait.config.load`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from plait.models.llama.config import LlamaConfig, ModelConfigError
+from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -28,7 +30,9 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 #: ``model`` fields that describe the architecture; with ``model.hf_path`` they come from config.json
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-               "rope_scaling", "attention_bias", "tie_word_embeddings")
+               "rope_scaling", "attention_bias", "tie_word_embeddings", "sliding_window")
+#: ``model.family`` values: the registered model families (:mod:`plait.models.registry`)
+FAMILY_CHOICES = family_names()
 
 
 class Section(BaseModel):
@@ -47,6 +51,9 @@ class RunSection(Section):
 
 
 class ModelSection(Section):
+    family: Literal[FAMILY_CHOICES] = Field(  # type: ignore[valid-type]
+        DEFAULT_FAMILY, description="Model family (architecture); with model.hf_path it comes from config.json's "
+                                    "model_type")
     hf_path: str | None = Field(None, description="Initialise from a Hugging Face model directory; the architecture "
                                                   "fields then come from its config.json and must not be set here")
     vocab_size: Int | None = Field(None, ge=1, description="Embedding rows; null = the tokenizer's size")
@@ -64,6 +71,8 @@ class ModelSection(Section):
                                                                   "(rope_type 'default' or 'llama3'); null = none")
     attention_bias: Bool = Field(False, description="Biases on the q/k/v/o projections")
     tie_word_embeddings: Bool = Field(True, description="Share the input embedding with the output head")
+    sliding_window: Int | None = Field(None, ge=1, description="Positions a query attends to, itself included "
+                                                               "(model.family 'mistral' only); null = full attention")
     attention_dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the attention probabilities")
     hidden_dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the attention and MLP outputs before "
                                                                "each residual add")
@@ -73,13 +82,22 @@ class ModelSection(Section):
         """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""
         return {name: getattr(self, name) for name in ARCH_FIELDS}
 
+    def config_class(self) -> type:
+        """The config class of ``model.family``."""
+        return get_family(self.family).config_cls
+
     def to_llama_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
-        """The :class:`LlamaConfig` this section describes.
+        """The model config this section describes (:meth:`to_model_config`; kept under its first name)."""
+        return self.to_model_config(vocab_size, **extra)
+
+    def to_model_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
+        """The config of ``model.family`` this section describes (a :class:`LlamaConfig` or a subclass).
 
         ``vocab_size`` is the tokenizer's size; ``model.vocab_size``, when set, takes precedence
         (it may be larger, e.g. padded). With ``hf_path`` the architecture is read from its
         ``config.json`` and ``vocab_size`` may not exceed the checkpoint's. ``extra`` goes to
-        :class:`LlamaConfig` (``bos_token_id``, ``eos_token_id``, ...).
+        the config (``bos_token_id``, ``eos_token_id``, ...). A family-specific field
+        (``sliding_window``) set for a family without it raises :class:`ModelConfigError`.
         """
         extra = {"attention_dropout": self.attention_dropout, "hidden_dropout": self.hidden_dropout, **extra}
         if self.hf_path is not None:
@@ -97,12 +115,20 @@ class ModelSection(Section):
         if vocab_size is not None and vocab < vocab_size:
             raise ModelConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} tokens; "
                                    f"set it to at least {vocab_size} or null")
+        cls = self.config_class()
+        known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in self.arch_values().items() if k != "vocab_size"}
-        return LlamaConfig(vocab_size=vocab, initializer_range=self.initializer_range, **fields, **extra)
+        foreign = [k for k, v in fields.items() if k not in known and v is not None]
+        if foreign:
+            raise ModelConfigError(f"model.{foreign[0]}={fields[foreign[0]]!r} is not a field of model.family="
+                                   f"{self.family!r}; remove it or choose a family that has it")
+        fields = {k: v for k, v in fields.items() if k in known}
+        return cls(vocab_size=vocab, initializer_range=self.initializer_range, **fields, **extra)
 
 
 def read_hf_config(hf_path: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face model directory (``config.json``)."""
+    """The config of a Hugging Face model directory (``config.json``), of the family its
+    ``model_type`` names (:mod:`plait.models.registry`)."""
     path = Path(hf_path) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{hf_path!r} has no config.json; give a Hugging Face model directory")
@@ -113,7 +139,7 @@ def read_hf_config(hf_path: str) -> LlamaConfig:
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path} does not hold a JSON object")
     try:
-        return LlamaConfig.from_hf_dict(data)
+        return config_from_hf_dict(data)
     except ModelConfigError as e:  # name the file: the message alone does not say which config
         raise ModelConfigError(f"{path}: {e}") from None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import difflib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,7 +183,7 @@ class _Checker:
         self.broken.add(field)
 
 
-ARCH_DEPS = tuple(f"model.{f}" for f in ARCH_FIELDS) + ("model.hf_path",)
+ARCH_DEPS = tuple(f"model.{f}" for f in ARCH_FIELDS) + ("model.hf_path", "model.family")
 
 
 def _check_architecture(c: _Checker) -> LlamaConfig | None:
@@ -197,8 +198,14 @@ def _check_architecture(c: _Checker) -> LlamaConfig | None:
             c.add("model.hf_path", m.hf_path, str(e))
             return None
         bad = False
+        family = type(config).family
+        if "family" in m.model_fields_set and m.family != family:
+            c.add("model.family", m.family, f"model.hf_path's config.json (model_type "
+                                            f"{config.to_hf_dict()['model_type']!r}) is a {family!r} model; "
+                                            f"remove model.family or set it to {family!r}")
+            bad = True
         for name in sorted(m.model_fields_set & set(ARCH_FIELDS)):
-            mine, theirs = getattr(m, name), getattr(config, name)
+            mine, theirs = getattr(m, name), getattr(config, name, None)
             if mine != theirs:
                 c.add(f"model.{name}", mine, f"model.hf_path's config.json sets it to {format_value(theirs)}; "
                                              f"remove it from the recipe")
@@ -225,10 +232,21 @@ def _check_architecture(c: _Checker) -> LlamaConfig | None:
     if len(c.problems) > start:
         return None
     try:
-        return m.to_llama_config(m.vocab_size or 1)
-    except ModelConfigError as e:  # anything LlamaConfig rejects that the rules above missed
-        c.add("model", Verbatim("(architecture)"), str(e))
+        return m.to_model_config(m.vocab_size or 1)
+    except ModelConfigError as e:  # anything the family's config rejects that the rules above missed
+        _add_config_error(c, str(e))
         return None
+
+
+def _add_config_error(c: _Checker, message: str) -> None:
+    """Report a family config's refusal under the field it names (``model.<field>=...``), else
+    under ``model``."""
+    match = re.match(r"model\.(\w+)=", message)
+    if match and match.group(1) in type(c.r.model).model_fields:
+        name = match.group(1)
+        c.add(f"model.{name}", getattr(c.r.model, name), message.split("=", 1)[1].split(" ", 1)[-1])
+    else:
+        c.add("model", Verbatim("(architecture)"), message)
 
 
 def derive_world_and_dp(tp: int, pp: int, dp: int | None, world_size: int | None) -> tuple[int, int]:

@@ -1,4 +1,7 @@
-"""Hugging Face checkpoint I/O for plait's Llama: ``config.json`` + ``*.safetensors`` directories.
+"""Hugging Face checkpoint I/O for every plait model family: ``config.json`` + ``*.safetensors``.
+
+The family comes from ``config.json``'s ``model_type`` (:mod:`plait.models.registry`); plait's
+parameter names are Hugging Face's, mapped through the family's ``hf_name``.
 
 Why this shape:
 
@@ -8,7 +11,9 @@ Why this shape:
   code path covers any TP layout: vocabulary padding, head padding, KV replication.
 * **Shapes are checked before any data is read**, so a config that does not match the files fails
   fast with the tensor name, both shapes and the config field most likely at fault, instead of a
-  broadcast error deep inside a copy.
+  broadcast error deep inside a copy. Names and shapes are checked against the *full* model
+  (:func:`check_hf_tensors`), so a pipeline stage reads only its own tensors
+  (:func:`read_hf_tensors`) without reporting the other stages' as unexpected.
 * **Saving gathers one tensor at a time** over the TP group and rank 0 writes each safetensors
   shard as soon as it is complete, so peak host memory is one shard plus one tensor, not the model.
   Files go to a temporary directory that is renamed into place, so readers never see half a
@@ -26,16 +31,17 @@ import shutil
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from plait.comm.primitives import GroupInfo
-from plait.models.llama.config import LlamaConfig, ModelConfigError
-from plait.models.llama.model import LlamaForCausalLM
+from plait.models.registry import family_of, read_hf_config_file
 from plait.outputs.ownership import require_target, write_marker
 from plait.outputs.permissions import apply_umask
 from plait.parallel_state import shard_specs
@@ -53,16 +59,10 @@ class CheckpointMismatchError(ValueError):
 
 
 # ---------------------------------------------------------------------------------- config
-def load_hf_config(path: PathLike) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face model directory (its ``config.json``)."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
-    try:
-        with open(file, encoding="utf-8") as f:
-            return LlamaConfig.from_hf_dict(json.load(f))
-    except (ValueError, UnicodeDecodeError) as e:  # ModelConfigError, bad JSON: name the file
-        raise ModelConfigError(f"{file}: {e}") from None
+def load_hf_config(path: PathLike) -> Any:
+    """The config of a Hugging Face model directory (its ``config.json``), of the family its
+    ``model_type`` names (a :class:`~plait.models.llama.LlamaConfig` for Llama and Qwen2)."""
+    return read_hf_config_file(path)
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -116,20 +116,21 @@ def _mismatch_message(name: str, found: tuple[int, ...], expected: tuple[int, ..
             + f"; check the config field {_field_hint(name, dim)}")
 
 
-def _unexpected_hint(names: list[str], config: LlamaConfig) -> str:
+def _unexpected_hint(names: list[str], config: Any) -> str:
     layers = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     if layers and max(layers) >= config.num_hidden_layers:
         return f"the checkpoint has more layers than num_hidden_layers={config.num_hidden_layers}"
     if any(n.endswith(".bias") for n in names):
         return "attention_bias / o_proj_bias / mlp_bias is false in the config but the checkpoint has biases"
-    return "the checkpoint is not a Llama-family model of this config"
+    return f"the checkpoint is not a {type(config).family} model of this config"
 
 
-def _sources(model: LlamaForCausalLM, weights: dict[str, Path]) -> dict[str, str]:
-    """``{plait parameter name: checkpoint tensor name}``, raising for missing/unexpected tensors."""
-    c = model.config
-    names = [n for n, _ in model.named_parameters()]
-    src = {n: n for n in names}
+def _sources(config: Any, names: list[str], weights: dict[str, Path]) -> dict[str, str]:
+    """``{plait parameter name: checkpoint tensor name}`` for the full model's ``names``, raising
+    for missing/unexpected tensors."""
+    c = config
+    hf_name = family_of(config).hf_name
+    src = {n: hf_name(n) for n in names}
     if c.tie_word_embeddings and "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:
         src["model.embed_tokens.weight"] = "lm_head.weight"  # tied checkpoint stored under the head's name
     missing = [n for n, s in src.items() if s not in weights]
@@ -152,38 +153,76 @@ def _sources(model: LlamaForCausalLM, weights: dict[str, Path]) -> dict[str, str
     return src
 
 
+@dataclass(frozen=True)
+class HFTensors:
+    """A Hugging Face directory checked against one full model: where each parameter is read from.
+
+    ``weights``: ``{checkpoint tensor: file}``; ``sources``: ``{plait parameter: checkpoint tensor}``
+    for every parameter of the full model (any TP layout; shapes already checked).
+    """
+
+    path: Path
+    weights: dict[str, Path]
+    sources: dict[str, str]
+
+
+def check_hf_tensors(model: nn.Module, path: PathLike) -> HFTensors:
+    """Check the names and full shapes of the directory at ``path`` against the full ``model``
+    (allocated or on the meta device, any TP layout), reading no tensor data.
+
+    Raises :class:`CheckpointMismatchError` naming the tensor, both shapes and the config field
+    most likely at fault.
+    """
+    path = Path(path)
+    weights = _weight_map(path)
+    config = model.config
+    specs = shard_specs(model)
+    params = dict(model.named_parameters())
+    src = _sources(config, list(params), weights)
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+                   for f in sorted(set(weights[s] for s in src.values()))}
+        checks = [(n, s, tuple(handles[weights[s]].get_slice(s).get_shape())) for n, s in src.items()]
+        tied_head = (config.tie_word_embeddings and "lm_head.weight" in weights
+                     and src.get("model.embed_tokens.weight") != "lm_head.weight")
+        if tied_head and "model.embed_tokens.weight" in src:
+            head_shape = tuple(handles[weights["lm_head.weight"]].get_slice("lm_head.weight").get_shape())
+            checks.append(("model.embed_tokens.weight", "lm_head.weight", head_shape))
+    for name, ckpt_name, shape in checks:  # every shape before any data
+        expected = specs[name].full_shape if name in specs else tuple(params[name].shape)
+        if shape != expected:
+            raise CheckpointMismatchError(_mismatch_message(ckpt_name, shape, expected))
+    return HFTensors(path, weights, src)
+
+
 @torch.no_grad()
-def load_hf_weights(model: LlamaForCausalLM, path: PathLike) -> None:
-    """Fill an allocated plait Llama (any TP layout) in place from a Hugging Face directory.
+def read_hf_tensors(module: nn.Module, tensors: HFTensors) -> None:
+    """Fill the allocated parameters of ``module`` (the full model, or one pipeline stage of the
+    model :func:`check_hf_tensors` checked) in place; each rank reads only the runs of the full
+    tensors its shards hold, and padding stays zero."""
+    specs = shard_specs(module)
+    params = dict(module.named_parameters())
+    src = {n: tensors.sources[n] for n in params}
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+                   for f in sorted(set(tensors.weights[s] for s in src.values()))}
+        for name, p in params.items():
+            tensor_slice = handles[tensors.weights[src[name]]].get_slice(src[name])
+            spec = specs.get(name)
+            if spec is None:
+                p.copy_(tensor_slice[:])
+                continue
+            _read_shard(tensor_slice, spec, p)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: PathLike) -> None:
+    """Fill an allocated plait model (any family, any TP layout) in place from a Hugging Face directory.
 
     Each rank reads only the runs of the full tensors its shards hold; padding stays zero.
     Raises :class:`CheckpointMismatchError` before reading any data when names or shapes differ.
     """
-    path = Path(path)
-    weights = _weight_map(path)
-    src = _sources(model, weights)
-    specs = shard_specs(model)
-    params = dict(model.named_parameters())
-    with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
-                   for f in sorted(set(weights[s] for s in src.values()))}
-        slices = {n: handles[weights[s]].get_slice(s) for n, s in src.items()}
-        tied_head = (model.config.tie_word_embeddings and "lm_head.weight" in weights
-                     and src["model.embed_tokens.weight"] != "lm_head.weight")
-        checks = [(n, src[n], tuple(slices[n].get_shape())) for n in src]
-        if tied_head:
-            head_shape = tuple(handles[weights["lm_head.weight"]].get_slice("lm_head.weight").get_shape())
-            checks.append(("model.embed_tokens.weight", "lm_head.weight", head_shape))
-        for name, ckpt_name, shape in checks:  # every shape before any data
-            expected = specs[name].full_shape if name in specs else tuple(params[name].shape)
-            if shape != expected:
-                raise CheckpointMismatchError(_mismatch_message(ckpt_name, shape, expected))
-        for name, p in params.items():
-            spec = specs.get(name)
-            if spec is None:
-                p.copy_(slices[name][:])
-                continue
-            _read_shard(slices[name], spec, p)
+    read_hf_tensors(model, check_hf_tensors(model, path))
 
 
 def _read_shard(tensor_slice: Any, spec: ShardSpec, out: torch.Tensor) -> None:
@@ -196,16 +235,14 @@ def _read_shard(tensor_slice: Any, spec: ShardSpec, out: torch.Tensor) -> None:
         out.narrow(spec.dim, local, length).copy_(tensor_slice[tuple(index)])
 
 
-def load_llama_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False,
-                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """This rank's shard of the Hugging Face model at ``path`` on ``mesh`` (config, build, load)."""
-    from plait.materialize import build_llama  # materialize imports the model package
+def load_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> nn.Module:
+    """This rank's shard of the Hugging Face model at ``path`` on ``mesh``, of the family its
+    ``config.json`` names (config, build, load)."""
+    from plait.materialize import build_model  # materialize imports this module
 
     config = load_hf_config(path)
-    _weight_map(Path(path))  # fail on a directory without weights before allocating the model
-    model = build_llama(config, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device, init=False)
-    load_hf_weights(model, path)
-    return model
+    return build_model(config, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device, hf_path=path)
 
 
 # ---------------------------------------------------------------------------------- saving
@@ -274,7 +311,7 @@ def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tupl
         raise
 
 
-def _gathered(model: LlamaForCausalLM, names: list[str], tp: GroupInfo,
+def _gathered(model: nn.Module, names: list[str], tp: GroupInfo,
               is_writer: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors one at a time (all TP ranks must iterate; only the writer assembles)."""
     specs = shard_specs(model)
@@ -295,7 +332,7 @@ def _gathered(model: LlamaForCausalLM, names: list[str], tp: GroupInfo,
         yield name, assemble_from_shards([s[name] for s in all_specs], locals_) if is_writer else p
 
 
-def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupInfo, *,
+def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
                        max_shard_bytes: int = 5 * 1024**3, replace: bool = False) -> None:
     """Write ``model`` (sharded over ``tp_info``) as a Hugging Face directory at ``path``.
 
@@ -307,7 +344,7 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupIn
     :func:`write_hf_dir`).
     """
     config = model.config
-    config_dict = config.to_hf_dict()  # raises for configs HF Llama cannot express, before any I/O
+    config_dict = config.to_hf_dict()  # raises for configs HF cannot express, before any I/O
     specs = shard_specs(model)
     names, entries = [], []
     for name, p in model.named_parameters():
@@ -318,7 +355,9 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: PathLike, tp_info: GroupIn
         entries.append((name, p.element_size() * int(torch.Size(shape).numel())))
     config_dict["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     is_writer = dist.get_rank() == 0 if dist.is_initialized() else tp_info.rank == 0
-    stream = _gathered(model, names, tp_info, is_writer)
+    hf_name = family_of(config).hf_name
+    entries = [(hf_name(name), nbytes) for name, nbytes in entries]
+    stream = ((hf_name(name), t) for name, t in _gathered(model, names, tp_info, is_writer))
     error: BaseException | None = None
     if is_writer:
         try:
@@ -366,5 +405,5 @@ def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: i
     return Path(out_dir)
 
 
-__all__ = ["CheckpointMismatchError", "gguf_to_hf_dir", "load_hf_config", "load_hf_weights",
-           "load_llama_from_hf", "save_hf_checkpoint", "write_hf_dir"]
+__all__ = ["CheckpointMismatchError", "HFTensors", "check_hf_tensors", "gguf_to_hf_dir", "load_from_hf",
+           "load_hf_config", "load_hf_weights", "read_hf_tensors", "save_hf_checkpoint", "write_hf_dir"]

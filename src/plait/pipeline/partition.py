@@ -33,7 +33,8 @@ class PartitionError(ValueError):
 
 # ------------------------------------------------------------------------------------------ costs
 def unit_costs(model_config, units: list[Unit], seq_len: int | None = None, kind: str = "params") -> list[float]:
-    """Cost of each unit for a Llama-family ``model_config`` (:class:`plait.models.llama.LlamaConfig`).
+    """Cost of each unit for a model config of any family (``layer_parameters()`` sizes a block,
+    ``attention_span(seq_len)`` the keys each query's attention is counted over).
 
     ``kind="params"``: parameter count. Embedding and head are ``vocab * hidden`` each (the head
     counts even when tied to the embedding: its matmul and its gradient still run on its stage),
@@ -49,16 +50,14 @@ def unit_costs(model_config, units: list[Unit], seq_len: int | None = None, kind
         raise PartitionError(f"seq_len={seq_len!r} must be a positive integer for kind='flops'")
     c = model_config
     h, v = c.hidden_size, c.vocab_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if c.attention_bias else 0) + (h if c.o_proj_bias else 0)
-    mlp = 3 * h * c.intermediate_size + ((2 * c.intermediate_size + h) if c.mlp_bias else 0)
-    block = attn + mlp + 2 * h
+    q = c.num_attention_heads * c.head_dim
+    block = c.layer_parameters()
     costs = []
     for unit in units:
         if kind == "params":
             cost = {"embedding": v * h, "block": block, "norm": h, "head": v * h}.get(unit.kind, 0)
         else:
-            cost = {"block": 6 * block + 12 * q * seq_len, "head": 6 * v * h}.get(unit.kind, 0)
+            cost = {"block": 6 * block + 12 * q * c.attention_span(seq_len), "head": 6 * v * h}.get(unit.kind, 0)
         costs.append(float(cost))
     return costs
 
@@ -282,7 +281,7 @@ class Partition:
 
     def stage_layers(self) -> list[list[int]]:
         """Block indices (the trailing integer of each block name) per stage, the layout
-        ``plait.materialize.build_llama_stages`` takes."""
+        ``plait.materialize.build_stages`` takes."""
         blocks = {u.name for u in self.units if u.kind == "block"}
         out = []
         for names in self.stages:

@@ -14,8 +14,9 @@ is assigned to the unit whose code produced it (from the ``nn_module_stack`` met
 
 Two tracers are used:
 
-- :func:`trace_units`: ``torch.fx`` symbolic tracing with plait's :class:`LlamaDecoderLayer` and
-  the caller's ``leaf_types`` as leaf modules (fx calls them as black boxes). Needs no inputs.
+- :func:`trace_units`: ``torch.fx`` symbolic tracing with plait's decoder blocks (classes marked
+  ``pipeline_block = True``, as every model family's block is) and the caller's ``leaf_types`` as
+  leaf modules (fx calls them as black boxes). Needs no inputs.
 - :func:`trace_units_export`: ``torch.export`` with example inputs, for models fx cannot trace
   (Hugging Face ``transformers`` 5.x models, for instance). :func:`trace_units` falls back to it
   when fx fails and ``example_inputs`` are given.
@@ -70,8 +71,9 @@ def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (), example_inp
                 export_kwargs: dict[str, Any] | None = None) -> list[Unit]:
     """The model's units in execution order, traced with ``torch.fx``.
 
-    ``leaf_types``: extra module classes fx must not trace into (plait's ``LlamaDecoderLayer`` is
-    always a leaf); use it for modules with data-dependent Python control flow.
+    ``leaf_types``: extra module classes fx must not trace into (a module whose class sets
+    ``pipeline_block = True``, such as every plait family's decoder block, is always a leaf); use it
+    for modules with data-dependent Python control flow.
     ``example_inputs`` (a tensor or a tuple of positional inputs): only used when fx fails, to
     retry with :func:`trace_units_export` (with ``export_kwargs``, default ``use_cache=False``
     when the forward takes it). ``block_list``: qualified name of the module list holding the
@@ -82,10 +84,8 @@ def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (), example_inp
     Raises :class:`TraceError` when tracing fails (naming the code and how to make it a leaf) or
     when the graph is not a chain through the blocks.
     """
-    from plait.models.llama.model import LlamaDecoderLayer
-
     blocks = block_list if block_list is not None else find_block_list(model)
-    leaves = tuple(leaf_types) + (LlamaDecoderLayer,)
+    leaves = tuple(leaf_types)
     if concrete_args is None:
         params = inspect.signature(model.forward).parameters
         concrete_args = {"labels": None} if "labels" in params else None
@@ -130,12 +130,18 @@ def trace_units_export(model: nn.Module, example_inputs, kwargs: dict[str, Any] 
     return _units_from_graph(program.graph_module.graph, model, blocks)
 
 
-def llama_units(config) -> list[Unit]:
-    """The units :func:`trace_units` finds in plait's unsharded ``LlamaForCausalLM`` for ``config``,
-    without building or tracing a model (for ``plait config show`` and cost estimates)."""
+def decoder_units(num_layers: int, block_type: str) -> list[Unit]:
+    """The units :func:`trace_units` finds in a plait decoder (embedding, rotary tables, ``num_layers``
+    blocks of class ``block_type``, final norm, output head), without building or tracing a model
+    (for ``plait config show`` and cost estimates). Model families describe their units with it."""
     return ([Unit("model.embed_tokens", "embedding", "Embedding"), Unit("model.rotary_emb", "other", "RotaryEmbedding")]
-            + [Unit(f"model.layers.{i}", "block", "LlamaDecoderLayer") for i in range(config.num_hidden_layers)]
+            + [Unit(f"model.layers.{i}", "block", block_type) for i in range(num_layers)]
             + [Unit("model.norm", "norm", "RMSNorm"), Unit("lm_head", "head", "Linear")])
+
+
+def llama_units(config) -> list[Unit]:
+    """The units of plait's unsharded ``LlamaForCausalLM`` for ``config`` (:func:`decoder_units`)."""
+    return decoder_units(config.num_hidden_layers, "LlamaDecoderLayer")
 
 
 def find_block_list(model: nn.Module) -> str:
@@ -165,7 +171,7 @@ class _UnitTracer(torch.fx.Tracer):
         self.failed_node: torch.fx.Node | None = None
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, self.leaf_types):
+        if isinstance(m, self.leaf_types) or getattr(type(m), "pipeline_block", False):
             return True
         if qualname in self.ancestors:  # an nn.Sequential block list must be traced through
             return False

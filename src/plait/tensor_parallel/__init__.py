@@ -7,13 +7,13 @@ from plait.tensor_parallel.embedding import VocabParallelEmbedding
 from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from plait.tensor_parallel.mlp import ParallelGatedMLP
-from plait.tensor_parallel.norm import SequenceParallelRMSNorm
+from plait.tensor_parallel.norm import ParallelHeadRMSNorm, SequenceParallelRMSNorm
 from plait.tensor_parallel.output import VocabParallelCausalLMOutput
 from plait.tensor_parallel.random import TensorParallelRNG, TrackedDropout
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
 __all__ = [
-    "ColumnParallelLinear", "HeadLayout", "HeadLayoutError", "ParallelGatedMLP", "ParallelSelfAttention",
+    "ColumnParallelLinear", "HeadLayout", "HeadLayoutError", "ParallelGatedMLP", "ParallelHeadRMSNorm", "ParallelSelfAttention",
     "RowParallelLinear", "SequenceParallelRMSNorm", "ShardSpec", "TensorParallelRNG", "TrackedDropout",
     "VocabParallelCausalLMOutput",
     "VocabParallelEmbedding", "assemble_from_shards", "column_parallel_matmul", "vocab_parallel_cross_entropy",

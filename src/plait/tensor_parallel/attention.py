@@ -12,6 +12,9 @@ projections share one gathered input and one input-gradient reduction (see
 
 Padding heads (zero weights) have their attention output masked to zero before ``o_proj``.
 
+With ``qk_norm_eps`` set, q and k pass through per-head RMSNorms (``q_norm``/``k_norm``, weights
+replicated, gradients summed over the TP group: :class:`ParallelHeadRMSNorm`) before rotary.
+
 Attention dropout acts on this rank's heads only, so its mask must differ between TP ranks: it is
 drawn inside ``rng.fork()`` from the per-rank :class:`~plait.tensor_parallel.random.TensorParallelRNG`
 stream. The weight-free middle (rotary, SDPA, dropout) is the submodule ``core``, which selective
@@ -30,6 +33,7 @@ from plait.comm.primitives import GroupInfo
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.heads import HeadLayout
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from plait.tensor_parallel.norm import ParallelHeadRMSNorm
 from plait.tensor_parallel.random import TensorParallelRNG
 
 #: ``fn(q, k, v, cos, sin)`` on ``[batch, seq, local_heads*head_dim]`` projections; when attention
@@ -67,7 +71,7 @@ class ParallelSelfAttention(nn.Module):
                  attention_fn: AttentionFn, *, qkv_bias: bool = False, o_bias: bool = False,
                  sequence_parallel: bool = False,
                  attention_dropout: float = 0.0, rng: TensorParallelRNG | None = None,
-                 device=None, dtype=None) -> None:
+                 qk_norm_eps: float | None = None, device=None, dtype=None) -> None:
         super().__init__()
         self.layout, self.tp, self.kv, self.attention_fn = layout, tp, kv, attention_fn
         self.sequence_parallel = sequence_parallel
@@ -80,6 +84,10 @@ class ParallelSelfAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden_size, layout.num_kv_heads * hd, tp, **kv_kw)
         self.o_proj = RowParallelLinear(layout.num_heads * hd, hidden_size, tp, cols=layout.q_rows(r), bias=o_bias,
                                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        if qk_norm_eps is not None:  # per-head norms on q and k before rotary (Qwen3)
+            self.q_norm = ParallelHeadRMSNorm(hd, qk_norm_eps, tp, device=device, dtype=dtype)
+            self.k_norm = ParallelHeadRMSNorm(hd, qk_norm_eps, tp, device=device, dtype=dtype)
+        self.qk_norm = qk_norm_eps is not None
         mask = torch.tensor(layout.real_q_mask(r), dtype=torch.float32).repeat_interleave(hd)
         self.register_buffer("head_mask", None if bool(mask.all()) else mask.to(device), persistent=False)
         self._kv_scale = 1.0 / layout.kv_replication
@@ -103,6 +111,8 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.core(q, k, v, cos, sin)
         if self.head_mask is not None:
             out = out * self.head_mask.to(out.dtype)

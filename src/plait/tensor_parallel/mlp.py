@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
-from plait.models.llama.model import SwiGLU
+from plait.nn.mlp import SwiGLU
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 

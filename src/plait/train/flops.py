@@ -11,7 +11,9 @@ with ``N`` the matmul parameters (every parameter except the input embedding, pl
 head's ``vocab x hidden`` matrix, counted even when it is tied to the embedding because its
 matmul still runs), ``L`` layers, ``H`` query heads, ``Q`` head dim and ``T`` the sequence
 length. The factor 6 is 2 (multiply-add) x 3 (forward, input gradient, weight gradient); the
-attention term is ``QK^T`` and ``PV`` at full (unmasked) size.
+attention term is ``QK^T`` and ``PV`` at full (unmasked) size, except that a sliding-window
+family (Mistral) counts ``min(T, window)`` keys per query (``config.attention_span``).
+The config may be of any model family.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def model_flops_per_token(config: LlamaConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token at sequence length ``seq_len``."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    span = config.attention_span(seq_len)
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * span
     return int(6 * matmul_params(config) + attention)
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ModelConfigError(ValueError):
@@ -96,22 +96,32 @@ def rope_scaling_problems(scaling: Any) -> list[str]:
     return problems
 
 
-def check_hf_architecture(d: dict[str, Any]) -> None:
+def check_hf_architecture(d: dict[str, Any], model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES,
+                           family: str = "Llama") -> None:
     """Refuse a ``config.json`` mapping that does not describe a model this family can run:
     another model type, or one missing the keys that fix the architecture."""
     model_type = d.get("model_type")
-    supported = ", ".join(map(repr, SUPPORTED_MODEL_TYPES))
+    supported = ", ".join(map(repr, model_types))
     if model_type is None:
-        raise ModelConfigError(f"has no model_type; plait reads Llama-architecture configs ({supported}); add "
-                               f"\"model_type\": \"llama\" if this is a Llama model")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelConfigError(f"model_type {model_type!r} is not supported; plait runs Llama-architecture "
-                               f"models: {supported}")
+        raise ModelConfigError(f"has no model_type; the {family} family reads configs of model_type {supported}; "
+                               f"add \"model_type\": \"{model_types[0]}\" if this is such a model")
+    if model_type not in model_types:
+        raise ModelConfigError(f"model_type {model_type!r} is not supported; the {family} family runs "
+                               f"models of model_type {supported}")
 
 
 @dataclass
 class LlamaConfig:
-    """Field names follow Hugging Face's ``LlamaConfig`` so ``config.json`` maps one to one."""
+    """Field names follow Hugging Face's ``LlamaConfig`` so ``config.json`` maps one to one.
+
+    The class attributes name the family (the key of :mod:`plait.models.registry`), the
+    ``config.json`` model types it reads and the keys such a file must hold; a family derived
+    from Llama's (Qwen3, Mistral) overrides them.
+    """
+
+    family: ClassVar[str] = "llama"
+    model_types: ClassVar[tuple[str, ...]] = SUPPORTED_MODEL_TYPES
+    required_hf_keys: ClassVar[tuple[str, ...]] = REQUIRED_HF_KEYS
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -193,7 +203,7 @@ class LlamaConfig:
         """The config a Hugging Face ``config.json`` mapping describes; another architecture or a
         mapping missing an architecture key raises :class:`ModelConfigError` (see
         :func:`check_hf_architecture`)."""
-        check_hf_architecture(d)
+        check_hf_architecture(d, cls.model_types, cls.family.capitalize())
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
         if d.get("model_type") == "qwen2":
@@ -204,10 +214,10 @@ class LlamaConfig:
                 )
             known.setdefault("attention_bias", True)
             known.setdefault("o_proj_bias", False)
-        missing = [k for k in REQUIRED_HF_KEYS if k not in d]
+        missing = [k for k in cls.required_hf_keys if k not in d]
         if missing:
             raise ModelConfigError(f"lacks {', '.join(missing)}; a model_type {d['model_type']!r} config needs "
-                                   f"{', '.join(REQUIRED_HF_KEYS)} (plait does not guess an architecture)")
+                                   f"{', '.join(cls.required_hf_keys)} (plait does not guess an architecture)")
         if "rope_theta" not in known and isinstance(d.get("rope_parameters"), dict):
             params = d["rope_parameters"]
             known["rope_theta"] = params.get("rope_theta", cls.rope_theta)
@@ -235,13 +245,22 @@ class LlamaConfig:
             d.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False})
         return d
 
-    def num_parameters(self) -> int:
-        """Exact parameter count (tied embeddings counted once)."""
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder block (attention, MLP, two norms)."""
         h, i, kv = self.hidden_size, self.intermediate_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * h
+        return attn + mlp + 2 * h
+
+    def num_parameters(self) -> int:
+        """Exact parameter count (tied embeddings counted once)."""
+        h = self.hidden_size
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * per_layer + h + head
+        return embed + self.num_hidden_layers * self.layer_parameters() + h + head
+
+    def attention_span(self, seq_len: int) -> int:
+        """Keys a query's attention is counted over at sequence length ``seq_len`` (model FLOPs):
+        the whole sequence for full causal attention; a sliding-window family counts its window."""
+        return seq_len

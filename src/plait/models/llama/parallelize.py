@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from plait.mesh import ParallelMesh
-from plait.models.llama.model import LlamaForCausalLM, causal_attention
+from plait.models.llama.model import LlamaForCausalLM
+from plait.nn.attention import causal_attention
+from plait.nn.buffers import reset_buffers
 from plait.parallel_state import shard_specs
 from plait.tensor_parallel import (
     ColumnParallelLinear,
@@ -39,6 +41,7 @@ from plait.tensor_parallel import (
     VocabParallelCausalLMOutput,
     VocabParallelEmbedding,
 )
+from plait.tensor_parallel.attention import AttentionFn
 from plait.tensor_parallel.linear import even_rows
 
 
@@ -55,8 +58,13 @@ def kv_replication_for(config, tp: int, requested: int | None = None) -> int:
 
 
 def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_parallel: bool = False,
-                rng: TensorParallelRNG | None = None) -> LlamaForCausalLM:
+                rng: TensorParallelRNG | None = None, attention_fn: AttentionFn = causal_attention,
+                qk_norm: bool = False) -> LlamaForCausalLM:
     """Swap in tensor-parallel modules for ``mesh``'s TP group, in place; returns the model.
+
+    Families built on Llama's block reuse this plan with their attention variant:
+    ``attention_fn`` is the weight-free attention on the local heads (Mistral passes a sliding
+    window), ``qk_norm`` adds per-head q/k norms with TP-summed weight gradients (Qwen3).
 
     The KV replication factor is ``mesh.kv_replication`` when it is above 1, otherwise chosen
     automatically (the smallest that needs no padding). The resolved head layout is stored as
@@ -90,10 +98,10 @@ def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_paralle
     inner = model.model
     inner.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp, sequence_parallel=sp, **kw)
     for block in inner.layers:
-        block.self_attn = ParallelSelfAttention(c.hidden_size, layout, tp, kv, causal_attention,
+        block.self_attn = ParallelSelfAttention(c.hidden_size, layout, tp, kv, attention_fn,
                                                 qkv_bias=c.attention_bias, o_bias=c.o_proj_bias,
                                                 sequence_parallel=sp, attention_dropout=c.attention_dropout,
-                                                rng=rng, **kw)
+                                                rng=rng, qk_norm_eps=c.rms_norm_eps if qk_norm else None, **kw)
         block.mlp = ParallelGatedMLP(c.hidden_size, c.intermediate_size, tp, bias=c.mlp_bias,
                                      sequence_parallel=sp, **kw)
         if sp:
@@ -131,13 +139,6 @@ def _load_from_full(model: LlamaForCausalLM, full: dict[str, torch.Tensor], devi
     for name, p in model.named_parameters():
         src = full[name].to(device)
         p.copy_(specs[name].shard(src) if name in specs else src)
-
-
-def reset_buffers(model: nn.Module) -> None:
-    """Recompute non-persistent buffers (rotary tables, head masks) after ``to_empty``."""
-    for m in model.modules():
-        if m is not model and hasattr(m, "reset_buffers"):
-            m.reset_buffers()
 
 
 __all__ = ["parallelize", "head_layout_for", "kv_replication_for", "reset_buffers"]

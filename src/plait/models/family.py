@@ -1,0 +1,53 @@
+"""What a model family provides: the interface the rest of plait builds, splits and converts through.
+
+A family is one folder under ``plait/models/`` and one line in :mod:`plait.models.registry`.
+Nothing outside the folder names the family's classes: the builder (:mod:`plait.materialize`),
+the pipeline partitioner, the Hugging Face reader/writer and the recipe checks all go through a
+:class:`ModelFamily` found from the config (``config.family``) or from a ``config.json``'s
+``model_type``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from plait.pipeline.trace import Unit
+
+
+def same_name(name: str) -> str:
+    """The identity name mapping: plait's parameter names are Hugging Face's."""
+    return name
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family.
+
+    ``name``: the registry key and the recipe's ``model.family`` value.
+    ``model_types``: the Hugging Face ``config.json`` ``model_type`` values it reads.
+    ``config_cls``: its config dataclass (Hugging Face field names, ``from_hf_dict``/``to_hf_dict``,
+    ``validate``, ``num_parameters``).
+    ``causal_lm_cls``: the full model, ``cls(config, device=, dtype=)``, without distributed code;
+    ``forward(ids, labels=None)`` gives logits or the mean next-token loss.
+    ``parallelize``: its tensor-parallel plan, ``fn(model, mesh, *, sequence_parallel, rng)``.
+    ``stage_cls``: a pipeline stage cut from a full model, ``cls(full, layer_ids, first=, last=)``.
+    ``units``: the pipeline units of ``config`` in execution order (what a stage boundary may cut
+    between), without building a model.
+    ``hf_name``: plait parameter name -> Hugging Face tensor name (the identity for families whose
+    plait names are Hugging Face's).
+    ``recipes``: ready recipe files shipped with the family.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    config_cls: type
+    causal_lm_cls: type[nn.Module]
+    parallelize: Callable[..., nn.Module]
+    stage_cls: type[nn.Module]
+    units: Callable[[Any], list[Unit]]
+    hf_name: Callable[[str], str] = same_name
+    recipes: tuple[Path, ...] = field(default=())

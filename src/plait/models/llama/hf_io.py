@@ -1,0 +1,33 @@
+"""Hugging Face checkpoint I/O for the Llama family.
+
+The reader and writer are family-generic and live in :mod:`plait.models.hf_io`; this module keeps
+their names importable from here and adds :func:`load_llama_from_hf`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.models.hf_io import (INDEX_FILE, SINGLE_FILE, CheckpointMismatchError, HFTensors, PathLike,
+                                _weight_map, check_hf_tensors, gguf_to_hf_dir, load_from_hf, load_hf_config,
+                                load_hf_weights, read_hf_tensors, save_hf_checkpoint, write_hf_dir)
+from plait.models.llama.config import LlamaConfig, ModelConfigError
+from plait.models.llama.model import LlamaForCausalLM
+
+
+def load_llama_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False,
+                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """This rank's shard of the Hugging Face Llama-family model at ``path`` on ``mesh``.
+
+    Refuses a directory of another family (use :func:`plait.models.hf_io.load_from_hf` for any).
+    """
+    config = load_hf_config(path)
+    if type(config) is not LlamaConfig:
+        raise ModelConfigError(f"{path}/config.json describes a {type(config).family} model, not a Llama-family "
+                               f"one; load it with plait.models.hf_io.load_from_hf")
+    return load_from_hf(path, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+
+
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "CheckpointMismatchError", "HFTensors", "check_hf_tensors", "gguf_to_hf_dir",
+           "load_from_hf", "load_hf_config", "load_hf_weights", "load_llama_from_hf", "read_hf_tensors",
+           "save_hf_checkpoint", "write_hf_dir", "_weight_map"]

@@ -1,0 +1,67 @@
+"""The weight-free middle of attention: rotary, causal (optionally sliding-window) grouped-query
+SDPA and attention dropout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.nn.rotary import apply_rotary
+
+
+def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[seq, seq]`` mask: query ``i`` sees keys ``j`` with ``i - window < j <= i`` (the
+    window counts the query's own position, as Mistral's ``sliding_window`` does)."""
+    i = torch.arange(seq_len, device=device).unsqueeze(1)
+    j = torch.arange(seq_len, device=device).unsqueeze(0)
+    return (j <= i) & (j > i - window)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin,
+                     dropout_p: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """Rotary + causal grouped-query attention on ``[batch, seq, heads*head_dim]`` projections.
+
+    The head counts are read from the shapes (``head_dim`` from the rotary table), so the same
+    function serves the full model and a tensor-parallel shard holding a subset of the heads.
+    ``dropout_p`` is SDPA's dropout on the attention weights; the caller decides (training mode,
+    which generator) since this function cannot know. ``window``: each query sees at most that
+    many positions (itself included); ``None`` or a window at least the sequence length is full
+    causal attention and takes exactly the full-attention path. Returns
+    ``[batch, seq, q_heads*head_dim]``.
+    """
+    b, s, _ = q.shape
+    hd = cos.shape[-1]
+    q = q.view(b, s, -1, hd).transpose(1, 2)
+    k = k.view(b, s, -1, hd).transpose(1, 2)
+    v = v.view(b, s, -1, hd).transpose(1, 2)
+    q, k = apply_rotary(q, k, cos, sin)
+    gqa = q.shape[1] != k.shape[1]
+    if window is None or window >= s:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    else:
+        mask = sliding_window_mask(s, window, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+class AttentionCore(nn.Module):
+    """Rotary + causal SDPA + attention dropout: the weight-free middle of attention.
+
+    A module of its own (``self_attn.core``) only so selective activation checkpointing can
+    recompute it; it saves the largest per-head activations and costs no matmul with weights.
+    ``window`` is the sliding window (``None``: full causal attention).
+    """
+
+    def __init__(self, dropout: float = 0.0, window: int | None = None) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.window = window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v, cos, sin, dropout_p=self.dropout if self.training else 0.0,
+                                window=self.window)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}" + (f", window={self.window}" if self.window is not None else "")

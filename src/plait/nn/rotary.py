@@ -1,0 +1,71 @@
+"""Rotary position embeddings (RoPE), including Llama 3's long-context frequency scaling.
+
+The functions read a *rope config*: any object with ``head_dim``, ``rope_theta``, ``rope_type``
+(``"default"`` or ``"llama3"``) and ``rope_scaling`` (the ``llama3`` mapping or ``None``), which
+every family's config provides under Hugging Face's names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class RopeConfig(Protocol):
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+
+    @property
+    def rope_type(self) -> str: ...
+
+
+def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
+    """Inverse rotary frequencies, including Llama 3's long-context frequency scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_type != "llama3":
+        return inv_freq
+    s = config.rope_scaling
+    assert s is not None, "rope_type 'llama3' comes from a rope_scaling mapping"
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces the cos/sin tables for a sequence; the frequencies are a non-persistent buffer."""
+
+    def __init__(self, config: RopeConfig, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the frequency table (after materialising a model built on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+
+    def forward(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate ``q`` and ``k`` of shape ``[batch, heads, seq, head_dim]``."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
