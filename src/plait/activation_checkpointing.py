@@ -30,7 +30,6 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from plait.models.llama.config import LlamaConfig
 from plait.tensor_parallel.random import RNGState, TensorParallelRNG
 
 #: the accepted ``mode`` values; ``"none"`` is an alias of ``"off"`` (the planner's spelling)
@@ -45,14 +44,15 @@ _BLOCK_NAME = re.compile(r"(?:^|\.)layers\.\d+$")
 _WRAPPED = "_plait_checkpointed"
 
 
-def checkpointable_names(config: LlamaConfig) -> list[str]:
+def checkpointable_names(config: Any) -> list[str]:
     """Module names inside one decoder block that ``"selective"`` may checkpoint (block-relative).
 
     The same names exist before and after the tensor-parallel swap. ``self_attn.core`` is rotary,
-    SDPA and attention dropout; ``mlp.act`` is the SwiGLU product. The list does not depend on
-    ``config`` for the Llama family yet; it takes it so that model variants (other blocks) can.
+    SDPA and attention dropout; ``mlp.act`` is the SwiGLU product. Every family plait ships (Llama,
+    Qwen3, Mistral) has these submodules; the list takes the model config so that a family whose
+    block differs can be told apart.
     """
-    del config  # every Llama-family block has the same submodules
+    del config  # the shipped families' blocks share these submodules
     return ["input_layernorm", "self_attn", "self_attn.core", "post_attention_layernorm", "mlp", "mlp.act"]
 
 
@@ -97,8 +97,8 @@ def apply_activation_checkpointing(modules: list[nn.Module], mode: str, names: l
         if mode == "full":
             targets += [(block, tracker) for _, block in blocks]
             continue
-        if not isinstance(getattr(root, "config", None), LlamaConfig):
-            raise ValueError(f"activation checkpointing mode='selective' needs modules with a LlamaConfig "
+        if getattr(root, "config", None) is None:
+            raise ValueError(f"activation checkpointing mode='selective' needs modules with a model config "
                              f"`config` attribute (a model or a pipeline stage); {type(root).__name__} has none")
         valid = checkpointable_names(root.config)
         for block_name, block in blocks:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -39,7 +39,8 @@ from plait.checkpoint.format import (
 from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.training import model_config_dict
 from plait.checkpoint.writer import DTYPE_NAMES
-from plait.models.llama.config import LlamaConfig
+from plait.models.hf_io import _weight_map, load_hf_config, write_hf_dir
+from plait.models.registry import get_family
 from plait.outputs.ownership import OutputDirError, require_not_containing, require_target, write_marker
 from plait.outputs.permissions import apply_umask
 
@@ -53,12 +54,19 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
 
 
-def _config_of(manifest: dict) -> LlamaConfig:
+def _config_of(manifest: dict) -> Any:
+    """The model config a manifest records, of its family (``model_family``; Llama when absent, as
+    in checkpoints written before families existed)."""
     data = manifest.get("model_config")
     if not isinstance(data, dict):
         raise CheckpointError("the checkpoint's manifest has no model_config; it was not written by plait train "
                               "or plait convert")
-    return LlamaConfig(**data)
+    family = manifest.get("model_family", "llama")
+    try:
+        return get_family(family).config_cls(**data)
+    except (TypeError, ValueError) as e:  # an unknown family or fields its config does not take
+        raise CheckpointError(f"the checkpoint's manifest has model_family={family!r} with a model_config that "
+                              f"does not describe such a model: {e}") from None
 
 
 def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | None = None,
@@ -70,8 +78,6 @@ def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | Non
     ``max_shard_bytes``: size cap of an output file (default: the largest tensor, so host memory
     stays near one tensor; the end of training uses Hugging Face's usual 5 GiB).
     """
-    from plait.models.llama.hf_io import write_hf_dir
-
     require_not_containing(out_dir, [("the source checkpoint", checkpoint)], what="the output directory")
     require_target(out_dir, "hf-model", what="the output directory", replace=overwrite,
                    replace_hint="pass --overwrite")
@@ -119,8 +125,6 @@ def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = Tr
     ``out_root`` must be absent, empty or a plait checkpoint directory; an existing step 0 there
     is replaced only with ``overwrite``. Checked before anything is read.
     """
-    from plait.models.llama.hf_io import _weight_map, load_hf_config
-
     hf_dir, out_root = Path(hf_dir), Path(out_root)
     require_target(out_root, "checkpoints", what="the output directory")
     if (out_root / step_dir_name(0)).exists() and not overwrite:
@@ -160,7 +164,7 @@ def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = Tr
         shutil.copy(hf_dir / TOKENIZER, tmp / TOKENIZER)
     manifest = {"format": FORMAT, "version": VERSION, "step": 0, "train_step": 0, "optimizer_step": 0,
                 "complete": True, "world_size": 1, "source": str(hf_dir), "tensors": tensors_json, "files": files,
-                "model_config": model_config_dict(config)}
+                "model_config": model_config_dict(config), "model_family": type(config).family}
     write_json_atomic(tmp / MANIFEST, manifest)
     fsync_dir(tmp)
     from plait.checkpoint.store import commit

@@ -215,8 +215,8 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
 
     from plait.generate import generate
     from plait.mesh import single_process_mesh
+    from plait.models.hf_io import CheckpointMismatchError, load_from_hf
     from plait.models.llama.config import ModelConfigError
-    from plait.models.llama.hf_io import CheckpointMismatchError, load_llama_from_hf
 
     try:
         tokenizer = Tokenizer.from_file(str(tok_file))
@@ -225,7 +225,7 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     from safetensors import SafetensorError
 
     try:
-        model = load_llama_from_hf(model_dir, single_process_mesh(), device=args.device)
+        model = load_from_hf(model_dir, single_process_mesh(), device=args.device)  # any family
     except (ModelConfigError, CheckpointMismatchError, FileNotFoundError) as e:
         raise _UsageError(f"cannot load {model_dir}: {e}")
     except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)

@@ -162,7 +162,7 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
     """
     import torch.distributed as dist
 
-    from plait.materialize import build_llama, build_llama_stages
+    from plait.materialize import build_model, build_stages
     from plait.mesh import ParallelMesh
     from plait.plan.memory import estimate_memory
 
@@ -193,11 +193,11 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
         group_sizes = {axis: len(mesh.my_group_ranks(axis)) for axis in ("tp", "pp", "dp", "kv")}
         sp = layout.sequence_parallel and layout.tp > 1
         if stage_layers is None:
-            modules = [build_llama(config, mesh, device="meta", dtype=dtype, sequence_parallel=sp, init=False)]
+            modules = [build_model(config, mesh, device="meta", dtype=dtype, sequence_parallel=sp, init=False)]
             stages: list[tuple[int, list[int], bool, bool]] = []
         else:
-            modules = build_llama_stages(config, mesh, stage_layers, device="meta", dtype=dtype,
-                                         sequence_parallel=sp, init=False)
+            modules = build_stages(config, mesh, stage_layers, device="meta", dtype=dtype,
+                                   sequence_parallel=sp, init=False)
             n = len(stage_layers)
             stages = [(s, list(stage_layers[s]), s == 0, s == n - 1) for s in range(mesh.pp_rank, n, mesh.pp)]
         coords = {k: v for k, v in mesh.coords().items() if k != "cp"}

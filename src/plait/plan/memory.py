@@ -151,7 +151,8 @@ class LocalShapes:
 
 
 def local_shapes(config: LlamaConfig, layout: Layout) -> LocalShapes:
-    """Local sizes exactly as :func:`plait.models.llama.parallelize.parallelize` builds them.
+    """Local sizes exactly as the family's ``parallelize`` (Llama's plan, which Qwen3 and Mistral
+    reuse) builds them.
 
     ``tp = 1`` keeps the unparallelized model. Otherwise heads follow
     :meth:`HeadLayout.plan` (``layout.kv_replication`` when above 1, else the automatic factor, as
@@ -184,12 +185,18 @@ def layer_parameter_count(config: LlamaConfig, sh: LocalShapes) -> int:
     if c.o_proj_bias:
         attn += h
     mlp = 3 * h * sh.intermediate + ((2 * sh.intermediate + h) if c.mlp_bias else 0)
-    return attn + mlp + 2 * h
+    return attn + mlp + 2 * h + family_extra_parameters(c)
+
+
+def family_extra_parameters(config: LlamaConfig) -> int:
+    """Parameters a family's block adds to Llama's (Qwen3's per-head q/k norm weights): small
+    tensors replicated on every TP rank, read by no matmul."""
+    return config.layer_parameters() - LlamaConfig.layer_parameters(config)
 
 
 def layer_matmul_parameter_count(config: LlamaConfig, sh: LocalShapes) -> int:
     """The part of :func:`layer_parameter_count` that matmuls read (everything but the norms)."""
-    return layer_parameter_count(config, sh) - 2 * sh.hidden
+    return layer_parameter_count(config, sh) - 2 * sh.hidden - family_extra_parameters(config)
 
 
 @dataclass(frozen=True)

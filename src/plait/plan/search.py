@@ -310,12 +310,13 @@ def smallest_budget_hint(min_total: int, headroom: float) -> str:
 def stage_split(config, num_stages: int, seq_len: int, *, method: str = "balanced", cost: str = "flops",
                 cuts: list[str] | None = None) -> list[list[int]]:
     """Decoder layers of each of ``num_stages`` pipeline stages, as
-    :func:`~plait.pipeline.layout.plan_partition` splits them, from :func:`llama_units` (the units
-    plait's Llama traces to) instead of a traced model, so it costs microseconds, not seconds."""
+    :func:`~plait.pipeline.layout.plan_partition` splits them, from the units the model family
+    declares (what its model traces to) instead of a traced model, so it costs microseconds, not
+    seconds."""
+    from plait.models.registry import family_of
     from plait.pipeline.partition import partition_model, unit_costs
-    from plait.pipeline.trace import llama_units
 
-    units = llama_units(config)
+    units = family_of(config).units(config)
     part = partition_model(units, unit_costs(config, units, seq_len, kind=cost), num_stages, method=method,
                            cuts=cuts, cost_kind=cost)
     return part.stage_layers()

@@ -11,20 +11,13 @@ import torch
 from plait.models.hf_io import (INDEX_FILE, SINGLE_FILE, CheckpointMismatchError, HFTensors, PathLike,
                                 _weight_map, check_hf_tensors, gguf_to_hf_dir, load_from_hf, load_hf_config,
                                 load_hf_weights, read_hf_tensors, save_hf_checkpoint, write_hf_dir)
-from plait.models.llama.config import LlamaConfig, ModelConfigError
 from plait.models.llama.model import LlamaForCausalLM
 
 
 def load_llama_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False,
                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """This rank's shard of the Hugging Face Llama-family model at ``path`` on ``mesh``.
-
-    Refuses a directory of another family (use :func:`plait.models.hf_io.load_from_hf` for any).
-    """
-    config = load_hf_config(path)
-    if type(config) is not LlamaConfig:
-        raise ModelConfigError(f"{path}/config.json describes a {type(config).family} model, not a Llama-family "
-                               f"one; load it with plait.models.hf_io.load_from_hf")
+    """This rank's shard of the Hugging Face model at ``path`` on ``mesh``: :func:`load_from_hf`
+    under its first name (it loads any family the directory's ``model_type`` names)."""
     return load_from_hf(path, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
 
 
