@@ -36,9 +36,11 @@ from plait.interop.nxdt_sections import (
 #: sections only an NxDT (or NeMo/Lightning) config has; a plait recipe has none of them
 NXDT_SECTIONS = ("trainer", "exp_manager", "distributed_strategy")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
-#: a problem on a field the import left at plait's default is settled by withdrawing the mapped
-#: value that constrains it (e.g. an interleaved schedule with too few micro-batches: the vpp)
-_CONSTRAINED_BY = {"parallel.microbatches": "parallel.vpp", "parallel.schedule": "parallel.vpp"}
+#: a problem on a field the import left at plait's default (or already withdrew) is settled by
+#: withdrawing a mapped value that constrains it (an interleaved schedule with too few
+#: micro-batches: the vpp; fewer layers than pipeline stages: the vpp, then the pp)
+_CONSTRAINED_BY = {"parallel.microbatches": ("parallel.vpp",), "parallel.schedule": ("parallel.vpp",),
+                   "model.num_hidden_layers": ("parallel.vpp", "parallel.pp")}
 #: how many times a plait refusal may withdraw mapped values before the rest is reported as is
 _SETTLE_ROUNDS = 8
 
@@ -115,24 +117,33 @@ def read_nxdt(path: str | Path) -> dict[str, Any]:
     return dict(data)
 
 
-def resolve_references(data: Any, root: Mapping[str, Any], depth: int = 0) -> Any:
-    """``data`` with every value that is exactly ``${a.b}`` (an OmegaConf reference) replaced by the
-    value at ``a.b``; other references (resolvers such as ``${oc.env:X}``, text around a reference,
-    a missing key) stay as written and are reported by whichever handler meets them."""
+def resolve_references(data: Any, root: Mapping[str, Any]) -> Any:
+    """``data`` with every value that is exactly ``${a.b}`` (an OmegaConf reference to a plain value)
+    replaced by the value at ``a.b``; other references (resolvers such as ``${oc.env:X}``, text
+    around a reference, a missing key, a reference to a section or list, a cycle) stay as written
+    and are reported by whichever handler meets them."""
     if isinstance(data, Mapping):
-        return {k: resolve_references(v, root, depth) for k, v in data.items()}
+        return {k: resolve_references(v, root) for k, v in data.items()}
     if isinstance(data, list):
-        return [resolve_references(v, root, depth) for v in data]
-    if isinstance(data, str) and depth < 16:
-        match = _REFERENCE.fullmatch(data.strip())
-        if match:
-            node: Any = root
-            for part in match.group(1).split("."):
-                if not isinstance(node, Mapping) or part not in node:
-                    return data
-                node = node[part]
-            return resolve_references(node, root, depth + 1)
-    return data
+        return [resolve_references(v, root) for v in data]
+    return _resolve_scalar(data, root) if isinstance(data, str) else data
+
+
+def _resolve_scalar(text: str, root: Mapping[str, Any]) -> Any:
+    value: Any = text
+    for _ in range(16):  # a chain of references, cut off (as text) if it is a cycle
+        match = _REFERENCE.fullmatch(value.strip()) if isinstance(value, str) else None
+        if match is None:
+            return value
+        node: Any = root
+        for part in match.group(1).split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return text
+            node = node[part]
+        if isinstance(node, (Mapping, list)):
+            return text
+        value = node
+    return text
 
 
 # ---------------------------------------------------------------------- importing
@@ -173,7 +184,7 @@ def _settle(c: Collector) -> list[str]:
         withdrawn = False
         for problem in problems:
             name = ".".join(problem.field.split(".")[:2])  # model.rope_scaling.x -> its field
-            entry = c.owner(name) or (c.owner(_CONSTRAINED_BY[name]) if name in _CONSTRAINED_BY else None)
+            entry = c.owner(name) or next(filter(None, map(c.owner, _CONSTRAINED_BY.get(name, ()))), None)
             if entry is not None and entry.kind == "mapped":
                 c.drop(entry, f"invalid for plait, left to plait's default: {problem}")
                 withdrawn = True

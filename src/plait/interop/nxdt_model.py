@@ -12,7 +12,7 @@ from pathlib import Path
 
 from plait.config.schema import ARCH_FIELDS, ModelSection
 from plait.interop.nxdt_collect import Collector
-from plait.interop.nxdt_sections import NOT_NUMERIC, ignore_listed
+from plait.interop.nxdt_sections import NOT_NUMERIC, ignore_listed, one_of
 
 #: model keys that do not matter to plait, and why
 _MODEL_IGNORED = {
@@ -55,6 +55,12 @@ def import_model(c: Collector, base_dir: Path) -> None:
                 c.ignore(m + key, "model.rms_norm_eps is given")
                 continue
             c.map(m + key, {f"model.{name}": value})
+    if c.has(m + "sliding_window"):  # written inline (a Mistral without model_config)
+        if "sliding_window" in ModelSection.model_fields:
+            c.map(m + "sliding_window", {"model.sliding_window": c.get(m + "sliding_window")})
+        else:
+            c.unmap(m + "sliding_window", "no recipe field: plait's mistral family reads sliding_window from a "
+                                          "Hugging Face config.json (model.hf_path)")
     arch_given = c.has(m + "num_attention_heads") or c.owner("model.num_attention_heads") is not None
     if arch_given and c.owner("model.num_key_value_heads") is None:
         c.map("(model.num_kv_heads absent)", {"model.num_key_value_heads": c.value("model.num_attention_heads")},
@@ -70,7 +76,7 @@ def import_model(c: Collector, base_dir: Path) -> None:
             c.unmap(key, "plait has q/k/v/o biases (model.attention_bias) but no MLP biases")
     for key, (fine, reason) in _MODEL_DEFAULTS.items():
         if c.has(m + key):
-            if c.get(m + key) in fine:
+            if one_of(c.get(m + key), fine):
                 c.ignore(m + key, reason)
             else:
                 c.unmap(m + key, f"plait supports only {sorted(fine, key=str)[0]!r}")
@@ -105,7 +111,7 @@ def _model_config(c: Collector, base_dir: Path) -> str | None:
     if not isinstance(data, dict):
         c.unmap(key, f"{path} does not hold a JSON object")
         return None
-    fields = {f"model.{name}": data[name] for name in ARCH_FIELDS if name in data and name != "head_dim"}
+    fields = {f"model.{name}": data[name] for name in ARCH_FIELDS if name in data and name not in ("head_dim", "sliding_window")}
     if data.get("head_dim") is not None:
         fields["model.head_dim"] = data["head_dim"]
     for name, value in fields.items():
@@ -163,7 +169,7 @@ def _checkpointing(c: Collector) -> None:
             c.map(key, {"train.activation_checkpointing": "full"})
         elif granularity == "selective":
             names = ["self_attn.core"]
-            if isinstance(recompute, list) and recompute and all(r in RECOMPUTE_MODULES for r in recompute):
+            if isinstance(recompute, list) and recompute and all(one_of(r, RECOMPUTE_MODULES) for r in recompute):
                 names = list(dict.fromkeys(RECOMPUTE_MODULES[r] for r in recompute))
                 c.ignore(m + "activations_checkpoint_recompute", f"mapped with {key}")
             c.map(key, {"train.activation_checkpointing": "selective", "train.checkpoint_modules": names},

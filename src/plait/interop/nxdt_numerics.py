@@ -9,7 +9,7 @@ combination can run.
 from __future__ import annotations
 
 from plait.interop.nxdt_collect import Collector
-from plait.interop.nxdt_sections import PRECISION_TYPES, SCHEDULES, flag, is_int
+from plait.interop.nxdt_sections import PRECISION_TYPES, SCHEDULES, flag, is_int, one_of
 
 _ADAMW = {"adamw", "adamw_fp32OptState", "AdamW", "adam_w"}
 
@@ -18,7 +18,7 @@ def import_optim(c: Collector) -> None:
     o = "model.optim." if c.section("model.optim") else "optim."
     name = c.get(o + "name")
     if c.has(o + "name"):
-        if name in _ADAMW:
+        if one_of(name, _ADAMW):
             c.map(o + "name", {"optimizer.name": "adamw"},
                   "the optimizer state is kept in the master dtype (fp32 with bf16-mixed)"
                   if name == "adamw_fp32OptState" else "")

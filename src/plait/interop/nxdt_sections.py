@@ -63,6 +63,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def one_of(value: Any, choices: Any) -> bool:
+    """``value in choices`` for plain values; a list or mapping (unhashable) is in none of them."""
+    return isinstance(value, (str, int, float, type(None))) and value in choices
+
+
 def flag(value: Any) -> bool | None:
     """An NxDT on/off value (``True``, ``1``, ``'1'``, ``'true'``) as a bool; ``None`` if it is none of them."""
     if isinstance(value, bool):
