@@ -299,3 +299,51 @@ def test_tp4_kv_replication_matches_transformers(checkpoints):
     assert [kv_replication_for(load_hf_config(checkpoints[n][0]), 4) for n in names] == [4, 2]
     jobs = [(n, checkpoints[n][0], checkpoints[n][1], "logits", False) for n in names]
     _check_logits(run_distributed(_tp_worker, 4, jobs), checkpoints, {n: n for n in names})
+
+
+# ------------------------------------------------------------------------------ recipes
+def _recipe_problems(overrides: list[str]):
+    from plait.config import RecipeError, check_recipe
+
+    with pytest.raises(RecipeError) as info:
+        check_recipe(None, overrides, 1)
+    return {p.field: str(p) for p in info.value.problems}
+
+
+def test_recipe_family_builds_that_familys_config():
+    from plait.config import check_recipe
+
+    resolved = check_recipe(None, ["model.family=qwen3", "model.head_dim=48"], 1)
+    config = resolved.model_config(300)
+    assert isinstance(config, Qwen3Config) and config.head_dim == 48 and resolved.family == "qwen3"
+    assert config.num_parameters() == resolved.num_parameters(300)
+    resolved = check_recipe(None, ["model.family=mistral", "model.sliding_window=32"], 1)
+    config = resolved.llama_config(300)  # the first name keeps working
+    assert isinstance(config, MistralConfig) and config.sliding_window == 32
+    assert config.attention_span(resolved.recipe.data.seq_len) == 32
+
+
+def test_recipe_family_rules_name_the_field():
+    found = _recipe_problems(["model.sliding_window=16"])  # llama has no window
+    assert "model.sliding_window" in found and "'llama'" in found["model.sliding_window"]
+    found = _recipe_problems(["model.family=mistral", "model.attention_bias=true"])
+    assert "model.attention_bias" in found and "no biases" in found["model.attention_bias"]
+    found = _recipe_problems(["model.family=gpt2"])
+    assert "model.family" in found and "'qwen3'" in found["model.family"]
+
+
+def test_hf_path_gives_the_family_and_a_conflicting_family_is_refused(checkpoints, tmp_path):
+    from plait.config import check_recipe
+
+    path = checkpoints["qwen3_tied"][0]
+    tokenizer = tmp_path / "tokenizer.json"
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 50)}}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tokenizer))
+    resolved = check_recipe(None, [f"model.hf_path={path}", f"data.tokenizer={tokenizer}"], 1)
+    assert resolved.family == "qwen3" and isinstance(resolved.model_config(), Qwen3Config)
+    assert resolved.as_recipe().model.family == "qwen3"
+    found = _recipe_problems([f"model.hf_path={path}", f"data.tokenizer={tokenizer}", "model.family=mistral"])
+    assert "model.family" in found and "'qwen3'" in found["model.family"]
