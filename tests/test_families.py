@@ -347,3 +347,19 @@ def test_hf_path_gives_the_family_and_a_conflicting_family_is_refused(checkpoint
     assert resolved.as_recipe().model.family == "qwen3"
     found = _recipe_problems([f"model.hf_path={path}", f"data.tokenizer={tokenizer}", "model.family=mistral"])
     assert "model.family" in found and "'qwen3'" in found["model.family"]
+
+
+def test_plait_convert_keeps_the_family(checkpoints, tmp_path):
+    """HF -> plait checkpoint -> HF: the manifest records the family, so a Qwen3 model comes back as
+    Qwen3 (its config fields alone are Llama's), bitwise."""
+    from plait.checkpoint.convert import hf_to_plait, plait_to_hf
+
+    path = checkpoints["qwen3_tied"][0]
+    ckpt = hf_to_plait(path, tmp_path / "ckpt", progress=False)
+    out = plait_to_hf(ckpt, tmp_path / "hf", progress=False)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+    before = load_file(path / "model.safetensors")
+    after = {}
+    for file in out.glob("*.safetensors"):
+        after.update(load_file(file))
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], v) for k, v in before.items())
