@@ -6,7 +6,7 @@ update) on 2 gloo ranks on the CPU, one intra-op thread per rank, for
 
 * **plait DP**: :class:`plait.data_parallel.optimizer.DistributedOptimizer` (flat parameter and
   gradient buffers, 25 MB buckets all-reduced asynchronously during backward, fused AdamW) driven
-  by :func:`plait.train.step.train_step`, exactly as the trainer does;
+  by :func:`plait.train.step.train_step` over a one-stage runtime, exactly as the trainer does;
 * **plait ZeRO-1**: the same with ``zero=True`` (buckets reduce-scattered, AdamW state and an
   fp32 master copy for the owned half only, updated shards all-gathered);
 * **plait DP, overlap off** (unless ``--skip-no-overlap``): ``overlap=False``, every reduction
@@ -92,16 +92,24 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bool):
     """(step, optimizer-state bytes fn, master bytes fn) of plait's DP / ZeRO-1 path."""
     from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+    from plait.materialize import build_stages
     from plait.train.precision import policy_for
+    from plait.train.run_state import build_runtime
     from plait.train.step import train_step
 
     policy = policy_for("fp32")
-    model = build_llama(config, mesh, seed=seed).train()
-    opt = DistributedOptimizer([model], policy, OptimizerHyper(lr=LR, weight_decay=0.0, betas=BETAS, eps=EPS),
+    stages = build_stages(config, mesh, [list(range(config.num_hidden_layers))], seed=seed)  # what the trainer runs
+    opt = DistributedOptimizer(stages, policy, OptimizerHyper(lr=LR, weight_decay=0.0, betas=BETAS, eps=EPS),
                                dp=mesh.info("dp"), tp=mesh.info("tp"), zero=zero, bucket_mb=25.0, overlap=overlap)
+    runtimes: dict[tuple[int, int], object] = {}
 
     def run(ids: torch.Tensor) -> torch.Tensor:
-        loss, _ = train_step(model, opt, ids[None], grad_clip=CLIP, policy=policy)
+        key = tuple(ids.shape)
+        if key not in runtimes:
+            runtimes[key] = build_runtime(stages, mesh, policy, opt, schedule="1f1b", microbatches=1,
+                                          micro_batch_size=ids.shape[0], seq_len=ids.shape[1],
+                                          sequence_parallel=False)
+        loss, _ = train_step(runtimes[key], opt, ids[None], grad_clip=CLIP)
         return loss
 
     return run, lambda: opt.memory_report()["optimizer_state_bytes"], lambda: opt.memory_report()["master_bytes"]

@@ -7,7 +7,7 @@ driven by :class:`~plait.pipeline.runtime.PipelineRuntime` with the balanced FLO
 :func:`plait.activation_checkpointing.apply_activation_checkpointing` (``--ckpt``), build the
 optimizer (:class:`plait.data_parallel.optimizer.DistributedOptimizer`: flat buffers, fused
 AdamW, ZeRO-1 with ``--zero1``, the preset's dtypes) and run ``--steps`` optimizer steps with
-:func:`plait.train.step.train_step` / :func:`~plait.train.step.pipeline_train_step` on random
+:func:`plait.train.step.train_step` (one path for every layout) on random
 tokens. Three numbers per rank, each relative to its RSS just before the model is built (the
 bare runtime: interpreter, torch, gloo groups):
 
@@ -105,16 +105,16 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     import torch.distributed as dist
 
     from plait.activation_checkpointing import apply_activation_checkpointing
-    from plait.materialize import build_llama, build_llama_stages
+    from plait.materialize import build_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
     from plait.models.llama.parallelize import kv_replication_for
     from plait.pipeline.layout import plan_partition
-    from plait.pipeline.runtime import PipelineRuntime
     from plait.plan.layout import Layout
     from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
     from plait.train.precision import policy_for
-    from plait.train.step import pipeline_train_step, train_step
+    from plait.train.run_state import build_runtime
+    from plait.train.step import train_step
 
     config = LlamaConfig(**model_kw)
     kv = kv_replication_for(config, layout_kw.get("tp", 1))
@@ -130,30 +130,19 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     before = rss_bytes()
     peak_before = peak_rss_bytes()
     t0 = time.perf_counter()
-    if layout.pp > 1:
-        split = plan_partition(config, layout.pp * layout.vpp, seq_len).stage_layers()
-        stages = build_llama_stages(config, mesh, split, device=device, sequence_parallel=sp)
-        runtime = PipelineRuntime(stages, mesh, schedule=layout.schedule, microbatches=microbatches,
-                                  micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                  hidden_size=config.hidden_size, sequence_parallel=sp, dtype=policy.param_dtype,
-                                  precision_context=lambda: policy.compute_context(device))
-        model = torch.nn.ModuleList(stages)
-    else:
-        model = build_llama(config, mesh, device=device, sequence_parallel=sp)
-    modules = stages if layout.pp > 1 else [model]
+    split = plan_partition(config, layout.pp * layout.vpp, seq_len).stage_layers() if layout.pp > 1 else \
+        [list(range(config.num_hidden_layers))]
+    stages = build_stages(config, mesh, split, device=device, sequence_parallel=sp)
     if layout.activation_checkpointing != "none":  # last, after the TP swap and the pipeline split
-        apply_activation_checkpointing(modules, layout.activation_checkpointing)
-    optimizer = DistributedOptimizer(modules, policy, OptimizerHyper(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
-                                                                     eps=1e-8),
+        apply_activation_checkpointing(stages, layout.activation_checkpointing)
+    optimizer = DistributedOptimizer(stages, policy, OptimizerHyper(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                                                                    eps=1e-8),
                                      dp=mesh.info("dp"), tp=mesh.info("tp"), pp=mesh.info("pp"),
                                      tied=mesh.info("tied") if layout.pp > 1 else None, zero=layout.zero1)
-    if layout.pp > 1:
-        runtime.before_last_backward = lambda chunk: optimizer.grads.mark_final([stages[chunk]])
+    runtime = build_runtime(stages, mesh, policy, optimizer, schedule=layout.schedule, microbatches=microbatches,
+                            micro_batch_size=micro_batch_size, seq_len=seq_len, sequence_parallel=sp)
     for batch in batches:
-        if layout.pp > 1:
-            loss, _ = pipeline_train_step(runtime, optimizer, batch, grad_clip=1.0)
-        else:
-            loss, _ = train_step(model, optimizer, batch, grad_clip=1.0, policy=policy)
+        loss, _ = train_step(runtime, optimizer, batch, grad_clip=1.0)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
     gc.collect()
@@ -165,14 +154,14 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
         dist.barrier()
         at = rss_bytes()
         with policy.compute_context(device):
-            out = model(ids, ids)
+            out = stages[0](ids, ids.shape[1], labels=ids)  # the single stage holds the whole model
         activations = rss_bytes() - at
         del out
         dist.barrier()
     return {"rank": rank, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
             "before": before, "peak": peak, "peak_before": peak_before, "measured": peak - before,
             "states": states, "activations": activations,
-            "params": sum(p.numel() for p in model.parameters()), "seconds": seconds, "loss": float(loss),
+            "params": sum(p.numel() for stage in stages for p in stage.parameters()), "seconds": seconds, "loss": float(loss),
             "report": optimizer.memory_report()}
 
 

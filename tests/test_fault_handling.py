@@ -34,18 +34,19 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at, nan_at):
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     run_step, weights = trainer.run_step, []
     calls = {"n": trainer.start_step}
-    forward = trainer.model.forward
+    stage = trainer.state.stages[0]  # one stage: these runs have no pipeline parallelism
+    forward = stage.forward
 
-    def poisoned(ids, labels=None):
-        loss = forward(ids, labels)
+    def poisoned(*args, **kwargs):
+        loss = forward(*args, **kwargs)
         return loss * float("nan") if calls["n"] + 1 == nan_at and rank == 0 else loss
 
-    trainer.model.forward = poisoned
+    stage.forward = poisoned
 
     def step(batch):
         lr = run_step(batch)
         calls["n"] += 1
-        weights.append({k: v.clone() for k, v in full_state_dict(trainer.model, trainer.tp).items()})
+        weights.append({k: v.clone() for k, v in full_state_dict(stage, trainer.tp).items()})
         if calls["n"] == signal_at and rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return lr

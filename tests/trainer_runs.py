@@ -37,9 +37,8 @@ def _train_worker(rank, world, recipe_yaml, prepared, steps):
         losses.append(read["loss"])
         norms.append(read["grad_norm"])
     trainer.loader.close()
-    modules = trainer.stages if trainer.pipeline is not None else [trainer.model]
     weights = {}
-    for module in modules:
+    for module in trainer.state.stages:
         weights.update({k: v.float() for k, v in full_state_dict(module, trainer.tp).items()})
     return {"losses": losses, "norms": norms, "weights": weights,
             "memory": trainer.optimizer.memory_report()}
@@ -90,7 +89,7 @@ def _checkpoint_worker(rank, world, recipe_yaml, prepared, steps, save_at):
     trainer.finish_checkpoints()
     trainer.loader.close()
     weights = {}
-    for module in trainer.modules:
+    for module in trainer.state.stages:
         weights.update(full_state_dict(module, trainer.tp))
     return {"losses": losses, "weights": weights, "start": trainer.start_step}
 

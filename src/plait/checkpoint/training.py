@@ -1,4 +1,4 @@
-"""What a training checkpoint holds, and putting it back into a trainer of any layout.
+"""What a training checkpoint holds, and putting it back into a run of any layout.
 
 Saved: the weights (and bf16-mixed master weights), the AdamW moments keyed by parameter name,
 the optimizer step count (which is also the learning-rate scheduler's position and the data
@@ -10,7 +10,7 @@ learning rate and optimizer state, and (under the same layout) the same dropout 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,29 +18,32 @@ from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.reader import CheckpointReader
 from plait.parallel_state import named_parameters_with_specs
 
+if TYPE_CHECKING:
+    from plait.train.run_state import RunState
 
-def layout_of(trainer) -> dict[str, Any]:
-    r, p = trainer.recipe, trainer.recipe.parallel
-    return {"world_size": trainer.world, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": trainer.dp.size,
-            "zero1": bool(p.zero1 and trainer.dp.size > 1), "kv_replication": trainer.mesh.kv_replication,
+
+def layout_of(state: RunState) -> dict[str, Any]:
+    r, p = state.recipe, state.recipe.parallel
+    return {"world_size": state.world, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": state.dp.size,
+            "zero1": bool(p.zero1 and state.dp.size > 1), "kv_replication": state.mesh.kv_replication,
             "sequence_parallel": p.sequence_parallel, "precision": r.precision.preset}
 
 
-def rng_states(trainer) -> dict[str, torch.Tensor]:
+def rng_states(state: RunState) -> dict[str, torch.Tensor]:
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
-    tracker = getattr(trainer.modules[0], "rng_tracker", None)
+    tracker = getattr(state.modules[0], "rng_tracker", None)
     if tracker is not None:
         for dev, state in tracker.get_state().items():
             states[f"tracker/{dev}"] = state
     return states
 
 
-def checkpoint_meta(trainer, step: int) -> dict[str, Any]:
-    return {"layout": layout_of(trainer), "recipe": trainer.resolved.as_recipe().model_dump(mode="json"),
-            "optimizer_step": trainer.optimizer.step_count(), "train_step": step,
-            "model_config": model_config_dict(trainer.config)}
+def checkpoint_meta(state: RunState, step: int) -> dict[str, Any]:
+    return {"layout": layout_of(state), "recipe": state.resolved.as_recipe().model_dump(mode="json"),
+            "optimizer_step": state.optimizer.step_count(), "train_step": step,
+            "model_config": model_config_dict(state.config), "model_family": type(state.config).family}
 
 
 def model_config_dict(config) -> dict[str, Any]:
@@ -51,45 +54,45 @@ def model_config_dict(config) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def restore(trainer, directory: str | Path) -> int:
-    """Load ``directory`` into the trainer's model and optimizer (any layout); returns the step to resume at."""
+def restore(state: RunState, directory: str | Path) -> int:
+    """Load ``directory`` into the run's stages and optimizer (any layout); returns the step to resume at."""
     with CheckpointReader(directory) as reader:
-        params = named_parameters_with_specs(trainer.modules)
+        params = named_parameters_with_specs(state.modules)
         reader.check_model({name: tuple(spec.full_shape) if spec is not None else tuple(p.shape)
                             for _, name, p, spec in params})
         step = int(reader.manifest.get("train_step", reader.step))
         for _, name, p, spec in params:
             kind = "master" if reader.has("master", name) else "model"
             reader.read_into(kind, name, p, spec)
-        opt = trainer.optimizer
+        opt = state.optimizer
         with_state = all(reader.has("exp_avg", name) for _, name, _, _ in params)
         if with_state:
             opt_step = int(reader.manifest.get("optimizer_step", step))
             by_name = {name: (p, spec) for _, name, p, spec in params}
             for entry in opt.layout.entries:
                 p, spec = by_name[entry.name]
-                state = {}
+                moments = {}
                 for kind in ("exp_avg", "exp_avg_sq", "master"):
                     if kind == "master" and not (opt.has_master and reader.has("master", entry.name)):
                         continue
                     buf = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                     reader.read_into(kind, entry.name, buf, spec)
-                    state[kind] = buf
-                opt.load_param_state(entry.name, state, opt_step)
+                    moments[kind] = buf
+                opt.load_param_state(entry.name, moments, opt_step)
         else:
             opt.sync_master_from_weights()
-        same_layout = reader.manifest.get("layout") == layout_of(trainer)
+        same_layout = reader.manifest.get("layout") == layout_of(state)
         if same_layout:
-            rng = reader.read_rng(trainer.rank)
+            rng = reader.read_rng(state.rank)
             if "cpu" in rng:
                 torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-            tracker = getattr(trainer.modules[0], "rng_tracker", None)
+            tracker = getattr(state.modules[0], "rng_tracker", None)
             tracked = {k[len("tracker/"):]: v for k, v in rng.items() if k.startswith("tracker/")}
             if tracker is not None and tracked:
                 tracker.set_state(tracked)
-    if step > trainer.recipe.train.steps:
-        raise CheckpointError(f"{directory} is at step {step}, beyond train.steps={trainer.recipe.train.steps}; "
+    if step > state.recipe.train.steps:
+        raise CheckpointError(f"{directory} is at step {step}, beyond train.steps={state.recipe.train.steps}; "
                               f"raise train.steps to continue training")
     return step

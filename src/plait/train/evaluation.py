@@ -7,7 +7,7 @@ global_batch_size`` sequences in file order; fewer whole batches when the split 
 one batch wrapping around the split when it is shorter than a global batch). Each global batch
 is cut like a training batch: data-parallel rank ``r`` takes the ``r``-th contiguous share of
 ``microbatches x micro_batch_size`` sequences and runs it as ``microbatches`` micro-batches
-(through the pipeline schedule under PP, one forward per micro-batch otherwise).
+(forward only, through the same runtime as training, for every layout).
 
 The loss is the exact token mean: every rank adds (sum of its token losses, its token count) in
 float64; the pair is summed over the pipeline group (only the last stage holds a loss) and the
@@ -57,26 +57,10 @@ def mean_token_loss(totals: torch.Tensor, *groups) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, dataset, *, global_batch: int, batches: int, microbatches: int, micro_batch_size: int, dp,
-             policy) -> float:
-    """Validation loss of a whole model (no pipeline parallelism); see the module docstring."""
-    device = next(model.parameters()).device
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in rank_batches(dataset, global_batch=global_batch, batches=batches, microbatches=microbatches,
-                              micro_batch_size=micro_batch_size, dp=dp):
-        for ids in batch.to(device):
-            with policy.compute_context(device):
-                loss = model(ids, ids)
-            tokens = counted_tokens(ids)
-            totals += torch.stack([loss.detach().double() * tokens, torch.tensor(float(tokens), dtype=torch.float64,
-                                                                                   device=device)])
-    return mean_token_loss(totals, dp)
-
-
-@torch.no_grad()
-def evaluate_pipeline(runtime, dataset, *, global_batch: int, batches: int, microbatches: int,
-                      micro_batch_size: int, dp, pp) -> float:
-    """Validation loss through the pipeline schedule (forward only); see the module docstring.
+def evaluate(runtime, dataset, *, global_batch: int, batches: int, microbatches: int,
+             micro_batch_size: int, dp, pp) -> float:
+    """Validation loss through the rank's schedule (forward only; one stage without pipeline
+    parallelism); see the module docstring.
 
     ``runtime.run`` returns the mean of the micro-batch mean losses on the last stage (zero
     elsewhere); micro-batches hold equal token counts, so times the batch's tokens it is the
@@ -95,5 +79,4 @@ def evaluate_pipeline(runtime, dataset, *, global_batch: int, batches: int, micr
     return mean_token_loss(totals, pp, dp)
 
 
-__all__ = ["counted_tokens", "evaluate", "evaluate_pipeline", "mean_token_loss", "rank_batches",
-           "validation_indices"]
+__all__ = ["counted_tokens", "evaluate", "mean_token_loss", "rank_batches", "validation_indices"]

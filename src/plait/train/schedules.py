@@ -25,7 +25,9 @@ def lr_factor(step: int, *, name: str, warmup_steps: int, total_steps: int, min_
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, name: str, warmup_steps: int, total_steps: int,
-                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+                    min_ratio: float, last_epoch: int = -1) -> torch.optim.lr_scheduler.LambdaLR:
+    """``last_epoch``: the last step already taken (-1: none); resuming needs ``initial_lr`` in the
+    optimizer's parameter groups, as for any PyTorch scheduler."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, name=name, warmup_steps=warmup_steps,
-                                          total_steps=total_steps, min_ratio=min_ratio))
+                                          total_steps=total_steps, min_ratio=min_ratio), last_epoch=last_epoch)

@@ -1,9 +1,9 @@
-"""One optimizer step: microbatches with gradient accumulation, DP reduction, clipping, update.
+"""One optimizer step: the schedule's micro-batches with gradient accumulation, DP reduction,
+clipping, update — the same function for every layout.
 
 Gradients accumulate in the optimizer's flat buffer; the data-parallel reduction of each bucket
-starts during the last microbatch's backward (under pipeline parallelism, during each stage's
-last backward) and is awaited before the norm. No host synchronisation happens here: the loss
-and the gradient norm are returned as device tensors.
+starts during each stage's last backward and is awaited before the norm. No host
+synchronisation happens here: the loss and the gradient norm are returned as device tensors.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import contextlib
 from typing import Callable, ContextManager
 
 import torch
-from torch import nn
 
 from plait.data_parallel.optimizer import DistributedOptimizer
-from plait.train.precision import PrecisionPolicy
 
 #: ``watch(operation, axis)`` -> a context manager timing a communicating phase (see train/watchdog.py)
 Watch = Callable[[str, str], ContextManager]
@@ -46,36 +44,17 @@ def finish_step(optimizer: DistributedOptimizer, grad_clip: float, loss: torch.T
     return norm
 
 
-def train_step(model: nn.Module, optimizer: DistributedOptimizer, batch: torch.Tensor, *, grad_clip: float,
-               policy: PrecisionPolicy, skip_nonfinite: bool = False,
-               watch: Watch = no_watch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch``: ``[microbatches, micro_batch, seq]``. Returns (mean loss, pre-clip grad norm)."""
-    device = optimizer.param_data.device
-    microbatches = batch.shape[0]
-    total = torch.zeros((), device=device)
-    for mb in range(microbatches):
-        ids = batch[mb].to(device, non_blocking=True)
-        if mb == microbatches - 1:
-            optimizer.grads.mark_final()
-        with watch("forward/backward (tensor-parallel collectives)", "tp"):
-            with policy.compute_context(device):
-                loss = model(ids, ids)
-            (loss / microbatches).backward()
-        total += loss.detach().float()
-    loss = total / microbatches
-    return loss, finish_step(optimizer, grad_clip, loss, skip_nonfinite, watch)
+def train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor, *, grad_clip: float,
+               skip_nonfinite: bool = False, watch: Watch = no_watch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step for every layout: the rank's schedule over ``batch`` (``[microbatches, micro_batch,
+    seq]``; one stage and plain gradient accumulation without pipeline parallelism), then the
+    reductions, norm, clipping and update of :func:`finish_step`.
 
-
-def pipeline_train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor, *,
-                        grad_clip: float, skip_nonfinite: bool = False,
-                        watch: Watch = no_watch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step under pipeline parallelism: the schedule, then the same reductions as ``train_step``.
-
-    The runtime calls ``optimizer.grads.mark_final`` before each stage's last backward (see
-    :meth:`Trainer <plait.train.trainer.Trainer>` wiring). Returns (loss, grad norm) as device
-    tensors; the loss is non-zero on the last stage only.
+    The runtime calls ``optimizer.grads.mark_final`` before each stage's last backward (wired by
+    :func:`plait.train.run_state.build_run`). Returns (loss, grad norm) as device tensors; the loss
+    is the mean over micro-batches on the rank holding the last stage and zero on the others.
     """
-    with watch("pipeline schedule (point-to-point and tensor-parallel collectives)", "pp"):
+    with watch("forward/backward (pipeline point-to-point and tensor-parallel collectives)", "pp, tp"):
         loss = runtime.run(batch, train=True)
     # the loss lives on the last stage only; a non-finite loss makes the gradients, hence the norm
     # that every stage shares, non-finite too

@@ -19,67 +19,14 @@ import torch
 import torch.distributed as dist
 
 from plait.checkpoint.writer import CheckpointWriter
-from plait.mesh import ParallelMesh
-from plait.train.evaluation import evaluate, evaluate_pipeline
+from plait.train.evaluation import evaluate
+from plait.train.run_state import RunState, build_run
 from plait.train.running_metrics import RunningMetrics
-from plait.train.schedules import build_scheduler
-from plait.train.precision import PrecisionPolicy, policy_for
-from plait.train.step import pipeline_train_step, train_step
+from plait.train.step import train_step
 
 
-def build_mesh(resolved, rank: int, world: int) -> ParallelMesh:
-    p = resolved.recipe.parallel
-    return ParallelMesh(world, rank, tp=p.tp, pp=p.pp, dp=resolved.dp,
-                        kv_replication=resolved.kv_replication, kv_placement=p.kv_placement)
-
-
-def build_model(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device):
-    from plait.materialize import build_llama
-    from plait.models.llama.hf_io import load_llama_from_hf
-
-    r = resolved.recipe
-    sp = r.parallel.sequence_parallel
-    if r.model.hf_path:
-        model = load_llama_from_hf(r.model.hf_path, mesh, sequence_parallel=sp, device=device)
-    else:
-        model = build_llama(r.model.to_llama_config(vocab_size), mesh, seed=r.run.seed, device=device,
-                            sequence_parallel=sp)
-    return model
-
-
-def build_pipeline(resolved, mesh: ParallelMesh, vocab_size: int, device: torch.device, policy: PrecisionPolicy):
-    """This rank's stages (only they are allocated), the runtime that drives them, and the config."""
-    from plait.materialize import build_llama_stages
-    from plait.pipeline.layout import partition_for
-    from plait.pipeline.runtime import PipelineRuntime
-
-    r = resolved.recipe
-    p = r.parallel
-    config = r.model.to_llama_config(vocab_size)
-    partition = partition_for(resolved, vocab_size)
-    if mesh.rank == 0:
-        print(f"pipeline split ({p.pp} ranks x {p.vpp} virtual stages):\n{partition.describe()}", flush=True)
-    layers = partition.stage_layers()
-    stages = build_llama_stages(config, mesh, layers, seed=r.run.seed, device=device,
-                                sequence_parallel=p.sequence_parallel)
-    runtime = PipelineRuntime(stages, mesh, schedule=p.schedule, microbatches=p.microbatches,
-                              micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
-                              hidden_size=config.hidden_size, sequence_parallel=p.sequence_parallel,
-                              dtype=policy.param_dtype,
-                              precision_context=(lambda: policy.compute_context(device)))
-    return stages, runtime, config
-
-
-def build_optimizer(resolved, modules: list[torch.nn.Module], mesh: ParallelMesh, policy: PrecisionPolicy):
-    """The rank's :class:`~plait.data_parallel.optimizer.DistributedOptimizer` for the recipe."""
-    from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
-
-    r = resolved.recipe
-    o, p = r.optimizer, r.parallel
-    hyper = OptimizerHyper(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, seed=r.run.seed)
-    return DistributedOptimizer(modules, policy, hyper, dp=mesh.info("dp"), tp=mesh.info("tp"),
-                                pp=mesh.info("pp"), tied=mesh.info("tied") if mesh.pp > 1 else None,
-                                zero=p.zero1, bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce)
+#: size cap of one file of the final Hugging Face checkpoint (Hugging Face's own default)
+FINAL_SHARD_BYTES = 5 * 1024**3
 
 
 class Trainer:
@@ -88,108 +35,61 @@ class Trainer:
     def __init__(self, resolved, prepared_dir: str | Path, rank: int, world: int) -> None:
         from plait.data.loader import BatchLoader
         from plait.data.sampler import GlobalBatchSampler
-        from plait.data.token_shards import TokenDataset
+        from plait.train.watchdog import Watchdog
 
+        self.state: RunState = build_run(resolved, prepared_dir, rank, world)
+        st = self.state
         self.resolved, self.recipe = resolved, resolved.recipe
         r = self.recipe
         self.rank, self.world = rank, world
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
         self.out = Path(resolved.output_dir)
-        self.mesh = build_mesh(resolved, rank, world)
-        self.tp, self.dp = self.mesh.info("tp"), self.mesh.info("dp")
-        self.train_data = TokenDataset(prepared_dir, "train", r.data.seq_len)
-        self.val_data = TokenDataset(prepared_dir, "val", r.data.seq_len)
-        self.pp = self.mesh.info("pp")
-        self.policy = policy_for(r.precision.preset, r.precision.knobs())
-        self._seed_default_generator()
-        self.pipeline = None
-        if r.parallel.pp > 1:
-            self.stages, self.pipeline, self.config = build_pipeline(resolved, self.mesh, self.train_data.vocab_size,
-                                                                     self.device, self.policy)
-            self.model = torch.nn.ModuleList(self.stages)  # the parameters this rank owns
-            modules = self.stages
-        else:
-            self.model = build_model(resolved, self.mesh, self.train_data.vocab_size, self.device)
-            self.config = self.model.config
-            modules = [self.model]
-        for module in modules:  # the per-TP-rank dropout stream follows the same run seed
-            module.rng_tracker.reseed(self.dropout_seed)
-        self._apply_activation_checkpointing(modules)
-        self.optimizer = build_optimizer(resolved, modules, self.mesh, self.policy)
-        if self.pipeline is not None:
-            stages, grads = self.stages, self.optimizer.grads
-            self.pipeline.before_last_backward = lambda chunk: grads.mark_final([stages[chunk]])
-        s = r.scheduler
-        self.scheduler = build_scheduler(self.optimizer.inner, name=s.name, warmup_steps=s.warmup_steps,
-                                         total_steps=r.train.steps, min_ratio=s.min_lr_ratio)
-        self.modules = modules
-        from plait.train.watchdog import Watchdog
-
         self.watchdog = Watchdog(r.train.stall_timeout_s, rank)
         c = r.checkpoint
         self.checkpoints = CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
                                             keep_every=c.keep_every)
-        # a gloo group for host-side agreement (preemption) that never touches the accelerator
-        self._control = None
-        if world > 1:
-            self._control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._stop_signal = 0
-        self.start_step = self._resume()
-        sampler = GlobalBatchSampler(len(self.train_data), resolved.global_batch_size, r.run.seed)
-        self.loader = BatchLoader(self.train_data, sampler, dp_rank=self.dp.rank, dp=self.dp.size,
+        sampler = GlobalBatchSampler(len(st.train_data), resolved.global_batch_size, r.run.seed)
+        self.loader = BatchLoader(st.train_data, sampler, dp_rank=st.dp.rank, dp=st.dp.size,
                                   microbatches=r.parallel.microbatches, prefetch=r.data.prefetch,
-                                  start_step=self.start_step)
-        self.metrics = RunningMetrics(self.device)
+                                  start_step=st.start_step)
+        self.metrics = RunningMetrics(st.device)
         self.peak_flops = self._measure_peak_once()
-        self.flops_per_token = None
         self.is_writer = rank == 0
         self.sinks = self._build_sinks() if self.is_writer else None
 
+    # views of the run state that the loop and the tests read
+    @property
+    def start_step(self) -> int:
+        return self.state.start_step
+
+    @property
+    def optimizer(self):
+        return self.state.optimizer
+
+    @property
+    def tp(self):
+        return self.state.tp
+
+    @property
+    def dp(self):
+        return self.state.dp
+
+    @property
+    def pp(self):
+        return self.state.pp
+
     # ------------------------------------------------------------------ checkpoints
-    def _resume(self) -> int:
-        """Clean up interrupted saves and, per ``checkpoint.resume``, load a checkpoint; returns the start step."""
-        from plait.checkpoint.store import latest_checkpoint, remove_incomplete
-        from plait.checkpoint.training import restore
-
-        c, root = self.recipe.checkpoint, Path(self.resolved.save_dir)
-        if self.rank == 0:
-            for d in remove_incomplete(root):
-                print(f"removed the interrupted checkpoint {d}", flush=True)
-        if self.world > 1:
-            dist.barrier(group=self._control)
-        if c.resume == "none":
-            return 0
-        directory = latest_checkpoint(root) if c.resume == "auto" else Path(c.resume)
-        if directory is None:
-            if self.rank == 0:
-                print(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from step 0", flush=True)
-            return 0
-        step = restore(self, directory)
-        self._set_schedule_step(step)
-        if self.rank == 0:
-            print(f"resumed from {directory} at step {step}", flush=True)
-        return step
-
-    def _set_schedule_step(self, step: int) -> None:
-        """Put the learning-rate schedule where it is after ``step`` optimizer steps."""
-        sch = self.scheduler
-        lrs = [base * fn(step) for base, fn in zip(sch.base_lrs, sch.lr_lambdas)]
-        for group, lr in zip(self.optimizer.inner.param_groups, lrs):
-            group["lr"] = lr
-        sch.last_epoch = step
-        sch._last_lr = lrs
-
     def save_checkpoint(self, step: int, *, sync: bool = False) -> float:
         """Snapshot this rank's state and write it (in the background unless ``sync``); returns the
         seconds the training loop was held up."""
         from plait.checkpoint.training import checkpoint_meta, rng_states
 
         start = time.perf_counter()
-        tokenizer = self.train_data.directory / self.train_data.index.get("tokenizer", "tokenizer.json")
+        st = self.state
+        tokenizer = st.train_data.directory / st.train_data.index.get("tokenizer", "tokenizer.json")
         attachments = {"tokenizer.json": tokenizer} if tokenizer.is_file() else {}
-        snap = self.checkpoints.snapshot(step, self.modules, self.optimizer, self.mesh, checkpoint_meta(self, step),
-                                         rng_states(self), attachments)
+        snap = self.checkpoints.snapshot(step, st.stages, st.optimizer, st.mesh, checkpoint_meta(st, step),
+                                         rng_states(st), attachments)
         self.last_snapshot_bytes = snap.nbytes
         if self.recipe.checkpoint.async_save and not sync:
             self.checkpoints.write_async(snap)
@@ -201,7 +101,7 @@ class Trainer:
         """Wait for the background save; every rank returns only after the checkpoint is committed."""
         self.checkpoints.wait()
         if self.world > 1:
-            dist.barrier(group=self._control)
+            dist.barrier(group=self.state.control)
 
     def _install_signal_handlers(self) -> None:
         import signal
@@ -220,37 +120,19 @@ class Trainer:
         """Time a communicating phase for the stall watchdog, naming its group(s) and their ranks."""
         groups = []
         for name in (a.strip() for a in axis.replace(" and ", ",").split(",")):
-            if name in ("tp", "pp", "dp", "cp", "kv", "tied") and self.mesh.info(name).size > 1:
-                groups.append(f"group {name}, ranks {self.mesh.my_group_ranks(name)}")
+            if name in ("tp", "pp", "dp", "cp", "kv", "tied") and self.state.mesh.info(name).size > 1:
+                groups.append(f"group {name}, ranks {self.state.mesh.my_group_ranks(name)}")
         return self.watchdog.watch(operation, "; ".join(groups) or "no peers")
 
     def _stop_requested(self) -> int:
         """The signal any rank received (0: none), agreed by all ranks at a step boundary."""
-        if self._control is None:
+        control = self.state.control
+        if control is None:
             return self._stop_signal
         flag = torch.tensor([self._stop_signal], dtype=torch.int64)
         with self.watchdog.watch("preemption check (all-reduce of the stop flag)", "all ranks"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
         return int(flag[0])
-
-    def _seed_default_generator(self) -> None:
-        """Seed the global RNG (dropout outside tensor-parallel regions) from the run seed.
-
-        Ranks of one TP group get the same seed, since they apply dropout to the same replicated
-        activations; data-parallel replicas and pipeline stages get different ones. Randomness
-        that must differ across TP ranks comes from each model's ``rng_tracker``.
-        """
-        m = self.mesh
-        self.dropout_seed = self.recipe.run.seed * 1_000_003 + 7919 * (m.info("dp").rank * m.pp + self.pp.rank)
-        torch.manual_seed(self.dropout_seed)
-
-    def _apply_activation_checkpointing(self, modules: list[torch.nn.Module]) -> None:
-        t = self.recipe.train
-        if t.activation_checkpointing == "off":
-            return
-        from plait.activation_checkpointing import apply_activation_checkpointing
-
-        apply_activation_checkpointing(modules, t.activation_checkpointing, t.checkpoint_modules or None)
 
     def _measure_peak_once(self) -> float:
         """The per-device peak FLOP/s, measured (CPU) or looked up once, on rank 0, then shared.
@@ -265,7 +147,7 @@ class Trainer:
         if self.rank == 0:
             value[0] = peak_flops(detect_device(), dtype, torch.get_num_threads())
         if self.world > 1:
-            buf = value.to(self.device)  # NCCL needs a device tensor; gloo takes the CPU one
+            buf = value.to(self.state.device)  # NCCL needs a device tensor; gloo takes the CPU one
             dist.broadcast(buf, src=0)
             value = buf.cpu()
         return float(value[0])
@@ -297,10 +179,10 @@ class Trainer:
         tokens = steps * self.resolved.tokens_per_step
         tps = tokens / max(seconds, 1e-9)
         per_device = tps / self.world
-        fpt = model_flops_per_token(self.config, self.recipe.data.seq_len)
+        fpt = model_flops_per_token(self.state.config, self.recipe.data.seq_len)
         return {"tokens_per_s": tps, "tokens_per_s_per_device": per_device,
                 "mfu": mfu(per_device, fpt, self.peak_flops),
-                "peak_memory_gb": peak_memory_bytes(self.device) / 1e9,
+                "peak_memory_gb": peak_memory_bytes(self.state.device) / 1e9,
                 "data_wait_share": data_wait / max(seconds, 1e-9)}
 
     # ------------------------------------------------------------------ loop
@@ -309,17 +191,13 @@ class Trainer:
 
         Nothing in here reads a device value on the host (tests/test_trainer.py counts).
         """
-        r = self.recipe
+        r, st = self.recipe, self.state
         skip = r.train.nonfinite == "skip"
-        if self.pipeline is not None:
-            loss, norm = pipeline_train_step(self.pipeline, self.optimizer, batch, grad_clip=r.optimizer.grad_clip,
-                                             skip_nonfinite=skip, watch=self.watch)
-        else:
-            loss, norm = train_step(self.model, self.optimizer, batch, grad_clip=r.optimizer.grad_clip,
-                                    policy=self.policy, skip_nonfinite=skip, watch=self.watch)
+        loss, norm = train_step(st.runtime, st.optimizer, batch, grad_clip=r.optimizer.grad_clip,
+                                skip_nonfinite=skip, watch=self.watch)
         self.watchdog.step += 1
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        lr = st.scheduler.get_last_lr()[0]
+        st.scheduler.step()
         self.metrics.add(loss, norm, skip_nonfinite=skip)
         return lr
 
@@ -405,32 +283,37 @@ class Trainer:
 
     def _eval_fields(self) -> dict[str, float]:
         """Validation loss on the same sequences under every layout (see train/evaluation.py)."""
-        r = self.recipe
-        split = dict(global_batch=self.resolved.global_batch_size, batches=r.train.eval_batches,
-                     microbatches=r.parallel.microbatches, micro_batch_size=r.data.micro_batch_size, dp=self.dp)
-        if self.pipeline is not None:
-            val = evaluate_pipeline(self.pipeline, self.val_data, pp=self.pp, **split)
-        else:
-            val = evaluate(self.model, self.val_data, policy=self.policy, **split)
+        r, st = self.recipe, self.state
+        val = evaluate(st.runtime, st.val_data, global_batch=self.resolved.global_batch_size,
+                       batches=r.train.eval_batches, microbatches=r.parallel.microbatches,
+                       micro_batch_size=r.data.micro_batch_size, dp=st.dp, pp=st.pp)
         return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
 
     # ------------------------------------------------------------------ end of run
     def finish(self, final: dict[str, Any], prepared_dir: str | Path) -> None:
-        """Final checkpoint, tokenizer, plot, summary and a generated sample.
+        """The end of every run, whatever the layout: the final Hugging Face checkpoint, the sample,
+        then (rank 0) tokenizer, plot and summary.
 
-        ``train.sample_tokens=0`` asks for no sample: nothing is generated or printed and no
-        ``sample.txt`` is written.
+        The final model goes through the sharded checkpoint of the last step (written now unless
+        ``save_every`` already did), which rank 0 converts tensor by tensor: every stage writes its
+        own shard, so no rank ever holds the whole model. ``train.sample_tokens=0`` asks for no
+        sample: nothing is generated or printed and no ``sample.txt`` is written.
         """
+        from plait.checkpoint.convert import plait_to_hf
+        from plait.checkpoint.store import latest_checkpoint
         from plait.data.baseline import unigram_loss
-        from plait.models.llama.hf_io import save_hf_checkpoint
         from plait.train.report import plot_run, summary_table
 
-        r = self.recipe
-        if self.pipeline is not None:
-            self._finish_pipeline(prepared_dir)
-            return
+        r, st = self.recipe, self.state
         if r.checkpoint.save_final:
-            save_hf_checkpoint(self.model, self.resolved.checkpoint_dir, self.tp, replace=True)  # checked before launch
+            step = final.get("final_step", r.train.steps)
+            latest = latest_checkpoint(self.resolved.save_dir)
+            if latest is None or latest.name != f"step-{step:08d}":
+                self.save_checkpoint(step, sync=True)
+            self.finish_checkpoints()
+            if self.is_writer:
+                plait_to_hf(latest_checkpoint(self.resolved.save_dir), self.resolved.checkpoint_dir, progress=False,
+                            overwrite=True, max_shard_bytes=FINAL_SHARD_BYTES)  # target checked before launch
         sample = self._sample() if r.train.sample_tokens > 0 else None
         if not self.is_writer:
             return
@@ -441,12 +324,14 @@ class Trainer:
         if r.logging.plot and metrics_file.exists():
             plot_run(metrics_file, self.out / "loss.png")
         summary = summary_table(metrics_file, self.start_step) if metrics_file.exists() else json.dumps(final, indent=1)
-        baseline = unigram_loss(prepared_dir, self.train_data.vocab_size)
+        baseline = unigram_loss(prepared_dir, st.train_data.vocab_size)
         summary += f"\nunigram baseline val loss {baseline:.4f} (a model ignoring context)"
         if "val_loss" in final:
             summary += f"; this run: {final['val_loss']:.4f}"
         (self.out / "summary.txt").write_text(summary + "\n")
         print("\n" + summary, flush=True)
+        if r.checkpoint.save_final:
+            print(f"final Hugging Face checkpoint: {self.resolved.checkpoint_dir}", flush=True)
         if sample is not None:
             (self.out / "sample.txt").write_text(sample + "\n")
             print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
@@ -455,43 +340,11 @@ class Trainer:
     def _sample(self) -> str:
         """``train.sample_tokens`` tokens generated after ``train.sample_prompt`` (every rank takes part)."""
         from plait.generate import generate
+        from plait.pipeline.stages_lm import StagesCausalLM
 
-        r = self.recipe
-        tokenizer = self.train_data.tokenizer()
-        prompt = tokenizer.encode(r.train.sample_prompt).ids or [self.train_data.eos_id]
-        ids = generate(self.model, torch.tensor([prompt]), r.train.sample_tokens, top_k=40, top_p=0.95,
-                       temperature=0.8, seed=r.run.seed, eos_id=self.train_data.eos_id)
+        r, st = self.recipe, self.state
+        tokenizer = st.train_data.tokenizer()
+        prompt = tokenizer.encode(r.train.sample_prompt).ids or [st.train_data.eos_id]
+        ids = generate(StagesCausalLM(st.stages, st.mesh), torch.tensor([prompt]), r.train.sample_tokens, top_k=40,
+                       top_p=0.95, temperature=0.8, seed=r.run.seed, eos_id=st.train_data.eos_id)
         return tokenizer.decode(ids[0].tolist())
-
-    def _finish_pipeline(self, prepared_dir: str | Path) -> None:
-        """Under pipeline parallelism: the final Hugging Face checkpoint (through a sharded checkpoint
-        that rank 0 converts), tokenizer, plot and summary (no sample yet)."""
-        from plait.checkpoint.convert import plait_to_hf
-        from plait.checkpoint.store import latest_checkpoint
-        from plait.data.baseline import unigram_loss
-        from plait.train.report import plot_run, summary_table
-
-        r = self.recipe
-        if r.checkpoint.save_final:
-            steps = r.train.steps
-            latest = latest_checkpoint(self.resolved.save_dir)
-            if latest is None or latest.name != f"step-{steps:08d}":
-                self.save_checkpoint(steps, sync=True)
-            self.finish_checkpoints()
-            if self.is_writer:
-                plait_to_hf(latest_checkpoint(self.resolved.save_dir), self.resolved.checkpoint_dir, progress=False,
-                            overwrite=True)  # checked before launch
-        if not self.is_writer:
-            return
-        shutil.copy(Path(prepared_dir) / "tokenizer.json", self.out / "tokenizer.json")
-        metrics_file = self.out / "metrics.jsonl"
-        if self.recipe.logging.plot and metrics_file.exists():
-            plot_run(metrics_file, self.out / "loss.png")
-        summary = summary_table(metrics_file, self.start_step) if metrics_file.exists() else ""
-        summary += f"\nunigram baseline val loss {unigram_loss(prepared_dir, self.train_data.vocab_size):.4f}"
-        (self.out / "summary.txt").write_text(summary + "\n")
-        print("\n" + summary, flush=True)
-        if r.checkpoint.save_final:
-            print(f"final Hugging Face checkpoint: {self.resolved.checkpoint_dir}", flush=True)
-        if r.train.sample_tokens > 0:
-            print("note: under pipeline parallelism this version generates no sample", flush=True)

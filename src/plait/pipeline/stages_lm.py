@@ -1,0 +1,69 @@
+"""A rank's pipeline stages seen as one causal LM, ``forward(ids) -> logits`` on every rank.
+
+Generation (:func:`plait.generate.generate`) needs nothing from a model but ``model(ids)`` returning
+the same full-vocabulary logits on every rank. With one stage (no pipeline parallelism) that is the
+stage itself. With several, the hidden states of the prompt go through the global stages in order
+(point-to-point over the pipeline group; each rank runs the chunks it holds), and the last stage's
+logits are broadcast over the pipeline group, so every rank samples the same token with its
+identically seeded generator and no further communication.
+
+Shapes are known on both ends of every transfer: ``[batch, n / tp (sequence parallel) or n,
+hidden]`` for a prompt of ``n`` tokens (generation pads ``n`` to a multiple of the TP degree under
+sequence parallelism), in the stages' parameter dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.mesh import ParallelMesh
+
+
+class StagesCausalLM(nn.Module):
+    """``stages``: this rank's chunks in chunk order (chunk ``c`` is global stage ``c * pp + pp_rank``)."""
+
+    def __init__(self, stages: list[nn.Module], mesh: ParallelMesh) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(stages)
+        self.mesh = mesh
+        self.pp, self.pp_rank = mesh.pp, mesh.pp_rank
+        self.num_stages = self.pp * len(stages)
+        first = stages[0]
+        self.config = first.config
+        for attr in ("tensor_parallel", "sequence_parallel"):  # what generation reads for its padding
+            if hasattr(first, attr):
+                setattr(self, attr, getattr(first, attr))
+
+    def _owner(self, stage: int) -> int:
+        return self.mesh.my_group_ranks("pp")[stage % self.pp]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[1]
+        if self.num_stages == 1:
+            return self.chunks[0](input_ids, n)
+        param = next(self.chunks[0].parameters())
+        group = self.mesh.group("pp")
+        sp = getattr(self, "sequence_parallel", False)
+        local = n // self.tensor_parallel.size if sp else n
+        shape = (input_ids.shape[0], local, self.config.hidden_size)
+        h: torch.Tensor | None = None
+        for stage in range(self.num_stages):
+            if stage % self.pp != self.pp_rank:
+                continue
+            chunk = self.chunks[stage // self.pp]
+            if stage == 0:
+                x = input_ids
+            else:
+                x = torch.empty(shape, dtype=param.dtype, device=param.device)
+                dist.recv(x, src=self._owner(stage - 1), group=group)
+            h = chunk(x, n)
+            if stage < self.num_stages - 1:
+                dist.send(h.contiguous(), dst=self._owner(stage + 1), group=group)
+        last = self._owner(self.num_stages - 1)
+        logits = h if self.mesh.rank == last else torch.empty(
+            (input_ids.shape[0], n, self.config.vocab_size), dtype=param.dtype, device=param.device)
+        logits = logits.contiguous()
+        dist.broadcast(logits, src=last, group=group)
+        return logits
