@@ -303,3 +303,110 @@ def test_config_validate_applies_the_output_rules(tmp_path, capsys):
     assert "checkpoint.dir=" in capsys.readouterr().err
     assert main(["config", "validate", f"run.output_dir={tmp_path / 'new'}"]) == 0
     assert not (tmp_path / "new").exists(), "validate only reads"
+
+
+# ------------------------------------------------------------------ found by trying it as a new user
+def test_convert_dest_inside_the_source_or_unwritable_is_one_line(run_dir, tmp_path, capsys):
+    before = _snapshot(run_dir)
+    inside = run_dir / "checkpoints" / "step-00000000" / "sub"
+    assert main(["convert", str(run_dir / "checkpoints"), str(inside), "--no-progress"]) == 2
+    assert "inside the source" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["convert", str(run_dir / "checkpoints"), str(blocker / "hf"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "DEST=" in err and "cannot be written" in err and "Traceback" not in err
+    assert _snapshot(run_dir) == before
+
+
+def test_a_fresh_run_does_not_train_over_an_earlier_runs_checkpoints(run_dir, tmp_path):
+    """resume=none over checkpoints would let retention delete them: continue, overwrite or move."""
+    data = {"run": {"output_dir": str(run_dir)}, "train": {"steps": 40},
+            "parallel": {"tp": 1, "sequence_parallel": False}}
+    with pytest.raises(OutputDirError, match="checkpoints of an earlier run.*resume=auto"):
+        check_outputs(validate_recipe(data, 1))
+    check_outputs(validate_recipe({**data, "checkpoint": {"resume": "auto"}}, 1))
+    check_outputs(validate_recipe({**data, "checkpoint": {"overwrite": True}}, 1))
+
+
+def test_home_directory_is_expanded_in_output_directories(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    resolved = _resolved(tmp_path, "run.output_dir=~/runs/x")
+    assert resolved.output_dir == str(tmp_path / "runs" / "x")
+    assert resolved.save_dir.startswith(str(tmp_path))
+
+
+def test_the_probe_names_the_setting_value(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputDirError, match=rf"checkpoint.dir={blocker / 'final'} cannot be written"):
+        claim_outputs(_resolved(tmp_path, f"checkpoint.dir={blocker / 'final'}"))
+
+
+_ORPHAN = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import time
+from plait.launch import exit_when_orphaned
+exit_when_orphaned(grace_s=1.0, poll_s=0.1)
+print("ready", flush=True)
+time.sleep(120)
+'''], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_ends_when_its_launcher_is_killed(tmp_path):
+    """kill -9 of plait train during start-up left its workers waiting forever (re-parented)."""
+    launcher = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state == "Z":  # ended; only waiting for a parent (PID 1 here) to reap it
+            return
+        time.sleep(0.2)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the orphaned worker did not end")
+
+
+def test_a_data_error_met_by_a_worker_is_one_line(tmp_path):
+    """Token ids past the vocabulary in a shard whose index says otherwise are found when a batch
+    is drawn, inside the workers: each says so in one line and plait train exits 2, without the
+    launcher's tracebacks."""
+    import json
+
+    import numpy as np
+
+    from plait.config import load_recipe
+    from plait.train.entry import prepare_data
+
+    env = {**os.environ, "PLAIT_CACHE": str(tmp_path / "cache")}
+    os.environ["PLAIT_CACHE"] = env["PLAIT_CACHE"]
+    try:
+        src = tmp_path / "docs.jsonl"
+        src.write_text("".join(f'{{"text": "Record {i}: a small brown dog runs home to eat {i} apples."}}\n'
+                               for i in range(400)))
+        items = [f"data.source={src}", "data.vocab_size=300", "data.seq_len=16", "parallel.tp=1",
+                 "parallel.sequence_parallel=false", "model.max_position_embeddings=16", "model.hidden_size=32",
+                 "model.intermediate_size=64", "model.num_hidden_layers=1", "data.micro_batch_size=4"]
+        prepared = prepare_data(load_recipe(None, items))
+    finally:
+        del os.environ["PLAIT_CACHE"]
+    dtype = json.loads((prepared / "index.json").read_text()).get("dtype", "uint16")
+    shard = np.memmap(prepared / "train-00000.bin", dtype=np.dtype(dtype), mode="r+")
+    shard[::7] = 5000
+    shard.flush()
+    cmd = [sys.executable, "-m", "plait.cli", "train", *items, f"run.output_dir={tmp_path / 'run'}", "train.steps=2",
+           "scheduler.warmup_steps=1", "logging.progress_bar=false", "--nproc", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "token id 5000" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "rank 0 (exit status 2)" in proc.stderr or "rank 1 (exit status 2)" in proc.stderr

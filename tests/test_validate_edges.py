@@ -181,11 +181,23 @@ def test_the_memory_threshold_counts_model_state_of_the_processes_on_this_host()
     assert 16 * params / 2 <= states[0] <= 16 * params
     need = local_state_bytes(states, 4, 4)
     assert need == 4 * states[0]
+    # on a CPU host the step's peak counts: the model state plus activations
+    peaks, _ = state_bytes_per_stage(resolved, with_activations=True)
+    assert peaks[0] > states[0]
+    need = local_state_bytes(peaks, 4, 4)
     assert model_state_problem(resolved, memory=need, accelerated=False) is None
     assert model_state_problem(resolved, memory=need - 1, accelerated=False) is not None
     # two of the four processes on this host (a launched multi-host world), or one per device
     assert model_state_problem(resolved, memory=need // 2, local=2, accelerated=False) is None
     assert model_state_problem(resolved, memory=states[0], accelerated=True) is None
+
+
+def test_a_micro_batch_whose_activations_cannot_fit_is_refused_before_launch():
+    """The parameters fit, the activations of 100,000 sequences per micro-batch do not (it met the
+    kernel's out-of-memory killer after launch before)."""
+    text = message(problems(["data.micro_batch_size=100000", "data.global_batch_size=null", "parallel.tp=1",
+                             "parallel.sequence_parallel=false"], 1), "model")
+    assert "physical memory" in text and "micro_batch_size=100000" in text
 
 
 # ---------------------------------------------------------------------- 13, 14: the built-in default

@@ -11,6 +11,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import uuid
 from typing import Any, Callable
 
@@ -52,8 +54,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class WorkersFailed(RuntimeError):
+    """Local workers ended with a non-zero status; each printed its own reason already."""
+
+    def __init__(self, failures: dict[int, int]) -> None:
+        self.failures = failures
+        self.status = max(failures.values()) if failures else 1
+        ranks = ", ".join(f"rank {r} (exit status {code})" for r, code in sorted(failures.items()))
+        super().__init__(f"{ranks} failed; the reason is printed above")
+
+
 def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None:
-    """Run ``entrypoint(*args)`` on ``nproc`` local ranks with a c10d rendezvous on localhost."""
+    """Run ``entrypoint(*args)`` on ``nproc`` local ranks with a c10d rendezvous on localhost.
+
+    Raises :class:`WorkersFailed` when a worker fails: the elastic launcher's own report (a
+    traceback of the launcher per failed rank) says nothing the worker did not print.
+    """
     if in_launched_world():
         entrypoint(*args)
         return
@@ -63,6 +79,7 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
                           monitor_interval=0.5, start_method="spawn")
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     quiet = CleanStopFilter()
     loggers = [logging.getLogger(name) for name in CleanStopFilter.LOGGERS]
@@ -70,6 +87,8 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None
         logger.addFilter(quiet)
     try:
         elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as e:
+        raise WorkersFailed({rank: int(f.exitcode) for rank, f in e.failures.items()}) from None
     except SignalException as e:
         # SIGTERM/SIGINT reached the launcher as well as the workers; the workers have written a
         # checkpoint and exited cleanly (see Trainer.fit), so preemption is a normal end here.
@@ -87,11 +106,15 @@ class CleanStopFilter(logging.Filter):
     preemption path (each worker checkpoints and exits with status 0). Those two messages are
     dropped, and the second only after the first (the agent also closes workers that way after a
     real failure). A worker that does not stop in time ("Unable to shutdown process ...", then
-    SIGKILL), any other death signal, and worker tracebacks still show.
+    SIGKILL), any other death signal, and worker tracebacks still show. The launcher's traceback
+    for a worker that exited with the user-error status (2, after printing its one-line reason)
+    is dropped too; any other exit status keeps it.
     """
 
     LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
     STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    #: a worker's exit status after it printed a user error (see plait.train.entry)
+    USER_ERROR = 2
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,6 +122,8 @@ class CleanStopFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg, args = record.msg, record.args if isinstance(record.args, tuple) else ()
+        if isinstance(msg, str) and msg.startswith("failed (exitcode: %s)") and args and args[0] == self.USER_ERROR:
+            return False  # the worker printed its one-line reason; the launcher's traceback adds nothing
         if msg == "Received %s death signal, shutting down workers" and args and self._is_stop(args[0]):
             self.stopping = True
             return False
@@ -115,10 +140,41 @@ class CleanStopFilter(logging.Filter):
         return value in self.STOP_SIGNALS
 
 
+#: seconds an orphaned worker has to stop after its SIGTERM before it is ended
+ORPHAN_GRACE_S = 60.0
+
+
+def exit_when_orphaned(grace_s: float = ORPHAN_GRACE_S, poll_s: float = 1.0) -> threading.Thread:
+    """End this worker if its launcher dies (``kill -9`` of ``plait train`` or of ``torchrun``).
+
+    A worker whose launcher is gone is re-parented and, if it waits in a rendezvous or a
+    collective, waits forever, holding memory (on GPUs, device memory). A daemon thread watches the
+    parent PID: when it changes, the worker gets SIGTERM (during training: the preemption path,
+    which checkpoints at the next step boundary) and, if it is still alive ``grace_s`` later, ends.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="plait-orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def init_worker(threads: int = 1) -> tuple[int, int]:
-    """Initialise the default process group from the launcher's environment; ``(rank, world)``."""
+    """Initialise the default process group from the launcher's environment; ``(rank, world)``.
+
+    The worker also stops by itself if its launcher dies (:func:`exit_when_orphaned`).
+    """
     import torch
     import torch.distributed as dist
+
+    exit_when_orphaned()
 
     torch.set_num_threads(threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"

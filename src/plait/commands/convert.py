@@ -41,7 +41,6 @@ def run(args) -> int:
     from plait.checkpoint.convert import describe, hf_to_plait, plait_to_hf
     from plait.checkpoint.format import MANIFEST, CheckpointError
     from plait.checkpoint.store import latest_checkpoint
-    from plait.outputs.ownership import require_not_containing
 
     src = Path(args.source)
     if not src.is_dir():
@@ -58,7 +57,7 @@ def run(args) -> int:
                 return 0
             if args.dest is None:
                 return _fail("give the output Hugging Face directory")
-            require_not_containing(args.dest, [("the source", src)], what="DEST")
+            _check_dest(Path(args.dest), src)
             out = plait_to_hf(ckpt, args.dest, dtype=args.dtype, progress=not args.no_progress,
                               overwrite=args.overwrite)
             print(f"wrote {out} from {ckpt}")
@@ -67,9 +66,21 @@ def run(args) -> int:
             return _fail(f"{src} is neither a plait checkpoint nor a Hugging Face directory (no config.json)")
         if args.dest is None:
             return _fail("give the directory that receives the plait checkpoint")
-        require_not_containing(args.dest, [("the source", src)], what="DEST")
+        _check_dest(Path(args.dest), src)
         out = hf_to_plait(src, args.dest, progress=not args.no_progress, overwrite=args.overwrite)
         print(f"wrote {out}; train from it with checkpoint.resume={out}")
         return 0
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         return _fail(str(e))
+    except OSError as e:  # the disk filled up, a file vanished: name the file, no traceback
+        return _fail(f"{e.filename or args.dest}: {e.strerror or e}")
+
+
+def _check_dest(dest: Path, src: Path) -> None:
+    """DEST may neither contain the source nor lie inside it, and must be writable (before any work)."""
+    from plait.outputs.ownership import OutputDirError, is_within, probe_writable, require_not_containing
+
+    require_not_containing(dest, [("the source", src)], what="DEST")
+    if is_within(dest, src):
+        raise OutputDirError(f"DEST={dest} lies inside the source {src}; write the output outside it")
+    probe_writable(dest.parent, what="DEST", target=dest)

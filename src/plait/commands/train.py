@@ -96,7 +96,7 @@ def run(args) -> int:
 def _prepare_and_launch(resolved, data: dict, world: int) -> int:
     """Prepare the data once (in the parent) and start the ranks; exit status 2 for data errors."""
     from plait.config.load import dump_recipe_text
-    from plait.launch import in_launched_world, launch_local
+    from plait.launch import WorkersFailed, in_launched_world, launch_local
     from plait.train.entry import prepare_data, train_worker
 
     # The ranks receive the recipe as the user wrote it (file + overrides) and validate it again
@@ -112,5 +112,9 @@ def _prepare_and_launch(resolved, data: dict, world: int) -> int:
             print(f"plait train: {e}", file=sys.stderr)
             return 1
         print(f"launching {world} process(es): {resolved.summary_line()}", flush=True)
-    launch_local(train_worker, world, text)
+    try:
+        launch_local(train_worker, world, text)
+    except WorkersFailed as e:
+        print(f"plait train: {e}", file=sys.stderr)
+        return e.status
     return 0

@@ -4,9 +4,10 @@ A model too large for the machine otherwise fails after launch, each rank dying 
 materializes its shard, with a launcher traceback per rank. The check is deliberately a lower
 bound on the need, so it refuses only what certainly cannot run here:
 
-* only the model state counts (parameters, gradient buffer, optimizer state, master weights,
-  ZeRO-1's gradient shard: :attr:`plait.plan.memory.MemoryBreakdown.model_states`, the memory
-  model the planner uses); activations, allocator caches and the framework itself come on top;
+* on a CPU host the planner's peak of a step counts (model state, activations, logits and
+  communication buffers: :attr:`plait.plan.memory.MemoryBreakdown.total`, measured within a few
+  percent of the real peak, see docs/plan_memory.md); allocator caches and the framework itself
+  come on top; on an accelerator host only the model state counts;
 * on a CPU host every process on it keeps its state in host memory, so the state of all the
   processes this host runs is compared with its physical memory. ``plait train`` runs the whole
   world here; under torchrun/SLURM ``LOCAL_WORLD_SIZE`` says how many processes this host runs;
@@ -52,8 +53,10 @@ def _accelerated() -> bool:
     return torch.cuda.is_available()
 
 
-def state_bytes_per_stage(resolved: ResolvedRecipe) -> tuple[list[int], str]:
-    """``(model-state bytes of one process of each pipeline rank, precision priced)``.
+def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = False) -> tuple[list[int], str]:
+    """``(model-state bytes of one process of each pipeline rank, precision priced)``; with
+    ``with_activations``, the planner's peak of the step instead (activations, logits and
+    communication buffers included).
 
     A ``manual`` precision is priced as ``bf16-pure``, the preset with the fewest bytes per
     parameter, so the estimate stays a lower bound.
@@ -75,10 +78,11 @@ def state_bytes_per_stage(resolved: ResolvedRecipe) -> tuple[list[int], str]:
     if p.pp * p.vpp > 1:
         split = plan_partition(config, p.pp * p.vpp, seq, method=p.partition, cost=p.partition_cost,
                                cuts=p.pipeline_cuts).stage_layers()
-    states = [estimate_memory(config, layout, precision=precision, micro_batch_size=r.data.micro_batch_size,
-                              seq_len=seq, microbatches=p.microbatches, stage=s, stage_layers=split).model_states
-              for s in range(p.pp)]
-    return states, precision
+    estimates = [estimate_memory(config, layout, precision=precision, micro_batch_size=r.data.micro_batch_size,
+                                 seq_len=seq, microbatches=p.microbatches, stage=s, stage_layers=split)
+                 for s in range(p.pp)]
+    peaks = [e.total for e in estimates] if with_activations else [e.model_states for e in estimates]
+    return peaks, precision
 
 
 def local_state_bytes(states: list[int], world_size: int, local: int) -> int:
@@ -111,7 +115,9 @@ def model_state_problem(resolved: ResolvedRecipe, *, memory: int | None = None,
         return None
     accelerated = _accelerated() if accelerated is None else accelerated
     local = processes_on_this_host(resolved.world_size) if local is None else local
-    states, precision = state_bytes_per_stage(resolved)
+    # on a CPU host the activations live in host memory too (a micro-batch of thousands of sequences
+    # would meet the kernel's out-of-memory killer); a device holds its own
+    states, precision = state_bytes_per_stage(resolved, with_activations=not accelerated)
     need = max(states) if accelerated else local_state_bytes(states, resolved.world_size, local)
     if need <= memory:
         return None
@@ -120,7 +126,9 @@ def model_state_problem(resolved: ResolvedRecipe, *, memory: int | None = None,
     p = resolved.recipe.parallel
     return Problem(
         "model", Verbatim(f"{_count(params)} parameters"),
-        f"the model state of {who} ({_size(need)}: parameters, gradients and optimizer state in {precision}, "
-        f"tp={p.tp} pp={p.pp} dp={resolved.dp}{' zero1' if p.zero1 else ''}) exceeds this host's "
-        f"{_size(memory)} of physical memory; use a smaller model, or shard it over more processes "
-        f"(parallel.tp, parallel.pp, parallel.zero1) on more hosts")
+        f"the {'model state' if accelerated else 'step peak'} of {who} ({_size(need)}: parameters, gradients and "
+        f"optimizer state in {precision}{'' if accelerated else ', activations of data.micro_batch_size='}"
+        f"{'' if accelerated else resolved.recipe.data.micro_batch_size}, tp={p.tp} pp={p.pp} dp={resolved.dp}"
+        f"{' zero1' if p.zero1 else ''}) exceeds this host's {_size(memory)} of physical memory; use a smaller "
+        f"model or micro-batch, activation checkpointing, or shard it over more processes (parallel.tp, "
+        f"parallel.pp, parallel.zero1) on more hosts")

@@ -4,6 +4,7 @@ and, once the vocabulary is known, the parameter count and model FLOPs per token
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,9 +152,10 @@ def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | 
     kv = HeadLayout.plan(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, p.tp,
                          p.kv_replication, p.kv_placement).kv_replication
     gbs = r.data.global_batch_size or r.data.micro_batch_size * p.microbatches * dp
-    out = r.run.output_dir.format(name=r.run.name)
-    ckpt = r.checkpoint.dir.format(output_dir=out, name=r.run.name)
-    save_dir = r.checkpoint.save_dir.format(output_dir=out, name=r.run.name)
+    # ~ means the home directory, as in a shell (the recipe's text is never passed through one)
+    out = os.path.expanduser(r.run.output_dir.format(name=r.run.name))
+    ckpt = os.path.expanduser(r.checkpoint.dir.format(output_dir=out, name=r.run.name))
+    save_dir = os.path.expanduser(r.checkpoint.save_dir.format(output_dir=out, name=r.run.name))
     return ResolvedRecipe(recipe=r, world_size=world, dp=dp, kv_replication=kv, global_batch_size=gbs,
                           tokens_per_step=gbs * r.data.seq_len, output_dir=out, checkpoint_dir=ckpt, save_dir=save_dir,
                           hf_config=hf_config, warnings=tuple(warnings))

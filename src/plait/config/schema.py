@@ -47,7 +47,7 @@ class RunSection(Section):
     output_dir: str = Field("runs/{name}", min_length=1,
                             description="Directory of the run's outputs (metrics, TensorBoard, plot, checkpoint); "
                                         "{name} is replaced by run.name")
-    seed: Int = Field(0, ge=0, description="Seed of initialisation, data order and sampling")
+    seed: Int = Field(0, ge=0, le=2**32 - 1, description="Seed of initialisation, data order and sampling")
 
 
 class ModelSection(Section):
@@ -259,9 +259,10 @@ class CheckpointSection(Section):
     dir: str = Field("{output_dir}/final", min_length=1,
                      description="Directory of the final Hugging Face checkpoint; {output_dir} and {name} are "
                                  "substituted")
-    overwrite: Bool = Field(False, description="Replace a Hugging Face model that plait wrote earlier at "
-                                               "checkpoint.dir outside this run's directory (a directory plait did "
-                                               "not write is never replaced)")
+    overwrite: Bool = Field(False, description="Replace what plait wrote earlier: a Hugging Face model at "
+                                               "checkpoint.dir outside this run's directory, or (with resume none) "
+                                               "an earlier run's checkpoints in save_dir; what plait did not write "
+                                               "is never replaced")
     save_every: Int = Field(0, ge=0, description="Write a sharded training checkpoint every this many steps and at "
                                                  "the end; 0 = only when preempted (SIGTERM/SIGINT)")
     save_dir: str = Field("{output_dir}/checkpoints", min_length=1,

@@ -147,8 +147,12 @@ def require_not_containing(target: str | Path, protected: Iterable[tuple[str, st
                                  f"{name}: choose a directory outside it")
 
 
-def probe_writable(path: str | Path, *, what: str) -> None:
-    """Create ``path`` (and its parents) and write a file in it, so an unwritable place fails now."""
+def probe_writable(path: str | Path, *, what: str, target: str | Path | None = None) -> None:
+    """Create ``path`` (and its parents) and write a file in it, so an unwritable place fails now.
+
+    ``target``: the setting's own value when ``path`` is the directory it will be written in
+    (a model directory is written beside its final place, then renamed); the message names it.
+    """
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -157,4 +161,6 @@ def probe_writable(path: str | Path, *, what: str) -> None:
         probe.unlink()
     except OSError as e:
         reason = e.strerror or str(e)
-        raise OutputDirError(f"{_named(what, path)} cannot be written ({reason}); choose a writable directory") from None
+        where = f" (in {path})" if target is not None else ""
+        raise OutputDirError(f"{_named(what, target if target is not None else path)} cannot be written{where} "
+                             f"({reason}); choose a writable directory") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from plait.checkpoint.store import complete_checkpoints
 from plait.outputs.lock import DirectoryLock, acquire_all
 from plait.outputs.ownership import (
     OutputDirError,
@@ -39,7 +40,8 @@ def check_outputs(resolved) -> None:
 
     * ``run.output_dir`` is absent, empty or a plait run directory (a re-run continues in it);
     * ``checkpoint.save_dir`` is absent, empty or a plait checkpoint directory, and not the output
-      directory itself;
+      directory itself; a fresh run (``checkpoint.resume: none``) does not train over an earlier
+      run's checkpoints there (retention would delete them) unless ``checkpoint.overwrite``;
     * ``checkpoint.dir`` (with ``save_final``) is absent, empty, or a model directory plait wrote:
       replaced when it is this run's own (inside the run directory) or ``checkpoint.overwrite``
       is true; it never contains the run directory, the save directory or an input.
@@ -51,6 +53,11 @@ def check_outputs(resolved) -> None:
         raise OutputDirError(f"checkpoint.save_dir={save} contains run.output_dir={out}; checkpoints need a "
                              f"directory of their own, e.g. {{output_dir}}/checkpoints")
     require_target(save, "checkpoints", what="checkpoint.save_dir")
+    earlier = complete_checkpoints(save)
+    if earlier and r.checkpoint.resume == "none" and not r.checkpoint.overwrite:
+        raise OutputDirError(f"checkpoint.save_dir={save} holds the checkpoints of an earlier run (newest: step "
+                             f"{earlier[-1][0]}); continue it with checkpoint.resume=auto, start anew over them with "
+                             f"checkpoint.overwrite=true, or choose another run.output_dir")
     inputs = _input_paths(resolved)
     for what, path in inputs:
         if what != "checkpoint.resume" and is_within(path, save):
@@ -77,7 +84,8 @@ def claim_outputs(resolved, *, lock: bool = True) -> list[DirectoryLock]:
     probe_writable(save, what="checkpoint.save_dir")
     if resolved.recipe.checkpoint.save_final:
         # the model is written next to its final place, then renamed into it
-        probe_writable(Path(resolved.checkpoint_dir).parent, what="checkpoint.dir")
+        final = Path(resolved.checkpoint_dir)
+        probe_writable(final.parent, what="checkpoint.dir", target=final)
     if not lock:
         return []
     locks = acquire_all([("run.output_dir", out), ("checkpoint.save_dir", save)])

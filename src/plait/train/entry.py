@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+from plait.checkpoint.format import CheckpointError
 
 
 def prepare_data(recipe, progress: bool = False) -> Path:
@@ -27,6 +30,12 @@ def prepare_data(recipe, progress: bool = False) -> Path:
     # the trainer builds the model from the same call, so this is the vocabulary it will have
     check_model_vocab(data, recipe.model.to_llama_config(data.vocab_size).vocab_size)
     return path
+
+
+#: errors a worker reports as one line (their messages name the file, field or step and the fix)
+USER_ERRORS = (ValueError, CheckpointError, FloatingPointError)
+#: the exit status of a worker stopped by one of them (as for a bad recipe in the parent)
+USER_ERROR_STATUS = 2
 
 
 def train_worker(recipe_yaml: str) -> None:
@@ -56,5 +65,11 @@ def train_worker(recipe_yaml: str) -> None:
         if trainer.stopped_by_signal:  # preempted: the checkpoint is written; leave quickly and cleanly
             exit_worker_now(0)  # the launcher is shutting down too; do not wait for it to collect a return value
         trainer.finish(final, prepared)
+    except USER_ERRORS as e:
+        # A problem of the run's inputs or numbers (bad data met mid-run, a checkpoint that does not
+        # fit, a loss that became NaN): one line from the rank that met it, then a quick exit the
+        # launcher reports by status alone. Other exceptions keep their traceback (a bug of plait).
+        print(f"plait train: rank {rank}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        exit_worker_now(USER_ERROR_STATUS)
     finally:
         finish_worker()
