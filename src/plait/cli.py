@@ -1,4 +1,5 @@
-"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``, ``plan``, ``convert``."""
+"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``, ``plan``,
+``convert``, ``import-nxdt``."""
 
 from __future__ import annotations
 
