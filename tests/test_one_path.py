@@ -141,6 +141,7 @@ def test_resumed_learning_rate_schedule_continues(corpus, tmp_path):
     assert resumed["lrs"] == unbroken["lrs"][2:5]
 
 
+@pytest.mark.slow  # 20 s; the families' numerics are checked against transformers in test_families.py
 @pytest.mark.parametrize("family,extra", [("qwen3", ["model.head_dim=16"]),
                                           ("mistral", ["model.sliding_window=12"])])
 def test_family_trains_identically_under_tp2_x_pp2(corpus, tmp_path, family, extra):
