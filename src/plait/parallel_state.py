@@ -1,8 +1,18 @@
-"""Model-wide views of sharding: which parameters are sharded how, and the full state dict.
+"""Model-wide views of sharding: which parameters are sharded how, which copy of a replicated
+parameter counts, and the full state dict.
 
 These functions work on any model built from plait's parallel layers: every module that shards
 a parameter exposes ``shard_specs() -> {param_name: ShardSpec}``; parameters without a spec are
-replicated over the TP group.
+replicated over the TP group. A pipeline stage that holds a copy of another stage's parameter
+(the tied embedding) says so through ``secondary_copies()`` and ``shared_across_stages()``, so no
+parameter name is hard-coded outside the model family.
+
+Canonical ownership, decided here once and used by the gradient norm (the optimizer) and the
+checkpoint writer: a parameter replicated over TP counts on TP rank 0; a TP shard held by
+``replicas`` KV-replica ranks counts ``1 / replicas`` on each of them in the norm and is written by
+the first replica (KV rank 0); a secondary copy on another pipeline stage never counts. DP replicas
+are handled by their callers (the norm is reduced over TP, PP and DP after the weights; the
+writer splits the parameters over DP ranks).
 """
 
 from __future__ import annotations
@@ -30,6 +40,38 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
             param = getattr(module, pname)
             specs[owners[id(param)]] = spec
     return specs
+
+
+def secondary_copies(module: nn.Module) -> frozenset[str]:
+    """Names of parameters ``module`` holds as a copy another pipeline stage owns (family-defined)."""
+    get = getattr(module, "secondary_copies", None)
+    return frozenset(get()) if get is not None else frozenset()
+
+
+def shared_across_stages(module: nn.Module) -> frozenset[str]:
+    """Names of parameters ``module`` shares with another pipeline stage (family-defined)."""
+    get = getattr(module, "shared_across_stages", None)
+    return frozenset(get()) if get is not None else frozenset()
+
+
+def norm_share(module: nn.Module, name: str, spec: ShardSpec | None, tp_rank: int) -> float:
+    """How much this rank's copy of ``name`` counts in the global gradient norm (see the module doc)."""
+    if name in secondary_copies(module):
+        return 0.0
+    if spec is None:
+        return 1.0 if tp_rank == 0 else 0.0
+    return 1.0 / spec.replicas
+
+
+def writes_copy(module: nn.Module, name: str, spec: ShardSpec | None, tp_rank: int, kv_rank: int) -> bool:
+    """Whether this rank's copy of ``name`` is the one a checkpoint stores (see the module doc)."""
+    if name in secondary_copies(module):
+        return False
+    if spec is None:
+        return tp_rank == 0
+    if spec.replicas > 1:
+        return kv_rank == 0
+    return True
 
 
 def named_parameters_with_specs(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Parameter, ShardSpec | None]]:

@@ -47,7 +47,7 @@ from plait.checkpoint.format import (
 )
 from plait.checkpoint.store import apply_retention, commit, remove_incomplete
 from plait.outputs.permissions import apply_umask
-from plait.parallel_state import named_parameters_with_specs
+from plait.parallel_state import named_parameters_with_specs, writes_copy
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -65,17 +65,6 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-def _writes(module: nn.Module, name: str, spec, mesh) -> bool:
-    if (name == "model.embed_tokens.weight" and getattr(module, "last", False)
-            and not getattr(module, "first", True)):
-        return False
-    if spec is None:
-        return mesh.info("tp").rank == 0
-    if spec.replicas > 1:
-        return mesh.info("kv").rank == 0
-    return True
 
 
 class CheckpointWriter:
@@ -106,7 +95,8 @@ class CheckpointWriter:
         for entry, states in optimizer.param_states():  # collective under ZeRO-1: every rank iterates
             name = entry.name
             module, spec = holders[name]
-            if order[name] % dp.size != dp.rank or not _writes(module, name, spec, mesh):
+            if order[name] % dp.size != dp.rank or not writes_copy(module, name, spec, mesh.info("tp").rank,
+                                                                                  mesh.info("kv").rank):
                 continue
             tensors = {"model": entry.param.detach(), **states}
             for kind, local in tensors.items():

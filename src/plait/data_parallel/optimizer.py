@@ -31,11 +31,8 @@ from torch import nn
 from plait.comm.primitives import GroupInfo, all_gather_single
 from plait.data_parallel.grad_sync import GradSync
 from plait.data_parallel.layout import BufferLayout, Segment, plan_buffer
-from plait.parallel_state import shard_specs
+from plait.parallel_state import norm_share, shard_specs, shared_across_stages
 from plait.train.precision import PrecisionPolicy
-
-TIED_NAME = "model.embed_tokens.weight"
-
 
 @dataclass
 class OptimizerHyper:
@@ -51,29 +48,12 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() < 2 or name.endswith(".bias") or "norm" in name
 
 
-def norm_weight(module: nn.Module, name: str, specs: dict, tp: GroupInfo) -> float:
-    """How much one parameter's squared gradient counts in the global norm on this rank.
-
-    TP-sharded: its shard, divided by the number of TP ranks holding the same rows (KV replicas);
-    TP-replicated (norms, row-parallel biases): counted on TP rank 0 only; the copy of an
-    embedding tied across pipeline stages held by the last stage: counted on the first stage only.
-    """
-    if (name == TIED_NAME and getattr(module, "last", False) and not getattr(module, "first", True)):
-        return 0.0
-    spec = specs.get(name)
-    if spec is None:
-        return 1.0 if tp.rank == 0 else 0.0
-    return 1.0 / spec.replicas
-
-
 def _tied_names(modules: list[nn.Module], pp: GroupInfo | None) -> frozenset[str]:
+    """Parameters shared between pipeline stages (the tied embedding), whose gradients are summed
+    over the tied group before the norm."""
     if pp is None or pp.size == 1:
         return frozenset()
-    for m in modules:
-        config = getattr(m, "config", None)
-        if config is not None and config.tie_word_embeddings and (getattr(m, "first", False) or getattr(m, "last", False)):
-            return frozenset({TIED_NAME})
-    return frozenset()
+    return frozenset().union(*(shared_across_stages(m) for m in modules))
 
 
 class DistributedOptimizer:
@@ -95,7 +75,7 @@ class DistributedOptimizer:
                 if not p.requires_grad or id(p) in seen:
                     continue
                 seen.add(id(p))
-                params.append((name, p, not no_weight_decay(name, p), norm_weight(module, name, specs, tp)))
+                params.append((name, p, not no_weight_decay(name, p), norm_share(module, name, specs.get(name), tp.rank)))
         if not params:
             raise ValueError("the model has no trainable parameters")
         device = params[0][1].device
@@ -174,7 +154,7 @@ class DistributedOptimizer:
         """The global L2 norm of the reduced gradients, equal to the single-process one (device tensor).
 
         Each rank sums the squares of the segments it owns, weighted so that every gradient
-        entry counts once (see :func:`norm_weight`); the partial sums are added over TP, PP
+        entry counts once (see :func:`plait.parallel_state.norm_share`); the partial sums are added over TP, PP
         and, with ZeRO-1, the data-parallel shards.
         """
         device = self.param_data.device

@@ -11,7 +11,7 @@ Each gradient entry must count exactly once, whatever the layout:
 
 The result stays a device tensor: no host synchronisation inside the step. The trainer takes the
 norm from :meth:`DistributedOptimizer.grad_norm`; this function applies the same counting rule
-(:func:`plait.data_parallel.optimizer.norm_weight`) to ``.grad`` of a model without one.
+(:func:`plait.parallel_state.norm_share`) to ``.grad`` of a model without one.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
-from plait.data_parallel.optimizer import norm_weight
-from plait.parallel_state import shard_specs
+from plait.parallel_state import norm_share, shard_specs
 
 
 def global_grad_norm(model: nn.Module | list[nn.Module], tp: GroupInfo, pp: GroupInfo | None = None) -> torch.Tensor:
@@ -35,7 +34,7 @@ def global_grad_norm(model: nn.Module | list[nn.Module], tp: GroupInfo, pp: Grou
     for module in modules:
         specs = shard_specs(module)
         for name, p in module.named_parameters():
-            weight = norm_weight(module, name, specs, tp)
+            weight = norm_share(module, name, specs.get(name), tp.rank)
             if p.grad is None or weight == 0:
                 continue
             sq = p.grad.detach().float().pow(2).sum()

@@ -36,6 +36,22 @@ class LlamaStage(nn.Module):
             if hasattr(full, attr):
                 setattr(self, attr, getattr(full, attr))
 
+    #: the parameter two pipeline stages share when the embeddings are tied (first stage: input
+    #: embedding; last stage: the output head's weight), under its canonical name
+    TIED = "model.embed_tokens.weight"
+
+    def shared_across_stages(self) -> frozenset[str]:
+        """Parameters this stage shares with another pipeline stage (their gradients are summed over
+        the stages holding them): the tied embedding on the first and the last stage."""
+        tied = self.config.tie_word_embeddings and (self.first or self.last) and not (self.first and self.last)
+        return frozenset({self.TIED}) if tied else frozenset()
+
+    def secondary_copies(self) -> frozenset[str]:
+        """Parameters held here as a copy whose canonical owner is another stage: the tied embedding
+        on a last stage that is not also the first (the first stage's copy counts)."""
+        return frozenset({self.TIED}) if self.last and not self.first and self.config.tie_word_embeddings \
+            else frozenset()
+
     def tie_weights(self) -> None:
         if self.last and self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
