@@ -42,8 +42,9 @@ LAYOUTS = {
                      4, 4, 2),
     "pp2xdp2-zero1-tied": (["parallel.pp=2", "parallel.dp=2", "parallel.zero1=true",
                             "model.tie_word_embeddings=true"], 4, 4, 2),
-    "pp2xtp2xdp2-zero1-sp": (["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
-                              "parallel.sequence_parallel=true"], 8, 4, 2),
+    # 8 ranks on 2 cores (20-30 s): `make test-slow`; every 2-D pair of these axes runs by default
+    "pp2xtp2xdp2-zero1-sp": pytest.param((["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
+                                           "parallel.sequence_parallel=true"], 8, 4, 2), marks=pytest.mark.slow),
 }
 WEIGHT_TOL = {"tp2xdp2-zero1": 5e-5, "tp2-kvrep2xdp2-zero1": 5e-5, "pp2xtp2xdp2-zero1-sp": 5e-5}
 

@@ -60,7 +60,8 @@ def hf_model(corpus, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout,world", [(["parallel.tp=1", "parallel.pp=2"], 2),
-                                          (["parallel.tp=2", "parallel.pp=2"], 4)])
+                                          pytest.param(["parallel.tp=2", "parallel.pp=2"], 4,
+                                                       marks=pytest.mark.slow)])  # 4 ranks: make test-slow
 def test_hf_path_is_read_under_pipeline_parallelism(corpus, hf_model, tmp_path, layout, world):
     """PP=2 and TP=2 x PP=2 from a Hugging Face directory start from its weights: the same first
     loss as one process, and not the loss of a fresh initialisation (the negative control)."""
