@@ -111,6 +111,11 @@ def test_pipeline_run_ends_with_a_sample(corpus, tmp_path):
     assert (out / "sample.txt").read_text().strip()
     assert "generates no sample" not in proc.stdout
     assert (out / "final" / "model.safetensors").is_file()
+    # the checkpoint the final model was converted from was private: a run that asked for no
+    # checkpoints leaves none, and the same command runs again in its own directory
+    assert not [p for p in (out / "checkpoints").iterdir() if not p.name.startswith(".plait-")]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
 
 
 def _resume_lr_worker(rank, world, recipe_yaml, prepared, steps):

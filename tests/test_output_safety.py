@@ -299,7 +299,7 @@ def test_damaged_prepared_data_is_one_line_from_plait_train(tmp_path, monkeypatc
 
 def test_config_validate_applies_the_output_rules(tmp_path, capsys):
     target = _user_folder(tmp_path / "models")
-    assert main(["config", "validate", f"checkpoint.dir={target}"]) == 2
+    assert main(["config", "validate", f"run.output_dir={tmp_path / 'run'}", f"checkpoint.dir={target}"]) == 2
     assert "checkpoint.dir=" in capsys.readouterr().err
     assert main(["config", "validate", f"run.output_dir={tmp_path / 'new'}"]) == 0
     assert not (tmp_path / "new").exists(), "validate only reads"

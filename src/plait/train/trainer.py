@@ -27,6 +27,8 @@ from plait.train.step import train_step
 
 #: size cap of one file of the final Hugging Face checkpoint (Hugging Face's own default)
 FINAL_SHARD_BYTES = 5 * 1024**3
+#: where the final model's checkpoint is written when the run keeps none (removed after conversion)
+FINAL_EXPORT_DIR = ".plait-final-export"
 
 
 class Trainer:
@@ -79,22 +81,23 @@ class Trainer:
         return self.state.pp
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int, *, sync: bool = False) -> float:
+    def save_checkpoint(self, step: int, *, sync: bool = False, writer: CheckpointWriter | None = None) -> float:
         """Snapshot this rank's state and write it (in the background unless ``sync``); returns the
-        seconds the training loop was held up."""
+        seconds the training loop was held up. ``writer``: another root than the run's save dir."""
         from plait.checkpoint.training import checkpoint_meta, rng_states
 
         start = time.perf_counter()
         st = self.state
         tokenizer = st.train_data.directory / st.train_data.index.get("tokenizer", "tokenizer.json")
         attachments = {"tokenizer.json": tokenizer} if tokenizer.is_file() else {}
-        snap = self.checkpoints.snapshot(step, st.stages, st.optimizer, st.mesh, checkpoint_meta(st, step),
-                                         rng_states(st), attachments)
+        writer = writer or self.checkpoints
+        snap = writer.snapshot(step, st.stages, st.optimizer, st.mesh, checkpoint_meta(st, step), rng_states(st),
+                               attachments)
         self.last_snapshot_bytes = snap.nbytes
         if self.recipe.checkpoint.async_save and not sync:
-            self.checkpoints.write_async(snap)
+            writer.write_async(snap)
         else:
-            self.checkpoints.write(snap)
+            writer.write(snap)
         return time.perf_counter() - start
 
     def finish_checkpoints(self) -> None:
@@ -294,26 +297,15 @@ class Trainer:
         """The end of every run, whatever the layout: the final Hugging Face checkpoint, the sample,
         then (rank 0) tokenizer, plot and summary.
 
-        The final model goes through the sharded checkpoint of the last step (written now unless
-        ``save_every`` already did), which rank 0 converts tensor by tensor: every stage writes its
-        own shard, so no rank ever holds the whole model. ``train.sample_tokens=0`` asks for no
-        sample: nothing is generated or printed and no ``sample.txt`` is written.
+        ``train.sample_tokens=0`` asks for no sample: nothing is generated or printed and no
+        ``sample.txt`` is written.
         """
-        from plait.checkpoint.convert import plait_to_hf
-        from plait.checkpoint.store import latest_checkpoint
         from plait.data.baseline import unigram_loss
         from plait.train.report import plot_run, summary_table
 
         r, st = self.recipe, self.state
         if r.checkpoint.save_final:
-            step = final.get("final_step", r.train.steps)
-            latest = latest_checkpoint(self.resolved.save_dir)
-            if latest is None or latest.name != f"step-{step:08d}":
-                self.save_checkpoint(step, sync=True)
-            self.finish_checkpoints()
-            if self.is_writer:
-                plait_to_hf(latest_checkpoint(self.resolved.save_dir), self.resolved.checkpoint_dir, progress=False,
-                            overwrite=True, max_shard_bytes=FINAL_SHARD_BYTES)  # target checked before launch
+            self._export_final(final.get("final_step", r.train.steps))
         sample = self._sample() if r.train.sample_tokens > 0 else None
         if not self.is_writer:
             return
@@ -336,6 +328,36 @@ class Trainer:
             (self.out / "sample.txt").write_text(sample + "\n")
             print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
         print(f"outputs in {self.out}", flush=True)
+
+    def _export_final(self, step: int) -> None:
+        """Write the final Hugging Face model through the sharded checkpoint of ``step``.
+
+        Every stage writes its own shard and rank 0 converts the checkpoint tensor by tensor, so no
+        rank ever holds the whole model, under any layout. The run's own checkpoint of that step is
+        used when ``save_every`` wrote one; otherwise a private one is written under the save
+        directory (``.plait-final-export``) and removed after the conversion, so a run that asked
+        for no checkpoints leaves none (and can simply be run again).
+        """
+        from plait.checkpoint.convert import plait_to_hf
+        from plait.checkpoint.format import step_dir_name
+        from plait.checkpoint.store import latest_checkpoint
+
+        self.finish_checkpoints()
+        source = latest_checkpoint(self.resolved.save_dir)
+        export = None
+        if source is None or source.name != step_dir_name(step):
+            export = Path(self.resolved.save_dir) / FINAL_EXPORT_DIR
+            writer = CheckpointWriter(export, rank=self.rank, world=self.world, keep=1)
+            self.save_checkpoint(step, sync=True, writer=writer)
+            writer.wait()
+            if self.world > 1:
+                dist.barrier(group=self.state.control)
+            source = latest_checkpoint(export)
+        if self.is_writer:
+            plait_to_hf(source, self.resolved.checkpoint_dir, progress=False, overwrite=True,  # checked before launch
+                        max_shard_bytes=FINAL_SHARD_BYTES)
+            if export is not None:
+                shutil.rmtree(export, ignore_errors=True)
 
     def _sample(self) -> str:
         """``train.sample_tokens`` tokens generated after ``train.sample_prompt`` (every rank takes part)."""
