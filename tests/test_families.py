@@ -25,6 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from distributed import run_distributed
+from model_weights import randomize
 from plait.materialize import build_model, build_stages
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.hf_io import load_from_hf, load_hf_config, save_hf_checkpoint
@@ -56,15 +57,6 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial values everywhere (HF init leaves norms at 1 and biases at 0, which hides bugs)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
-
-
 def _hf_model(kind: str, cfg: dict) -> torch.nn.Module:
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**BASE, **cfg))
@@ -78,7 +70,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor, torch.T
     out = {}
     for i, (name, (kind, cfg)) in enumerate(CONFIGS.items()):
         model = _hf_model(kind, cfg)
-        _randomize(model, seed=i)
+        randomize(model, seed=i)
         model.eval().save_pretrained(root / name)
         ids = torch.randint(0, cfg["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(100 + i))
         with torch.no_grad():

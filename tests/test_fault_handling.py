@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from distributed import run_distributed
-from trainer_runs import corpus_dir
+from trainer_runs import corpus_dir, train_then_sigterm
 
 BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
         "model.num_key_value_heads=2", "model.num_hidden_layers=2", "data.vocab_size=320", "data.seq_len=32",
@@ -163,15 +163,8 @@ def test_plait_train_exits_0_on_sigterm_and_resumes(corpus, tmp_path):
 
     items = BASE + [f"data.source={corpus}", f"run.output_dir={tmp_path}", "train.eval_every=100000"]
     cmd = [sys.executable, "-m", "plait.cli", "train", *items]
-    proc = subprocess.Popen(cmd + ["train.steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out
+    returncode, out = train_then_sigterm(cmd + ["train.steps=100000"], tmp_path / "metrics.jsonl")
+    assert returncode == 0, out
     ckpt = latest_checkpoint(tmp_path / "checkpoints")
     assert ckpt is not None, out
     step = int(ckpt.name.split("-")[1])

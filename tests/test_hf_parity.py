@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distributed import run_distributed
+from model_weights import randomize
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.materialize import build_llama
 from plait.models.llama.hf_io import (CheckpointMismatchError, load_hf_config, load_hf_weights,
@@ -49,21 +50,12 @@ QWEN2 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_attention
              tie_word_embeddings=False, use_sliding_window=False)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial values everywhere (HF init leaves norms at 1 and biases at 0, which hides bugs)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
-
-
 def _make_hf(kind: str, cfg: dict, out: Path, seed: int, **save_kw) -> torch.nn.Module:
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**BASE, **cfg))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE, **cfg))
-    _randomize(model, seed)
+    randomize(model, seed)
     model.eval()
     model.save_pretrained(out, **save_kw)
     return model

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from distributed import run_distributed
-from trainer_runs import corpus_dir, run_eval
+from trainer_runs import corpus_dir, run_eval, train_then_sigterm
 
 TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
         "model.num_key_value_heads=2", "model.num_hidden_layers=2", "data.vocab_size=320", "data.seq_len=32",
@@ -243,23 +243,14 @@ def test_a_worker_leaving_after_a_stop_signal_leaks_no_semaphore(tmp_path):
 
 @pytest.mark.slow  # one `plait train` launch and stop: `make test-slow`
 def test_sigterm_to_plait_train_is_quiet_and_logs_the_stopped_step(corpus, tmp_path):
-    import time
-
     from plait.checkpoint.store import latest_checkpoint
 
     items = TINY + ["parallel.tp=1", "parallel.dp=2", "data.micro_batch_size=4", "train.log_every=1",
                     "train.eval_every=100000", "train.sample_tokens=0", "train.steps=100000",
                     f"data.source={corpus}", f"run.output_dir={tmp_path}"]
-    proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", *items], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out
+    returncode, out = train_then_sigterm([sys.executable, "-m", "plait.cli", "train", *items], metrics)
+    assert returncode == 0, out
     for noise in ("death signal", "Closing process", "leaked semaphore", "Traceback"):
         assert noise not in out, out
     assert "plait: stopped by signal 15" in out

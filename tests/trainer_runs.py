@@ -130,3 +130,20 @@ def run_eval(corpus, out_dir, items: list[str], world: int) -> list[float]:
     items = items + [f"data.source={corpus}", f"run.output_dir={out_dir}"]
     prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
     return run_distributed(_eval_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared)
+
+
+def train_then_sigterm(cmd: list[str], metrics, records: int = 3, timeout: float = 240.0) -> tuple[int, str]:
+    """Start ``plait train`` (``cmd``), send SIGTERM once ``metrics`` holds ``records`` lines;
+    ``(exit status, combined output)``."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= records):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
