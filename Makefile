@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo lint test test-slow bench clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +17,11 @@ setup: $(STAMP)
 
 demo: setup
 	$(VENV)/bin/plait train
+
+# ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy on src/; CI runs it before the tests.
+lint: setup
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 
 test: setup
 	$(PY) -m pytest -q

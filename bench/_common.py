@@ -10,12 +10,12 @@ import argparse
 import datetime
 import os
 import socket
-import sys
-import traceback
 import statistics
+import sys
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -149,7 +149,7 @@ def comparison_row(ours: Result, theirs: Result, tokens_per_step: int) -> list[s
     """Table cells: median tok/s of each, ratio of the medians, median of the per-round ratios (each
     round's two runs are adjacent in time, so this one is the most robust to other load on the
     machine), median wall and CPU ms per step, per-round tok/s ranges."""
-    paired = statistics.median(a / b for a, b in zip(ours.tokens_per_s, theirs.tokens_per_s))
+    paired = statistics.median(a / b for a, b in zip(ours.tokens_per_s, theirs.tokens_per_s, strict=True))
     return [f"{ours.median:,.0f}", f"{theirs.median:,.0f}", f"{ours.median / theirs.median:.3f}", f"{paired:.3f}",
             f"{1e3 * tokens_per_step / ours.median:.0f}", f"{1e3 * tokens_per_step / theirs.median:.0f}",
             f"{ours.median_cpu_ms:.0f}", f"{theirs.median_cpu_ms:.0f}", ours.spread, theirs.spread]

@@ -64,7 +64,6 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import free_port, gloo_rank_entry, markdown_table, random_batch  # noqa: E402
-
 from plait.materialize import build_llama, build_llama_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
@@ -197,7 +196,7 @@ def bubble_worker(rank: int, world: int, args: argparse.Namespace, out_path: str
         for *_, rt, batch in configs:
             rt.timed_step(batch)
     samples: list[list[dict]] = [[] for _ in configs]
-    for r in range(args.rounds):  # configurations interleaved, one step each per round
+    for _r in range(args.rounds):  # configurations interleaved, one step each per round
         for i, (*_, rt, batch) in enumerate(configs):
             samples[i].append(rt.timed_step(batch))
     gathered = [None] * world if rank == 0 else None
@@ -269,7 +268,7 @@ def summarize(row: dict) -> dict:
 
     f = [stage_median("fwd", s) for s in stages]
     b = [stage_median("bwd", s) for s in stages]
-    fb = [x + y for x, y in zip(f, b)]
+    fb = [x + y for x, y in zip(f, b, strict=True)]
     fwd_all = statistics.median(x for step in row["steps"] for r in step for v in r["fwd"].values() for x in v)
     bwd_all = statistics.median(x for step in row["steps"] for r in step for v in r["bwd"].values() for x in v)
     fwd_cpu = statistics.median(x for step in row["steps"] for r in step for x in r["fwd_cpu"])
@@ -328,7 +327,7 @@ def balance(args: argparse.Namespace) -> str:
     full = build_llama(config, single_process_mesh(), seed=0).train()
     units = trace_units(full)
     unit_s = dict(zip((u.name for u in units),
-                      measure_unit_times(full, units, (ids, ids), warmup=1, iters=args.bal_iters)))
+                      measure_unit_times(full, units, (ids, ids), warmup=1, iters=args.bal_iters), strict=True))
     del full
     splits = []  # (label, partition, [stage per global stage])
     for method, cost in (("balanced", "flops"), ("balanced", "params"), ("even", "flops")):
@@ -400,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for p in (int(x) for x in args.pps.split(",")):
                 out_path = os.path.join(tmp, f"p{p}.json")
-                ctx = mp.start_processes(gloo_rank_entry, args=(p, free_port(), bubble_worker, (args, out_path)), nprocs=p, join=False,
+                ctx = mp.start_processes(gloo_rank_entry, args=(p, free_port(), bubble_worker, (args, out_path)),
+                                         nprocs=p, join=False,
                                          start_method="spawn")
                 try:
                     while not ctx.join():

@@ -52,7 +52,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,6 @@ from _common import (  # noqa: E402
     resolve_args,
     time_steps,
 )
-
 from plait.materialize import build_llama  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 
@@ -206,7 +205,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         for name in order[shift:] + order[:shift]:
             run = sides[name][0]
             dist.barrier()
-            wall, cpu = time_steps(lambda: run(ids), args.steps)
+            wall, cpu = time_steps(lambda run=run: run(ids), args.steps)
             stats = torch.tensor([wall, cpu], dtype=torch.float64)
             slowest = stats.clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -236,7 +235,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         ms = statistics.median(1e3 * tokens_per_step / t for t in res.tokens_per_s)
         st, master = states[name]
         rows.append([name, f"{ms:.0f}", f"{res.median_cpu_ms:.0f}",
-                     f"{1e3 * tokens_per_step / max(res.tokens_per_s):.0f}-{1e3 * tokens_per_step / min(res.tokens_per_s):.0f}",
+                     f"{1e3 * tokens_per_step / max(res.tokens_per_s):.0f}-"
+                     f"{1e3 * tokens_per_step / min(res.tokens_per_s):.0f}",
                      f"{st / MiB:.1f}", f"{master / MiB:.1f}", f"{res.first_loss:.6f}", f"{last[name]:.6f}"])
     log(markdown_table(["implementation", "median ms/step", "CPU ms/step (2 ranks)", "ms/step range",
                         "optimizer state MiB/rank", "separate master MiB/rank", "first loss",

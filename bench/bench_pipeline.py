@@ -38,7 +38,7 @@ import argparse
 import os
 import statistics
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,21 +48,20 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
-    free_port,
-    gloo_rank_entry,
     Result,
     adamw,
     add_model_args,
     comparison_header,
     comparison_row,
     describe,
+    free_port,
+    gloo_rank_entry,
     make_config,
     markdown_table,
     random_batch,
     resolve_args,
     time_steps,
 )
-
 from plait.materialize import build_llama, build_llama_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.pipeline.layout import stage_layer_lists  # noqa: E402
@@ -229,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         if world != PP:
             raise SystemExit(f"run with exactly {PP} ranks (got WORLD_SIZE={world})")
         gloo_rank_entry(int(os.environ["RANK"]), world, None, worker, (args,))
-    ctx = mp.start_processes(gloo_rank_entry, args=(PP, free_port(), worker, (args,)), nprocs=PP, join=False, start_method="spawn")
+    ctx = mp.start_processes(gloo_rank_entry, args=(PP, free_port(), worker, (args,)), nprocs=PP, join=False,
+                             start_method="spawn")
     try:
         while not ctx.join():
             pass

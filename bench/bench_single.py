@@ -28,7 +28,7 @@ import contextlib
 import os
 import platform
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -48,7 +48,6 @@ from _common import (  # noqa: E402
     resolve_args,
     time_steps,
 )
-
 from plait.materialize import build_llama  # noqa: E402
 from plait.mesh import single_process_mesh  # noqa: E402
 

@@ -45,7 +45,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,14 +55,14 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
-    free_port,
-    gloo_rank_entry,
     Result,
     adamw,
     add_model_args,
     comparison_header,
     comparison_row,
     describe,
+    free_port,
+    gloo_rank_entry,
     hf_twin,
     make_config,
     markdown_table,
@@ -70,7 +70,6 @@ from _common import (  # noqa: E402
     resolve_args,
     time_steps,
 )
-
 from plait.materialize import build_llama  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
@@ -204,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         if world != TP:
             raise SystemExit(f"run with exactly {TP} ranks (got WORLD_SIZE={world})")
         gloo_rank_entry(int(os.environ["RANK"]), world, None, worker, (args,))
-    ctx = mp.start_processes(gloo_rank_entry, args=(TP, free_port(), worker, (args,)), nprocs=TP, join=False, start_method="spawn")
+    ctx = mp.start_processes(gloo_rank_entry, args=(TP, free_port(), worker, (args,)), nprocs=TP, join=False,
+                             start_method="spawn")
     try:
         while not ctx.join():
             pass

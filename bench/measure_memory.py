@@ -105,13 +105,13 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     import torch.distributed as dist
 
     from plait.activation_checkpointing import apply_activation_checkpointing
+    from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
     from plait.materialize import build_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
     from plait.models.llama.parallelize import kv_replication_for
     from plait.pipeline.layout import plan_partition
     from plait.plan.layout import Layout
-    from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
     from plait.train.precision import policy_for
     from plait.train.run_state import build_runtime
     from plait.train.step import train_step
@@ -161,7 +161,8 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     return {"rank": rank, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
             "before": before, "peak": peak, "peak_before": peak_before, "measured": peak - before,
             "states": states, "activations": activations,
-            "params": sum(p.numel() for stage in stages for p in stage.parameters()), "seconds": seconds, "loss": float(loss),
+            "params": sum(p.numel() for stage in stages for p in stage.parameters()),
+            "seconds": seconds, "loss": float(loss),
             "report": optimizer.memory_report()}
 
 

@@ -63,7 +63,7 @@ def _train(build, mode, names=None):
         opt.zero_grad()
         count = [0]
 
-        def pack(t):
+        def pack(t, count=count):
             count[0] += 1
             return t
 
@@ -81,9 +81,9 @@ def _train(build, mode, names=None):
 
 def _compare(ref, run):
     """``(losses equal, first differing gradient or None, tracker and global states equal)``."""
-    losses_equal = all(torch.equal(a, b) for a, b in zip(ref["losses"], run["losses"]))
+    losses_equal = all(torch.equal(a, b) for a, b in zip(ref["losses"], run["losses"], strict=True))
     first_diff = None
-    for step, (gr, g) in enumerate(zip(ref["grads"], run["grads"])):
+    for step, (gr, g) in enumerate(zip(ref["grads"], run["grads"], strict=True)):
         for name, t in gr.items():
             if not torch.equal(t, g[name]):
                 first_diff = first_diff or f"step {step} {name}"
@@ -342,7 +342,7 @@ def test_trainer_checkpointing_is_bitwise_with_dropout_at_tp2(tmp_path_factory):
                                               "train.checkpoint_modules=[self_attn.core,mlp]"]}.items()}
     ref = runs["off"]
     for mode in ("full", "selective"):
-        for r, base_r in zip(runs[mode], ref):
+        for r, base_r in zip(runs[mode], ref, strict=True):
             assert r["losses"] == base_r["losses"] and r["norms"] == base_r["norms"], mode
             for k, v in base_r["weights"].items():
                 assert torch.equal(r["weights"][k], v), (mode, k)

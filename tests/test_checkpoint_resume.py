@@ -59,7 +59,7 @@ def test_resume_is_bitwise_exact(corpus, tmp_path, name):
     assert (tmp_path / "split" / "checkpoints" / f"step-{N:08d}" / "manifest.json").is_file()
     second = _run(corpus, tmp_path / "split", items + steps + ["checkpoint.resume=auto"], world, N)
     assert all(r["start"] == N for r in second)
-    for a, b, c in zip(straight, first, second):
+    for a, b, c in zip(straight, first, second, strict=True):
         assert b["losses"] + c["losses"] == a["losses"], (b["losses"], c["losses"], a["losses"])
     ref, got = merged_weights(straight), merged_weights(second)
     assert set(ref) == set(got)
@@ -95,5 +95,5 @@ def test_checkpoint_loads_under_another_layout(corpus, tmp_path, name):
     expected = ref[-1]["losses"][N:]  # the last rank holds the pipeline's loss on every layout
     for rank, r in enumerate(resumed):
         assert r["start"] == N
-        rel = max(abs(x - y) / y for x, y in zip(r["losses"], expected))
+        rel = max(abs(x - y) / y for x, y in zip(r["losses"], expected, strict=True))
         assert rel <= 1e-5, f"rank {rank}: relative loss difference {rel:.2e}\n{r['losses']}\n{expected}"

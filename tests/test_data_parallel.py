@@ -85,7 +85,7 @@ def test_buckets_reduce_during_the_last_backward_only(zero):
             model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank * 10 + mb))).backward()
     flat = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.parameters()))]) / 2
     for _, _, grads, ranges in results:
-        for g, (a, b) in zip(grads, ranges):
+        for g, (a, b) in zip(grads, ranges, strict=True):
             torch.testing.assert_close(g, flat[a:b], rtol=1e-6, atol=1e-7)
 
 
@@ -148,5 +148,5 @@ def test_fp32_single_process_equals_torch_adamw():
         mine(x).backward()
         opt.grads.finish()
         opt.step()
-    for a, b in zip(ref.parameters(), mine.parameters()):
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -49,7 +49,7 @@ def _split_docs(path, split) -> list[str]:
     tok = TokenDataset(path, split, 1).tokenizer()
     cuts = np.flatnonzero(stream == eos)
     starts = np.concatenate([[0], cuts[:-1] + 1])
-    return [tok.decode(stream[s:e].tolist()) for s, e in zip(starts, cuts)]
+    return [tok.decode(stream[s:e].tolist()) for s, e in zip(starts, cuts, strict=True)]
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -317,7 +317,7 @@ def test_loader_yields_this_ranks_microbatches_in_step_order():
     with BatchLoader(data, sampler, dp_rank=1, dp=2, microbatches=2, start_step=5, num_steps=4) as loader:
         batches = list(loader)
     assert len(batches) == 4 and loader.step == 9
-    for step, batch in zip(range(5, 9), batches):
+    for step, batch in zip(range(5, 9), batches, strict=True):
         assert batch.shape == (2, 2, 3) and batch.dtype == torch.int64
         assert batch[:, :, 0].tolist() == sampler.rank_indices(step, 1, 2, 2)
         assert torch.equal(batch, batch[:, :, :1].expand(-1, -1, 3))

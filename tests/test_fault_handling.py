@@ -80,7 +80,7 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues_exactly(c
     assert (tmp_path / "stopped" / "checkpoints" / "step-00000003" / "manifest.json").is_file()
     resumed = _run(corpus, tmp_path / "stopped", ["checkpoint.resume=auto"])
     assert all(r["start"] == 3 for r in resumed)
-    for r_straight, r_resumed in zip(straight, resumed):
+    for r_straight, r_resumed in zip(straight, resumed, strict=True):
         for k, v in r_straight["weights"][-1].items():
             assert torch.equal(v, r_resumed["weights"][-1][k]), k
         assert r_resumed["final"]["loss"] == r_straight["final"]["loss"]
@@ -157,7 +157,6 @@ def test_plait_train_exits_0_on_sigterm_and_resumes(corpus, tmp_path):
     checkpoint and exit status 0; the next `plait train ... checkpoint.resume=auto` continues from it."""
     import subprocess
     import sys
-    import time
 
     from plait.checkpoint.store import latest_checkpoint
 

@@ -21,10 +21,15 @@ from safetensors.torch import load_file, save_file
 
 from distributed import run_distributed
 from model_weights import randomize
-from plait.mesh import ParallelMesh, single_process_mesh
 from plait.materialize import build_llama
-from plait.models.llama.hf_io import (CheckpointMismatchError, load_hf_config, load_hf_weights,
-                                      load_llama_from_hf, save_hf_checkpoint)
+from plait.mesh import ParallelMesh, single_process_mesh
+from plait.models.llama.hf_io import (
+    CheckpointMismatchError,
+    load_hf_config,
+    load_hf_weights,
+    load_llama_from_hf,
+    save_hf_checkpoint,
+)
 from plait.models.llama.parallelize import kv_replication_for
 
 transformers = pytest.importorskip("transformers")

@@ -76,7 +76,8 @@ def test_fx_traces_with_decoder_layers_as_leaves():
 
 @pytest.mark.parametrize(
     "kw,needle",
-    [(dict(num_attention_heads=6, num_key_value_heads=4), "num_attention_heads=6 is not divisible by num_key_value_heads=4"),
+    [(dict(num_attention_heads=6, num_key_value_heads=4),
+      "num_attention_heads=6 is not divisible by num_key_value_heads=4"),
      (dict(hidden_size=50), "hidden_size=50 is not divisible by num_attention_heads=6"),
      (dict(vocab_size=0), "model.vocab_size=0 must be a positive integer"),
      (dict(rope_scaling={"rope_type": "yarn"}), "rope_scaling.rope_type='yarn' is not supported")],
@@ -91,8 +92,8 @@ def test_bad_model_configs(kw, needle):
 def _fake_build(rank, world, tp, kv_rep, cfg_kw):
     import torch.distributed as dist
 
-    from plait.models.llama import LlamaForCausalLM
     from plait.mesh import ParallelMesh
+    from plait.models.llama import LlamaForCausalLM
     from plait.models.llama.parallelize import parallelize
 
     dist.init_process_group("fake", rank=rank, world_size=world)

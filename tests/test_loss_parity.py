@@ -34,7 +34,7 @@ def _config():
 
 def _train(mesh, sp):
     from plait.materialize import build_llama
-    from plait.train.simple import train_steps
+    from tp_training_loop import train_steps
 
     torch.manual_seed(0)
     model = build_llama(_config(), mesh, seed=SEED, sequence_parallel=sp)

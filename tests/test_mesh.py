@@ -33,7 +33,8 @@ def test_tp2_pp2_dp4_groups():
 def test_dp_derived_and_cp_axis():
     m = _mesh(16, tp=2, cp=2)
     assert m.dp == 4
-    assert m.group_ranks("cp") == sorted([[i, i + 2] for i in range(0, 16, 4)] + [[i + 1, i + 3] for i in range(0, 16, 4)])
+    expected = [[i, i + 2] for i in range(0, 16, 4)] + [[i + 1, i + 3] for i in range(0, 16, 4)]
+    assert m.group_ranks("cp") == sorted(expected)
 
 
 @pytest.mark.parametrize(

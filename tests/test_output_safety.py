@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from plait.checkpoint.convert import hf_to_plait, plait_to_hf
 from plait.cli import main

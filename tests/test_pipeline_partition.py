@@ -196,7 +196,7 @@ def test_measure_unit_times_profiles_each_unit_without_touching_grads():
     units = trace_units(model)
     times = measure_unit_times(model, units, torch.randint(0, 77, (2, 16)), warmup=1, iters=2)
     assert len(times) == len(units) and all(t >= 0 for t in times)
-    assert all(t > 0 for t, u in zip(times, units) if u.kind == "block")
+    assert all(t > 0 for t, u in zip(times, units, strict=True) if u.kind == "block")
     assert all(p.grad is None for p in model.parameters())
     part = partition_model(units, times, 2, cost_kind="seconds")
     assert part.stage_layers() == [[0], [1]] and " ms" in part.describe()
@@ -208,7 +208,7 @@ def _brute_force_bottleneck(costs, k):
     best = float("inf")
     for cut in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *cut, n)
-        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
     return best
 
 
@@ -220,7 +220,7 @@ def test_balanced_partition_is_exact_and_deterministic():
         for k in range(1, n + 1):
             ranges = balanced_partition(costs, k)
             assert ranges[0][0] == 0 and ranges[-1][1] == n and len(ranges) == k
-            assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
+            assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in itertools.pairwise(ranges))
             got = max(sum(costs[a:b]) for a, b in ranges)
             assert got == pytest.approx(_brute_force_bottleneck(costs, k), rel=1e-12, abs=1e-12)
             assert balanced_partition(list(costs), k) == ranges

@@ -49,7 +49,7 @@ def test_bf16_mixed_follows_fp32_over_50_steps(corpus, tmp_path):
     fp32 = run_recipe(corpus, tmp_path / "fp32", BASE + ["precision.preset=fp32"], 1, STEPS)[0]["losses"]
     mixed = run_recipe(corpus, tmp_path / "mixed", BASE + ["precision.preset=bf16-mixed"], 1, STEPS)[0]["losses"]
     assert fp32[-1] < fp32[0] - 1.0, "the fp32 run must learn for the comparison to mean anything"
-    rel = [abs(a - b) / b for a, b in zip(mixed, fp32)]
+    rel = [abs(a - b) / b for a, b in zip(mixed, fp32, strict=True)]
     assert max(rel) <= 1e-2, f"bf16-mixed vs fp32: largest relative loss difference {max(rel):.2e}"
     assert max(rel) > 0, "bf16 compute must differ from fp32 at all (is the preset applied?)"
 

@@ -138,7 +138,8 @@ UNUSABLE = {
         f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
         for i in range(6)), "expands to more than"),
     "deep nesting": ("a: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
-    "two documents": ("run: {}\n---\nrun: {}\n", ":2:1: (file) — not valid YAML: expected a single document in the stream: but found"),
+    "two documents": ("run: {}\n---\nrun: {}\n",
+                      ":2:1: (file) — not valid YAML: expected a single document in the stream: but found"),
     "control character": ("run:\n  name: a\x01b\n", ":2:10: (file) — not valid YAML"),
     "syntax": ("parallel: [1\n", "(file) — not valid YAML"),
     "undecodable bytes": (b"run:\n  name: caf\xe9\n", ":2: byte 0xe9 — the file is not UTF-8 text"),

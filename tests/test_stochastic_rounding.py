@@ -125,7 +125,7 @@ def test_fp32_params_match_torch_adamw():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
     for grads in _grads(shapes, 10, seed=99):
-        for p, q, g in zip(ours, ref, grads):
+        for p, q, g in zip(ours, ref, grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         ref_opt.step()
@@ -133,9 +133,9 @@ def test_fp32_params_match_torch_adamw():
         ref_sched.step()
     # Same fp32 operations in the same order, so agreement is expected to be exact; 1e-6 relative
     # leaves room only for a different libm pow in the bias corrections.
-    for p, q in zip(ours, ref):
+    for p, q in zip(ours, ref, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=0)
-    for p, q in zip(ours, ref):
+    for p, q in zip(ours, ref, strict=True):
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], rtol=1e-6, atol=0)
         assert opt.state[p]["step"] == 10
 
@@ -204,7 +204,7 @@ def _run(params: list[torch.Tensor], seed: int, steps: int = 5) -> LowPrecisionA
     opt = LowPrecisionAdamW([{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:]}],
                             lr=1e-3, stochastic_rounding=True, seed=seed)
     for grads in _grads([tuple(p.shape) for p in params], steps, seed=11):
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.to(torch.bfloat16)
         opt.step()
     return opt
@@ -219,11 +219,11 @@ def test_replicas_round_identically():
     torch.manual_seed(123)
     torch.rand(1000)
     _run(b, seed=42)
-    for p, q in zip(a, b):
+    for p, q in zip(a, b, strict=True):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16))
     c = [p.detach().clone().requires_grad_() for p in init]
     _run(c, seed=43)
-    assert any(not torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(a, c))
+    assert any(not torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(a, c, strict=True))
 
 
 def test_distinct_positions_round_independently():
@@ -252,10 +252,10 @@ def test_bf16_state_dtype_and_state_dict_round_trip():
     opt2.load_state_dict(saved)  # restores the seed too: it is a group setting
     for o, ps in ((opt, params), (opt2, twin)):
         for grads in _grads([tuple(p.shape) for p in ps], 3, seed=77):
-            for p, g in zip(ps, grads):
+            for p, g in zip(ps, grads, strict=True):
                 p.grad = g.to(torch.bfloat16)
             o.step()
-    for p, q in zip(params, twin):
+    for p, q in zip(params, twin, strict=True):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16))
         assert opt2.state[q]["step"] == 6
 

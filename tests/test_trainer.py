@@ -158,5 +158,5 @@ def test_trainer_layouts_follow_single_process(corpus, tmp_path, layout):
     ref = run_distributed(_losses_worker, 1, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, single)), prepared, 5)[0]
     for rank, losses in enumerate(run_distributed(_losses_worker, world,
                                                   yaml.safe_dump(recipe_data(DEFAULT_RECIPE, other)), prepared, 5)):
-        rel = max(abs(a - b) / b for a, b in zip(losses, ref))
+        rel = max(abs(a - b) / b for a, b in zip(losses, ref, strict=True))
         assert rel <= 1e-5, f"rank {rank}: losses {losses} vs single process {ref}"

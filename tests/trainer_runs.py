@@ -64,7 +64,7 @@ def merged_weights(results: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def max_relative(values, reference) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference))
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
 def weight_errors(weights: dict, reference: dict) -> dict[str, float]:

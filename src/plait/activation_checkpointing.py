@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import re
 import types
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -179,12 +180,12 @@ class _Replay:
     def __enter__(self) -> None:
         assert len(self.recorded) == len(self.trackers), "recomputation before the checkpointed forward ran"
         self._current = [t.get_state() for t in self.trackers]
-        for t, state in zip(self.trackers, self.recorded):
+        for t, state in zip(self.trackers, self.recorded, strict=True):
             t.set_state(state)
 
     def __exit__(self, *exc: Any) -> bool:
         # also on checkpoint's early stop, which ends the recomputation with an exception
-        for t, state in zip(self.trackers, self._current):
+        for t, state in zip(self.trackers, self._current, strict=True):
             t.set_state(state)
         return False
 

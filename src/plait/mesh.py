@@ -129,7 +129,7 @@ class ParallelMesh:
 
         self._rank_at: dict[tuple[int, ...], int] = {}
         for coord in itertools.product(*(range(self.degrees[a]) for a in AXES)):
-            r = self.layout.rank_of(dict(zip(AXES, coord)), self.degrees)
+            r = self.layout.rank_of(dict(zip(AXES, coord, strict=True)), self.degrees)
             self._rank_at[coord] = r
         if sorted(self._rank_at.values()) != list(range(world_size)):
             raise MeshError(f"rank layout {self.layout!r} is not a bijection onto range({world_size})")
@@ -158,7 +158,7 @@ class ParallelMesh:
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
         """Grid coordinates of ``rank`` (default: this rank) as ``{axis: index}``."""
-        return dict(zip(AXES, self._coord_of[self.rank if rank is None else rank]))
+        return dict(zip(AXES, self._coord_of[self.rank if rank is None else rank], strict=True))
 
     @property
     def tp_rank(self) -> int:
@@ -183,7 +183,7 @@ class ParallelMesh:
         others = [a for a in AXES if a != axis]
         groups = []
         for fixed in itertools.product(*(range(self.degrees[a]) for a in others)):
-            base = dict(zip(others, fixed))
+            base = dict(zip(others, fixed, strict=True))
             groups.append(
                 [self._rank_at[tuple({**base, axis: i}[a] for a in AXES)] for i in range(self.degrees[axis])]
             )

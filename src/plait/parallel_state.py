@@ -74,7 +74,8 @@ def writes_copy(module: nn.Module, name: str, spec: ShardSpec | None, tp_rank: i
     return True
 
 
-def named_parameters_with_specs(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Parameter, ShardSpec | None]]:
+def named_parameters_with_specs(
+        modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Parameter, ShardSpec | None]]:
     """``(owning module, name, parameter, spec or None)`` of every distinct parameter of ``modules``
     (a model, or a rank's pipeline stages), first owner first."""
     out, seen = [], set()

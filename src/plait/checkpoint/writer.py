@@ -171,7 +171,8 @@ class CheckpointWriter:
             for key, entry in data["tensors"].items():
                 merged = tensors.setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"], "slices": []})
                 if merged["shape"] != entry["shape"]:
-                    raise CheckpointError(f"ranks disagree on the shape of {key}: {merged['shape']} vs {entry['shape']}")
+                    raise CheckpointError(
+                        f"ranks disagree on the shape of {key}: {merged['shape']} vs {entry['shape']}")
                 merged["slices"].extend(entry["slices"])
         manifest = {"format": FORMAT, "version": VERSION, "step": snap.step, "complete": True, **snap.meta,
                     "tensors": tensors, "files": files, "world_size": self.world}

@@ -3,10 +3,10 @@
 from plait.comm.collectives import (
     all_reduce_grad,
     copy_to_tp,
+    gather_from_sp,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
-    gather_from_sp,
     scale_grad,
     scatter_to_tp,
 )

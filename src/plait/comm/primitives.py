@@ -82,7 +82,7 @@ class GroupInfo:
         self.group, self.rank, self.size = group, rank, size
 
     @staticmethod
-    def single() -> "GroupInfo":
+    def single() -> GroupInfo:
         return GroupInfo(None, 0, 1)
 
     def __repr__(self) -> str:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 EOS_TOKEN = "<|endoftext|>"
 #: generations of more tokens than this show a progress bar on a terminal
@@ -91,7 +91,7 @@ def _check_weights_file(file: Path) -> None:
             f.keys()
     except (SafetensorError, OSError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise _UsageError(f"weights file {file} is truncated or corrupt ({reason}); copy or convert it again")
+        raise _UsageError(f"weights file {file} is truncated or corrupt ({reason}); copy or convert it again") from None
 
 
 @dataclass(frozen=True)
@@ -221,15 +221,15 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     try:
         tokenizer = Tokenizer.from_file(str(tok_file))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
-        raise _UsageError(f"cannot read tokenizer {tok_file}: {str(e).splitlines()[0] if str(e) else e!r}")
+        raise _UsageError(f"cannot read tokenizer {tok_file}: {str(e).splitlines()[0] if str(e) else e!r}") from None
     from safetensors import SafetensorError
 
     try:
         model = load_from_hf(model_dir, single_process_mesh(), device=args.device)  # any family
     except (ModelConfigError, CheckpointMismatchError, FileNotFoundError) as e:
-        raise _UsageError(f"cannot load {model_dir}: {e}")
+        raise _UsageError(f"cannot load {model_dir}: {e}") from None
     except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)
-        raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})")
+        raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})") from None
     config = model.config
     ids = tokenizer.encode(args.prompt).ids if args.prompt else []
     start, stop = start_and_stop_ids(tokenizer, config)

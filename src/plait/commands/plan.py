@@ -186,7 +186,8 @@ def render_table(plan, top: int, unfit: int = 3, every: bool = False) -> str:
     left = {1}
 
     def fmt(r):
-        return "  ".join(v.ljust(w) if k in left else v.rjust(w) for k, (v, w) in enumerate(zip(r, widths))).rstrip()
+        cells = enumerate(zip(r, widths, strict=True))
+        return "  ".join(v.ljust(w) if k in left else v.rjust(w) for k, (v, w) in cells).rstrip()
 
     lines = [fmt(header)]
     lines.extend(fmt(r) for r in body)

@@ -12,8 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.data.errors import DataError
-from plait.data.token_shards import (INDEX_FILE, SPLITS, TOKENIZER_FILE, DatasetFormatError, TokenShards,
-                                     check_one_sample, check_token_ids, load_index)
+from plait.data.token_shards import (
+    INDEX_FILE,
+    SPLITS,
+    TOKENIZER_FILE,
+    DatasetFormatError,
+    TokenShards,
+    check_one_sample,
+    check_token_ids,
+    load_index,
+)
 from plait.data.tokenizer import load_tokenizer_file, tokenizer_vocab_size
 
 

@@ -29,10 +29,18 @@ import numpy as np
 
 from plait.data.corpora import CORPORA, corpus_documents, corpus_version
 from plait.data.errors import DataError
-from plait.data.token_shards import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARD_TOKENS, TOKENIZER_FILE,
-                                     ShardWriter, load_index, token_dtype)
-from plait.data.tokenizer import EOS, EOS_CANDIDATES, cache_dir as resolve_cache_dir  # noqa: F401 - re-exported
-from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
+from plait.data.token_shards import (
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    SHARD_TOKENS,
+    TOKENIZER_FILE,
+    ShardWriter,
+    load_index,
+    token_dtype,
+)
+from plait.data.tokenizer import EOS, EOS_CANDIDATES, find_eos, load_tokenizer_file, tokenizer_vocab_size  # noqa: F401 - re-exported
+from plait.data.tokenizer import cache_dir as resolve_cache_dir
 
 SOURCE_SUFFIXES = (".txt", ".jsonl")
 _ENCODE_BATCH_DOCS, _ENCODE_BATCH_CHARS = 256, 4_000_000
@@ -391,7 +399,8 @@ def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[i
                True: ShardWriter(tmp, "val", dtype, shard_tokens)}
 
     def encode(batch: list[tuple[bool, str]]) -> None:
-        for (is_val, _), enc in zip(batch, tok.encode_batch([t for _, t in batch], add_special_tokens=False)):
+        encoded = tok.encode_batch([t for _, t in batch], add_special_tokens=False)
+        for (is_val, _), enc in zip(batch, encoded, strict=True):
             ids = np.empty(len(enc.ids) + 1, dtype=dtype)
             ids[:-1] = enc.ids
             ids[-1] = eos_id

@@ -17,7 +17,8 @@ def token_stream(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def split_sequences(stream: torch.Tensor, seq_len: int, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+def split_sequences(stream: torch.Tensor, seq_len: int,
+                    val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     """``(train, val)`` tensors of shape ``[n, seq_len]``; the validation split is the stream's tail."""
     n = stream.numel() // seq_len
     seqs = stream[: n * seq_len].view(n, seq_len)

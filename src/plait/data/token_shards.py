@@ -164,7 +164,7 @@ class TokenShards:
             raise DatasetFormatError(f"{self.directory / INDEX_FILE}: the {split} shards listed hold "
                                      f"{self.num_tokens} tokens, splits.{split}.tokens says {entry['tokens']}; "
                                      f"{_redo(self.directory)}")
-        for path, count in zip(self._files, self._counts):
+        for path, count in zip(self._files, self._counts, strict=True):
             size = path.stat().st_size if path.is_file() else -1
             if size != count * self.dtype.itemsize:
                 found = "no file" if size < 0 else f"{size} bytes"
@@ -176,7 +176,7 @@ class TokenShards:
     def _mapped(self) -> list[np.memmap]:
         if self._maps is None:  # opened lazily, so that a pickled copy (a worker process) maps its own
             self._maps = [np.memmap(p, dtype=self.dtype, mode="r", shape=(n,))
-                          for p, n in zip(self._files, self._counts)]
+                          for p, n in zip(self._files, self._counts, strict=True)]
         return self._maps
 
     def __getstate__(self) -> dict:

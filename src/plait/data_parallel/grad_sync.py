@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from plait.comm.primitives import GroupInfo, all_reduce, reduce_scatter_single
-from plait.data_parallel.layout import BufferLayout, Bucket
+from plait.data_parallel.layout import Bucket, BufferLayout
 
 
 class GradSync:

@@ -34,6 +34,7 @@ from plait.data_parallel.layout import BufferLayout, Segment, plan_buffer
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
 from plait.train.precision import PrecisionPolicy
 
+
 @dataclass
 class OptimizerHyper:
     lr: float
@@ -75,7 +76,8 @@ class DistributedOptimizer:
                 if not p.requires_grad or id(p) in seen:
                     continue
                 seen.add(id(p))
-                params.append((name, p, not no_weight_decay(name, p), norm_share(module, name, specs.get(name), tp.rank)))
+                share = norm_share(module, name, specs.get(name), tp.rank)
+                params.append((name, p, not no_weight_decay(name, p), share))
         if not params:
             raise ValueError("the model has no trainable parameters")
         device = params[0][1].device
@@ -159,7 +161,7 @@ class DistributedOptimizer:
         """
         device = self.param_data.device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        counted = [(g, w) for g, w in zip(self.main_grads, self.main_weights) if w > 0 and g.numel()]
+        counted = [(g, w) for g, w in zip(self.main_grads, self.main_weights, strict=True) if w > 0 and g.numel()]
         if counted:
             norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g, _ in counted], 2)
             weights = torch.tensor([w for _, w in counted], dtype=torch.float32, device=device)
@@ -268,7 +270,8 @@ class DistributedOptimizer:
                 owned = torch.zeros(hi - lo, dtype=self.policy.master_dtype, device=device)
                 for i in by_bucket.get(b.index, []):
                     s = self.segments[i]
-                    src = self.main_params[i] if kind == "master" else self.inner.state.get(self.main_params[i], {}).get(kind)
+                    main = self.main_params[i]
+                    src = main if kind == "master" else self.inner.state.get(main, {}).get(kind)
                     if src is not None:
                         owned[s.start - lo:s.end - lo].copy_(src.reshape(-1))
                 if self.zero:

@@ -111,7 +111,8 @@ def _model_config(c: Collector, base_dir: Path) -> str | None:
     if not isinstance(data, dict):
         c.unmap(key, f"{path} does not hold a JSON object")
         return None
-    fields = {f"model.{name}": data[name] for name in ARCH_FIELDS if name in data and name not in ("head_dim", "sliding_window")}
+    special = ("head_dim", "sliding_window")
+    fields = {f"model.{name}": data[name] for name in ARCH_FIELDS if name in data and name not in special}
     if data.get("head_dim") is not None:
         fields["model.head_dim"] = data["head_dim"]
     for name, value in fields.items():

@@ -9,9 +9,10 @@ the pipeline partitioner, the Hugging Face reader/writer and the recipe checks a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 

@@ -29,10 +29,11 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ def _field_hint(name: str, dim: int | None) -> str:
 def _mismatch_message(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> str:
     dim = None
     if len(found) == len(expected):
-        dim = next(i for i, (a, b) in enumerate(zip(found, expected)) if a != b)
+        dim = next(i for i, (a, b) in enumerate(zip(found, expected, strict=True)) if a != b)
     return (f"tensor {name!r} has shape {list(found)} in the checkpoint but the config expects "
             f"{list(expected)}" + (f" (dim {dim})" if dim is not None else "")
             + f"; check the config field {_field_hint(name, dim)}")
@@ -283,7 +284,7 @@ def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tupl
             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         stream: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
         weight_map: dict[str, str] = {}
-        for names, file in zip(shards, files):
+        for names, file in zip(shards, files, strict=True):
             chunk: dict[str, torch.Tensor] = {}
             for expected in names:
                 name, t = next(stream)

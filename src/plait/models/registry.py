@@ -8,9 +8,10 @@ pipeline splitting, conversion) finds it here.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from plait.models.family import ModelFamily
 from plait.models.llama.config import ModelConfigError

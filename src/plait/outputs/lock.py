@@ -43,7 +43,7 @@ class DirectoryLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self) -> "DirectoryLock":
+    def acquire(self) -> DirectoryLock:
         """Take the lock or raise :class:`DirectoryLockedError` naming the holder."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_FILE
@@ -70,7 +70,7 @@ class DirectoryLock:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
-    def __enter__(self) -> "DirectoryLock":
+    def __enter__(self) -> DirectoryLock:
         return self.acquire()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

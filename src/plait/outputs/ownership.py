@@ -25,8 +25,9 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Literal
 
 MARKER = ".plait-output.json"
 Kind = Literal["run", "checkpoints", "hf-model"]

@@ -12,6 +12,7 @@ config) or from a short measured profile (:func:`measure_unit_times`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -299,7 +300,7 @@ class Partition:
         """A table (stage, units, cost, share of the total) and the bottleneck, for logs."""
         total = sum(self.costs)
         rows = [("stage", "units", self.cost_kind, "share")]
-        for s, (names, cost) in enumerate(zip(self.stages, self.costs)):
+        for s, (names, cost) in enumerate(zip(self.stages, self.costs, strict=True)):
             share = f"{100 * cost / total:.1f}%" if total > 0 else "-"
             rows.append((str(s), compress_names(names), _fmt_cost(cost, self.cost_kind), share))
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
@@ -440,7 +441,7 @@ def _manual_ranges(block_names: list[str], units: list[Unit], num_stages: int,
             raise PartitionError(f"cut {cut!r} is the first block, which always starts stage 0 (a stage before it "
                                  f"would hold no block); valid cut names: {valid_text}")
         positions.append(block_names.index(cut))
-    if any(b <= a for a, b in zip(positions, positions[1:])):
+    if any(b <= a for a, b in itertools.pairwise(positions)):
         raise PartitionError(f"cuts {cuts} must be in model order without repeats")
     bounds = [0] + positions + [len(block_names)]
     return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]

@@ -15,8 +15,8 @@ Sent input gradients are still kept until the end of the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -15,7 +15,6 @@ after ``(rank, chunk)`` and come from the stage before it, gradients the reverse
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class ReduceGradients:
     """Last task of every rank's list: synchronise tied-weight and data-parallel gradients."""
 
 
-Task = Union[Forward, Backward, RecvActivation, SendActivation, RecvGradient, SendGradient, ReduceGradients]
+Task = Forward | Backward | RecvActivation | SendActivation | RecvGradient | SendGradient | ReduceGradients
 
 COMPUTE_TASKS = (Forward, Backward)
 SEND_TASKS = (SendActivation, SendGradient)

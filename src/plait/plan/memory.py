@@ -86,9 +86,8 @@ libraries' internal staging copies, bucket padding.
 
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from plait.models.llama.config import LlamaConfig
@@ -248,7 +247,8 @@ def _cached_split(key: str, config: LlamaConfig, num_stages: int, seq_len: int) 
 
 def chunk_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Chunk) -> int:
     """Local parameters of one chunk: its layers; the embedding on the first stage, and on the last
-    stage too when embeddings are tied (each end keeps a copy, summed over both ends before the data-parallel reduction, see :mod:`plait.data_parallel.grad_sync`);
+    stage too when embeddings are tied (each end keeps a copy, summed over both ends before the
+    data-parallel reduction, see :mod:`plait.data_parallel.grad_sync`);
     the final norm and the output head (unless tied: then it is the embedding) on the last."""
     n = len(chunk.layers) * layer_parameter_count(config, sh)
     embed = sh.vocab * sh.hidden

@@ -330,10 +330,10 @@ def rank_layouts(config, world: int, device, *, devices_per_node: int = 8, micro
 
     ``device``: a table name (``"h100"``) or a :class:`~plait.devices.DeviceSpec`;
     ``memory_bytes`` overrides its memory and ``peak`` its peak FLOP/s per device for the precision's
-    matmul dtype (e.g. a CPU rank that gets a share of the host's cores). Each candidate's memory is the peak over its pipeline
-    ranks (``estimate_memory(..., stage=None)``). Raises :class:`PlanError` for an unknown device,
-    a world without layouts, and (with ``require_fit``) a budget no layout fits, naming the
-    smallest device memory that would fit one.
+    matmul dtype (e.g. a CPU rank that gets a share of the host's cores). Each candidate's memory is
+    the peak over its pipeline ranks (``estimate_memory(..., stage=None)``). Raises
+    :class:`PlanError` for an unknown device, a world without layouts, and (with ``require_fit``)
+    a budget no layout fits, naming the smallest device memory that would fit one.
     """
     from plait.plan.memory import estimate_memory, precision_bytes
     from plait.plan.timing import estimate_step_time

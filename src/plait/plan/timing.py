@@ -59,8 +59,8 @@ and ``mfu = model FLOPs of the step / (total_s * world * peak)`` with PaLM's mod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from plait.devices import DeviceSpec, peak_flops
 from plait.models.llama.config import LlamaConfig

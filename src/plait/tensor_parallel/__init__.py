@@ -13,7 +13,8 @@ from plait.tensor_parallel.random import TensorParallelRNG, TrackedDropout
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
 __all__ = [
-    "ColumnParallelLinear", "HeadLayout", "HeadLayoutError", "ParallelGatedMLP", "ParallelHeadRMSNorm", "ParallelSelfAttention",
+    "ColumnParallelLinear", "HeadLayout", "HeadLayoutError", "ParallelGatedMLP", "ParallelHeadRMSNorm",
+    "ParallelSelfAttention",
     "RowParallelLinear", "SequenceParallelRMSNorm", "ShardSpec", "TensorParallelRNG", "TrackedDropout",
     "VocabParallelCausalLMOutput",
     "VocabParallelEmbedding", "assemble_from_shards", "column_parallel_matmul", "vocab_parallel_cross_entropy",

@@ -23,7 +23,7 @@ activation checkpointing can name (``self_attn.core``); it has no parameters, so
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -16,7 +16,7 @@ gradients are returned in the parameters' own dtype.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         x_local = x.to(cdtype)
         x_full = P.all_gather_dim(x_local, seq_dim, group) if sequence_parallel else x_local
         with torch.autocast(x.device.type, enabled=False):
-            outs = tuple(torch.nn.functional.linear(x_full, w, b) for w, b in zip(weights, biases))
+            outs = tuple(torch.nn.functional.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
         ctx.save_for_backward(x_local if sequence_parallel else x_full, *weights)
         ctx.group, ctx.sp, ctx.seq_dim, ctx.grad_scales = group, sequence_parallel, seq_dim, grad_scales
         ctx.has_bias = [b is not None for b in biases]
@@ -65,7 +65,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         if sp and multi_rank:
             x_front, gather_work = _gather_async(x_saved, seq_dim, group)
         dx = None
-        for g, w, s in zip(grads, weights, ctx.grad_scales):
+        for g, w, s in zip(grads, weights, ctx.grad_scales, strict=True):
             if g is None:
                 continue
             part = g.to(w.dtype).matmul(w)
@@ -86,7 +86,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                 reduce_work = P.all_reduce(dx, group, async_op=True)
         x2d = x_full.reshape(-1, x_full.shape[-1])
         param_grads: list[torch.Tensor | None] = []
-        for i, (g, w) in enumerate(zip(grads, weights)):
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
             if g is None:
                 param_grads += [None, None]
                 continue
@@ -114,6 +114,6 @@ def column_parallel_matmul(
     """``[x W_i^T + b_i for i]`` on the full (gathered) input, with a single input-gradient reduce."""
     scales = tuple(input_grad_scales or [1.0] * len(weights))
     params: list[torch.Tensor | None] = []
-    for w, b in zip(weights, biases):
+    for w, b in zip(weights, biases, strict=True):
         params += [w, b]
     return _ColumnParallelMatmul.apply(x, group, sequence_parallel, seq_dim, scales, *params)

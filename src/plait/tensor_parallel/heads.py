@@ -44,7 +44,7 @@ class HeadLayout:
 
     @staticmethod
     def plan(num_heads: int, num_kv_heads: int, head_dim: int, tp: int,
-             kv_replication: int | None = None, placement: str = "interleaved") -> "HeadLayout":
+             kv_replication: int | None = None, placement: str = "interleaved") -> HeadLayout:
         """Validate the degrees and pick the replication factor when it is not given.
 
         Without padding (``T`` divides ``H``) the automatic factor is ``T / gcd(T, KV)``, the

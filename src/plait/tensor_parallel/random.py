@@ -28,7 +28,7 @@ the global generators), so recomputed masks equal the original ones.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

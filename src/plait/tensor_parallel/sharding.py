@@ -77,7 +77,7 @@ def assemble_from_shards(specs: list[ShardSpec], locals_: list[torch.Tensor]) ->
     spec0 = specs[0]
     full = torch.zeros(spec0.full_shape, dtype=locals_[0].dtype, device=locals_[0].device)
     covered = torch.zeros(spec0.full_shape[spec0.dim], dtype=torch.bool)
-    for spec, local in zip(specs, locals_):
+    for spec, local in zip(specs, locals_, strict=True):
         idx = torch.tensor(spec.index, dtype=torch.long)
         keep = (idx >= 0).nonzero().flatten()
         full.index_copy_(spec.dim, idx[keep].to(full.device), local.index_select(spec.dim, keep.to(local.device)))

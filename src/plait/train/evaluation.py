@@ -17,7 +17,7 @@ data-parallel group, then divided. TP ranks compute the same full loss and are n
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

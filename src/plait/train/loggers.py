@@ -17,8 +17,9 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ class MetricsSink:
     def close(self) -> None:
         """Flush and release the destination; ``log`` must not be called afterwards."""
 
-    def __enter__(self) -> "MetricsSink":
+    def __enter__(self) -> MetricsSink:
         return self
 
     def __exit__(self, *exc: object) -> None:

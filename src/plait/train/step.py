@@ -9,17 +9,18 @@ synchronisation happens here: the loss and the gradient norm are returned as dev
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 from plait.data_parallel.optimizer import DistributedOptimizer
 
 #: ``watch(operation, axis)`` -> a context manager timing a communicating phase (see train/watchdog.py)
-Watch = Callable[[str, str], ContextManager]
+Watch = Callable[[str, str], AbstractContextManager]
 
 
-def no_watch(operation: str, axis: str) -> ContextManager:  # noqa: ARG001 - same signature as a Watch
+def no_watch(operation: str, axis: str) -> AbstractContextManager:  # noqa: ARG001 - same signature as a Watch
     return contextlib.nullcontext()
 
 

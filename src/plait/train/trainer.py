@@ -24,7 +24,6 @@ from plait.train.run_state import RunState, build_run
 from plait.train.running_metrics import RunningMetrics
 from plait.train.step import train_step
 
-
 #: size cap of one file of the final Hugging Face checkpoint (Hugging Face's own default)
 FINAL_SHARD_BYTES = 5 * 1024**3
 #: where the final model's checkpoint is written when the run keeps none (removed after conversion)

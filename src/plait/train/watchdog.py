@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 EXIT_STATUS = 3
 

@@ -199,7 +199,7 @@ class LlamaConfig:
 
     # ------------------------------------------------------------------ Hugging Face I/O
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         """The config a Hugging Face ``config.json`` mapping describes; another architecture or a
         mapping missing an architecture key raises :class:`ModelConfigError` (see
         :func:`check_hf_architecture`)."""

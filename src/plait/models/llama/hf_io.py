@@ -8,9 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from plait.models.hf_io import (INDEX_FILE, SINGLE_FILE, CheckpointMismatchError, HFTensors, PathLike,
-                                _weight_map, check_hf_tensors, gguf_to_hf_dir, load_from_hf, load_hf_config,
-                                load_hf_weights, read_hf_tensors, save_hf_checkpoint, write_hf_dir)
+from plait.models.hf_io import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointMismatchError,
+    HFTensors,
+    PathLike,
+    _weight_map,
+    check_hf_tensors,
+    gguf_to_hf_dir,
+    load_from_hf,
+    load_hf_config,
+    load_hf_weights,
+    read_hf_tensors,
+    save_hf_checkpoint,
+    write_hf_dir,
+)
 from plait.models.llama.model import LlamaForCausalLM
 
 

@@ -35,7 +35,7 @@ class Qwen3Config(LlamaConfig):
                                    f"{self.attention_bias}; Qwen3 biases q/k/v and o together")
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
+    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3Config:
         if d.get("use_sliding_window"):
             raise ModelConfigError("use_sliding_window=true is not supported for qwen3 (plait runs its full "
                                    "causal attention); set use_sliding_window=false if the model was trained "

@@ -1,14 +1,15 @@
 """A minimal tensor-parallel training loop: AdamW on fixed batches, one loss per step.
 
-This is the loop behind the loss-parity tests; the full trainer is :mod:`plait.train.trainer`. Every rank of a TP group sees the
-same batch; sharded and replicated parameters are updated locally (replicated ones receive
+The loop behind the tensor-parallel loss-parity tests (the library's own loop is
+:mod:`plait.train.trainer`). Every rank of a TP group sees the same batch; sharded and
+replicated parameters are updated locally (replicated ones receive
 identical gradients on every TP rank, so they stay identical).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -9,9 +9,9 @@ Each gradient entry must count exactly once, whatever the layout:
 * pipeline stages each count their own parameters (summed over the PP group), and an embedding
   tied across the first and last stage is counted on the first stage only.
 
-The result stays a device tensor: no host synchronisation inside the step. The trainer takes the
-norm from :meth:`DistributedOptimizer.grad_norm`; this function applies the same counting rule
-(:func:`plait.parallel_state.norm_share`) to ``.grad`` of a model without one.
+A test reference: the trainer takes the norm from :meth:`DistributedOptimizer.grad_norm`; this
+function applies the same counting rule (:func:`plait.parallel_state.norm_share`) to ``.grad`` of
+a model without that optimizer, so the tests can compare the two.
 """
 
 from __future__ import annotations
