@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -43,6 +43,8 @@ DEFAULT_SELECTIVE = ("self_attn.core", "mlp.act")
 
 _BLOCK_NAME = re.compile(r"(?:^|\.)layers\.\d+$")
 _WRAPPED = "_plait_checkpointed"
+#: the instance attribute of a wrapped module holding the tracker its recomputation replays
+_CHECKPOINT_RNG = "_checkpoint_rng"
 
 
 def checkpointable_names(config: Any) -> list[str]:
@@ -80,13 +82,14 @@ def apply_activation_checkpointing(modules: list[nn.Module], mode: str, names: l
                          f"not mode={mode!r}")
     if mode == "off":
         return 0
+    selected: list[str] = []
     if mode == "selective":
-        names = list(DEFAULT_SELECTIVE if names is None else names)
-        if not names:
+        selected = list(DEFAULT_SELECTIVE if names is None else names)
+        if not selected:
             raise ValueError("activation checkpointing mode='selective' with names=[] checkpoints nothing; "
                              "give module names or use mode='off'")
-        for outer in names:  # nested checkpoints would recompute the inner module twice
-            for inner in names:
+        for outer in selected:  # nested checkpoints would recompute the inner module twice
+            for inner in selected:
                 if inner.startswith(outer + "."):
                     raise ValueError(f"activation checkpointing names overlap: {inner!r} is inside {outer!r}; "
                                      f"name one of them")
@@ -104,7 +107,7 @@ def apply_activation_checkpointing(modules: list[nn.Module], mode: str, names: l
         valid = checkpointable_names(root.config)
         for block_name, block in blocks:
             present = {n for n, _ in block.named_modules()}
-            for name in names:
+            for name in selected:
                 if name not in valid or name not in present:
                     raise ValueError(
                         f"activation checkpointing: {name!r} is not a checkpointable module of block "
@@ -132,7 +135,7 @@ def _wrap(module: nn.Module, tracker: TensorParallelRNG | None) -> None:
     Bound with ``MethodType`` (not a closure over ``module``) so that ``copy.deepcopy`` of a model
     rebinds it to the copy; the tracker is a module attribute for the same reason.
     """
-    module._checkpoint_rng = tracker
+    setattr(module, _CHECKPOINT_RNG, tracker)
     setattr(module, _WRAPPED, True)
     module.forward = types.MethodType(_checkpointed_forward, module)
 
@@ -141,7 +144,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     inner = types.MethodType(type(self).forward, self)
     if not torch.is_grad_enabled():  # evaluation / generation: nothing is saved, nothing to recompute
         return inner(*args, **kwargs)
-    tracker = self._checkpoint_rng
+    tracker: TensorParallelRNG | None = getattr(self, _CHECKPOINT_RNG)
     context_fn = torch_checkpoint.noop_context_fn if tracker is None else tracker_context_fn(tracker)
     return torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
                                        context_fn=context_fn, **kwargs)
@@ -168,7 +171,7 @@ class _Record:
     def __enter__(self) -> None:
         self.recorded[:] = [t.get_state() for t in self.trackers]
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         return False
 
 
@@ -183,7 +186,7 @@ class _Replay:
         for t, state in zip(self.trackers, self.recorded, strict=True):
             t.set_state(state)
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         # also on checkpoint's early stop, which ends the recomputation with an exception
         for t, state in zip(self.trackers, self._current, strict=True):
             t.set_state(state)

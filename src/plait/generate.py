@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from plait.comm.primitives import GroupInfo
+
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """``logits`` with every entry below the ``k``-th largest (last dim) set to ``-inf``; ``k<=0`` keeps all."""
@@ -68,6 +70,16 @@ def _check(prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float, to
         raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 disables top-p)")
 
 
+def _sequence_multiple(model: nn.Module) -> int:
+    """The multiple the context length is padded to: the TP degree when the model runs sequence
+    parallelism (which splits the sequence over the TP ranks), else 1."""
+    if not getattr(model, "sequence_parallel", False):
+        return 1
+    tp = getattr(model, "tensor_parallel", None)
+    assert isinstance(tp, GroupInfo), "the tensor-parallel plan sets tensor_parallel with sequence_parallel"
+    return tp.size
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, greedy: bool = False, seed: int = 0,
@@ -94,7 +106,7 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, *,
         # Sequence parallelism splits the sequence over the TP ranks, so the context is right-padded
         # to a multiple of the TP degree; causal attention keeps the padding from affecting the
         # last real position, whose logits are the ones read.
-        multiple = model.tensor_parallel.size if getattr(model, "sequence_parallel", False) else 1
+        multiple = _sequence_multiple(model)
         if max_len is not None:
             max_len -= max_len % multiple
         for _ in range(max_new_tokens):

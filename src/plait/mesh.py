@@ -194,7 +194,7 @@ class ParallelMesh:
         return sorted(sorted({g[0], g[-1]}) for g in self.group_ranks("pp"))
 
     def _kv_group_ranks(self) -> list[list[int]]:
-        groups = []
+        groups: list[list[int]] = []
         for tp_group in self.group_ranks("tp"):
             by_shard: dict[int, list[int]] = {}
             for tp_rank, r in enumerate(tp_group):

@@ -17,6 +17,8 @@ writer splits the parameters over DP ranks).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -88,14 +90,21 @@ def named_parameters_with_specs(
     return out
 
 
+def _specs_of_every_rank(specs: dict[str, ShardSpec], tp: GroupInfo) -> list[dict[str, ShardSpec]]:
+    """Each TP rank's ``specs``, in TP rank order: one object exchange for all parameters (specs are
+    small index tuples)."""
+    if tp.size == 1:
+        return [specs]
+    every_rank: list[Any] = [None] * tp.size
+    dist.all_gather_object(every_rank, specs, group=tp.group)
+    return every_rank
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module, tp: GroupInfo) -> dict[str, torch.Tensor]:
     """Every parameter as its full, unpadded tensor (on every rank), gathered over the TP group."""
     specs = shard_specs(model)
-    every_rank_specs = [specs]
-    if tp.size > 1:  # one object exchange for all parameters; specs are small index tuples
-        every_rank_specs = [None] * tp.size
-        dist.all_gather_object(every_rank_specs, specs, group=tp.group)
+    every_rank_specs = _specs_of_every_rank(specs, tp)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if name not in specs:

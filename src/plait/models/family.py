@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from plait.models.llama.config import LlamaConfig
 from plait.pipeline.trace import Unit
 
 
@@ -30,8 +31,8 @@ class ModelFamily:
 
     ``name``: the registry key and the recipe's ``model.family`` value.
     ``model_types``: the Hugging Face ``config.json`` ``model_type`` values it reads.
-    ``config_cls``: its config dataclass (Hugging Face field names, ``from_hf_dict``/``to_hf_dict``,
-    ``validate``, ``num_parameters``).
+    ``config_cls``: its config dataclass, :class:`LlamaConfig` or derived from it (Hugging Face field
+    names, ``from_hf_dict``/``to_hf_dict``, ``validate``, ``num_parameters``).
     ``causal_lm_cls``: the full model, ``cls(config, device=, dtype=)``, without distributed code;
     ``forward(ids, labels=None)`` gives logits or the mean next-token loss.
     ``parallelize``: its tensor-parallel plan, ``fn(model, mesh, *, sequence_parallel, rng)``.
@@ -45,7 +46,7 @@ class ModelFamily:
 
     name: str
     model_types: tuple[str, ...]
-    config_cls: type
+    config_cls: type[LlamaConfig]
     causal_lm_cls: type[nn.Module]
     parallelize: Callable[..., nn.Module]
     stage_cls: type[nn.Module]

@@ -8,6 +8,7 @@ pipeline splitting, conversion) finds it here.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -69,7 +70,7 @@ def config_from_hf_dict(d: dict[str, Any]) -> Any:
     return family_for_model_type(d.get("model_type")).config_cls.from_hf_dict(d)
 
 
-def read_hf_config_file(path: str | Path) -> Any:
+def read_hf_config_file(path: str | os.PathLike[str]) -> Any:
     """The config in a Hugging Face directory's ``config.json``; errors name the file."""
     file = Path(path) / "config.json"
     if not file.is_file():

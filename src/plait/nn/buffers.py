@@ -9,5 +9,6 @@ def reset_buffers(model: nn.Module) -> None:
     """Recompute non-persistent buffers (rotary tables, head masks) after ``to_empty``: every
     submodule that holds one defines ``reset_buffers()``."""
     for m in model.modules():
-        if m is not model and hasattr(m, "reset_buffers"):
-            m.reset_buffers()
+        reset = getattr(m, "reset_buffers", None)
+        if m is not model and reset is not None:
+            reset()

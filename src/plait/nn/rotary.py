@@ -45,6 +45,8 @@ def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Produces the cos/sin tables for a sequence; the frequencies are a non-persistent buffer."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config: RopeConfig, device=None) -> None:
         super().__init__()
         self.config = config

@@ -59,7 +59,9 @@ class ParallelAttentionCore(nn.Module):
                 sin: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout > 0):
             return self.attention_fn(q, k, v, cos, sin)
-        with self.rng.fork(q.device):
+        rng = self.rng
+        assert rng is not None, "the constructor refuses dropout without an rng"
+        with rng.fork(q.device):
             return self.attention_fn(q, k, v, cos, sin, dropout_p=self.dropout)
 
     def extra_repr(self) -> str:
@@ -67,6 +69,9 @@ class ParallelAttentionCore(nn.Module):
 
 
 class ParallelSelfAttention(nn.Module):
+    #: zero on the padding heads' output features, ``None`` when this rank holds no padding head
+    head_mask: torch.Tensor | None
+
     def __init__(self, hidden_size: int, layout: HeadLayout, tp: GroupInfo, kv: GroupInfo,
                  attention_fn: AttentionFn, *, qkv_bias: bool = False, o_bias: bool = False,
                  sequence_parallel: bool = False,

@@ -6,7 +6,11 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, overload
+
+T = TypeVar("T")
+#: a config class of the Llama family or one derived from it (what ``from_hf_dict`` builds)
+ConfigT = TypeVar("ConfigT", bound="LlamaConfig")
 
 
 class ModelConfigError(ValueError):
@@ -110,6 +114,36 @@ def check_hf_architecture(d: dict[str, Any], model_types: tuple[str, ...] = SUPP
                                f"models of model_type {supported}")
 
 
+class Derived(Generic[T]):
+    """A config field that may be given as ``None`` ("derive it from the others") and is always a
+    ``T`` once ``__post_init__`` has filled it in (e.g. ``head_dim`` from ``hidden_size``).
+
+    A data descriptor, so the constructor and Hugging Face's ``null`` take ``None`` while every
+    reader sees the resolved value's type. The value lives in the instance ``__dict__`` under the
+    field's own name, so ``vars()``, ``asdict``, ``replace``, pickling and ``repr`` are those of a
+    plain field; read on the class it gives ``None``, which the dataclass takes as the default.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> None: ...
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, objtype: type | None = None) -> T | None:
+        if obj is None:
+            return None
+        try:
+            value: T = obj.__dict__[self.name]
+        except KeyError:  # read before the constructor set it
+            raise AttributeError(self.name) from None
+        return value
+
+    def __set__(self, obj: object, value: T | None) -> None:
+        obj.__dict__[self.name] = value
+
+
 @dataclass
 class LlamaConfig:
     """Field names follow Hugging Face's ``LlamaConfig`` so ``config.json`` maps one to one.
@@ -128,8 +162,10 @@ class LlamaConfig:
     intermediate_size: int = 11008
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    #: ``None``: one KV head per query head (multi-head attention)
+    num_key_value_heads: Derived[int] = Derived()
+    #: ``None``: ``hidden_size // num_attention_heads``
+    head_dim: Derived[int] = Derived()
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -137,7 +173,7 @@ class LlamaConfig:
     attention_bias: bool = False
     #: bias on the attention output projection; ``None`` follows ``attention_bias`` (Llama),
     #: ``False`` with ``attention_bias=True`` gives Qwen2-style q/k/v-only biases.
-    o_proj_bias: bool | None = None
+    o_proj_bias: Derived[bool] = Derived()
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -199,7 +235,7 @@ class LlamaConfig:
 
     # ------------------------------------------------------------------ Hugging Face I/O
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+    def from_hf_dict(cls: type[ConfigT], d: dict[str, Any]) -> ConfigT:
         """The config a Hugging Face ``config.json`` mapping describes; another architecture or a
         mapping missing an architecture key raises :class:`ModelConfigError` (see
         :func:`check_hf_architecture`)."""

@@ -21,7 +21,7 @@ name them (:mod:`plait.activation_checkpointing`); they add no parameters and ch
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -32,6 +32,11 @@ from plait.nn.mlp import GatedMLP, SwiGLU
 from plait.nn.norm import RMSNorm, rms_norm
 from plait.nn.output import CausalLMOutput
 from plait.nn.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half
+
+if TYPE_CHECKING:  # the attributes the tensor-parallel plan sets; the model itself has no distributed code
+    from plait.comm.primitives import GroupInfo
+    from plait.tensor_parallel.heads import HeadLayout
+    from plait.tensor_parallel.random import TensorParallelRNG
 
 # The generic blocks moved to :mod:`plait.nn`; their names stay importable from here.
 __all__ = ["AttentionCore", "CausalLMOutput", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM",
@@ -108,9 +113,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        # typed as modules: the tensor-parallel plan swaps in its parallel embedding and norm
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(self.layer_cls(config, **kw) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.rotary_emb = RotaryEmbedding(config, device=device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -124,17 +130,24 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus output head. ``forward(ids)`` gives logits; ``forward(ids, labels)`` the loss."""
 
-    model_cls: ClassVar[type[nn.Module]] = LlamaModel
+    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
+
+    #: set by the tensor-parallel plan (:func:`plait.models.llama.parallelize.parallelize`); the
+    #: builder (:mod:`plait.materialize`) sets ``rng_tracker`` on every model it builds
+    head_layout: HeadLayout
+    tensor_parallel: GroupInfo
+    sequence_parallel: bool
+    rng_tracker: TensorParallelRNG
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
         super().__init__()
         self.config = config
         kw = {"device": device, "dtype": dtype}
         self.model = self.model_cls(config, **kw)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.output = CausalLMOutput(config.vocab_size)
+        # typed as modules: the tensor-parallel plan swaps in its column-parallel head and loss
+        self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        self.tie_weights()
+        self.output: nn.Module = CausalLMOutput(config.vocab_size)
 
     def tie_weights(self) -> None:
         """Re-tie the output head to the embedding (needed after ``to_empty`` or module swaps)."""

@@ -22,10 +22,13 @@ reference model can be turned into its sharded twin for parity tests.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import torch
 from torch import nn
 
 from plait.mesh import ParallelMesh
+from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
 from plait.nn.attention import causal_attention
 from plait.nn.buffers import reset_buffers
@@ -44,6 +47,9 @@ from plait.tensor_parallel import (
 from plait.tensor_parallel.attention import AttentionFn
 from plait.tensor_parallel.linear import even_rows
 
+#: a Llama-family model (Llama's own or a family's subclass); the plan returns the model it was given
+ModelT = TypeVar("ModelT", bound=LlamaForCausalLM)
+
 
 def head_layout_for(model: LlamaForCausalLM, mesh: ParallelMesh) -> HeadLayout:
     c = model.config
@@ -51,15 +57,15 @@ def head_layout_for(model: LlamaForCausalLM, mesh: ParallelMesh) -> HeadLayout:
                            mesh.kv_replication if mesh.kv_replication > 1 else None, mesh.kv_placement)
 
 
-def kv_replication_for(config, tp: int, requested: int | None = None) -> int:
+def kv_replication_for(config: LlamaConfig, tp: int, requested: int | None = None) -> int:
     """The KV replication factor a mesh needs for ``config`` at degree ``tp`` (validated)."""
     return HeadLayout.plan(config.num_attention_heads, config.num_key_value_heads, config.head_dim, tp,
                            requested).kv_replication
 
 
-def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_parallel: bool = False,
+def parallelize(model: ModelT, mesh: ParallelMesh, *, sequence_parallel: bool = False,
                 rng: TensorParallelRNG | None = None, attention_fn: AttentionFn = causal_attention,
-                qk_norm: bool = False) -> LlamaForCausalLM:
+                qk_norm: bool = False) -> ModelT:
     """Swap in tensor-parallel modules for ``mesh``'s TP group, in place; returns the model.
 
     Families built on Llama's block reuse this plan with their attention variant:
@@ -93,7 +99,7 @@ def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_paralle
     source = {} if _on_meta(model) else {k: v.detach() for k, v in model.state_dict().items()}
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    kw = {"device": "meta", "dtype": dtype}
+    kw: dict[str, Any] = {"device": "meta", "dtype": dtype}
 
     inner = model.model
     inner.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp, sequence_parallel=sp, **kw)

@@ -16,13 +16,24 @@ from torch import nn
 from plait.models.llama.model import LlamaForCausalLM
 
 
+class StageModel(nn.Module):
+    """The stage's share of the full model's ``model`` submodule, under the same attribute names
+    (so parameter names are unchanged). Only the modules this stage holds are set:
+    ``embed_tokens`` on the first stage (and on the last with tied embeddings), ``norm`` on the last."""
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleDict
+    rotary_emb: nn.Module
+    norm: nn.Module
+
+
 class LlamaStage(nn.Module):
     def __init__(self, full: LlamaForCausalLM, layer_ids: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
         self.config = full.config
         self.first, self.last = first, last
         self.layer_ids = list(layer_ids)
-        self.model = nn.Module()
+        self.model = StageModel()
         tied = full.config.tie_word_embeddings
         if first or (last and tied):
             self.model.embed_tokens = full.model.embed_tokens

@@ -28,4 +28,5 @@ class MistralModel(LlamaModel):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
+    config: MistralConfig
     model_cls = MistralModel

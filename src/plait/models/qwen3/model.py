@@ -38,4 +38,5 @@ class Qwen3Model(LlamaModel):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Decoder plus output head (tied to the embedding when ``tie_word_embeddings``)."""
 
+    config: Qwen3Config
     model_cls = Qwen3Model
