@@ -106,7 +106,7 @@ def run(args) -> int:
         if layout is not None:  # what `plait train --nproc N` would run
             overrides = overrides + layout.overrides()
             print(f"plait config {action}: {layout.describe()}", file=sys.stderr)
-        resolved = check_recipe(recipe_path or DEFAULT_RECIPE, overrides, nproc, check_paths=not no_path_checks)
+        resolved = check_recipe(recipe_path or str(DEFAULT_RECIPE), overrides, nproc, check_paths=not no_path_checks)
         if action == "validate" and not no_path_checks:
             check_outputs(resolved)  # the output directories' rules, reading only (plait train also locks)
     except RecipeError as e:

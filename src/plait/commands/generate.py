@@ -16,10 +16,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 EOS_TOKEN = "<|endoftext|>"
 #: generations of more tokens than this show a progress bar on a terminal
 PROGRESS_MIN_TOKENS = 16
+
+
+@runtime_checkable
+class TokenConfig(Protocol):
+    """What generation reads from a model's config (every family's config has these fields)."""
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
 
 
 class _UsageError(Exception):
@@ -178,7 +188,7 @@ def _special_ids(tokenizer) -> set[int]:
     return {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
 
-def start_and_stop_ids(tokenizer, config) -> tuple[int | None, set[int]]:
+def start_and_stop_ids(tokenizer, config: TokenConfig) -> tuple[int | None, set[int]]:
     """The token that starts an empty prompt, and the ids that end generation.
 
     plait's tokenizers end every document with ``<|endoftext|>``, so that token both starts a new
@@ -214,8 +224,9 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     from tokenizers import Tokenizer
 
     from plait.generate import generate
+    from plait.materialize import load_from_hf
     from plait.mesh import single_process_mesh
-    from plait.models.hf_io import CheckpointMismatchError, load_from_hf
+    from plait.models.hf_io import CheckpointMismatchError
     from plait.models.llama.config import ModelConfigError
 
     try:
@@ -230,7 +241,8 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
         raise _UsageError(f"cannot load {model_dir}: {e}") from None
     except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)
         raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})") from None
-    config = model.config
+    config = model.config  # a plain attribute of every family's model; torch types it Tensor | Module
+    assert isinstance(config, TokenConfig), f"model config {type(config).__name__} lacks the token fields"
     ids = tokenizer.encode(args.prompt).ids if args.prompt else []
     start, stop = start_and_stop_ids(tokenizer, config)
     if not ids:

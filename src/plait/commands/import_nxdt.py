@@ -13,8 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from plait.interop.nxdt import NxdtConfigError, import_nxdt, read_nxdt
-
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -35,6 +33,8 @@ def _fail(message: str) -> int:
 
 
 def run(args) -> int:
+    from plait.interop.nxdt import NxdtConfigError, import_nxdt, read_nxdt  # loads torch (see the package doc)
+
     out = Path(args.output) if args.output else None
     if out is not None and out.exists() and not args.force:
         return _fail(f"{out}: exists; give --force to replace it, or another -o path")

@@ -292,6 +292,7 @@ def run(args) -> int:
     from plait.plan.dry_run import dry_run
 
     rec = plan.recommended
+    assert rec is not None, "rank_layouts raises PlanError when no layout fits (require_fit)"
     ranks = args.ranks if args.ranks else sorted({0, args.world - 1})
     bad = [r for r in ranks if not 0 <= r < args.world]
     if bad:

@@ -24,7 +24,7 @@ _MODEL_IGNORED = {
     "disable_layer_norm_checkpointing": NOT_NUMERIC, "capacity_factor": "Mixture-of-Experts is not in plait yet",
 }
 #: values of value-dependent model keys that are what plait's models do anyway
-_MODEL_DEFAULTS = {
+_MODEL_DEFAULTS: dict[str, tuple[set[str | bool], str]] = {
     "normalization": ({"rmsnorm", "RMSNorm"}, "plait's models use RMSNorm"),
     "activation": ({"swiglu", "SwiGLU"}, "plait's MLP is the gated SiLU (SwiGLU) MLP"),
     "position_embedding_type": ({"rope"}, "plait's models use rotary embeddings"),
@@ -136,9 +136,10 @@ def _family(c: Collector, model_type: str | None) -> None:
         family, source, how = model_type, "model.model_config:model_type", "from config.json"
     else:
         name = str(c.get("name", "")).lower()
-        family = next((f for f in ("mixtral", *FAMILIES) if f in name), None)
-        if family is None:
+        guess = next((f for f in ("mixtral", *FAMILIES) if f in name), None)
+        if guess is None:
             return
+        family = guess
         source, how = "(family from name)", f"guessed from the config's name {c.get('name')!r}"
     if family == "mixtral":
         c.unmap(source, "Mixtral (Mixture-of-Experts) is not in plait yet", value=family)

@@ -15,6 +15,7 @@ Sent input gradients are still kept until the end of the step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,8 +80,6 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ execution
     def _context(self):
-        import contextlib
-
         return self.precision_context() if self.precision_context else contextlib.nullcontext()
 
     def run(self, batch: torch.Tensor, *, train: bool = True) -> torch.Tensor:
@@ -120,7 +119,9 @@ class PipelineRuntime:
                     loss_sum = loss_sum + out.detach().float()
                 state[key] = _InFlight(inputs=None if stage.first else x, output=out)
             elif isinstance(task, T.SendActivation):
-                out = state[key].output.detach()
+                output = state[key].output
+                assert output is not None, "a SendActivation follows its Forward"
+                out = output.detach()
                 if not train:
                     state.pop(key)
                 work = dist.isend(out.contiguous(), dst=self._peer(stage_id + 1), group=self.pp_group,
@@ -138,6 +139,7 @@ class PipelineRuntime:
                     sent[0].wait()
             elif isinstance(task, T.Backward):
                 st = state[key]
+                assert st.output is not None, "a Backward follows its Forward and runs once"
                 if self.before_last_backward is not None and self._last_backward[task.chunk] == index:
                     self.before_last_backward(task.chunk)
                 if self.stages[task.chunk].last:
@@ -149,7 +151,10 @@ class PipelineRuntime:
                     state.pop(key)
             elif isinstance(task, T.SendGradient):
                 st = state.pop(key)
-                grad = st.inputs.grad.contiguous()
+                assert st.inputs is not None, "a SendGradient is never on the first stage, whose input is ids"
+                input_grad = st.inputs.grad
+                assert input_grad is not None, "a SendGradient follows the Backward that fills its input's grad"
+                grad = input_grad.contiguous()
                 pending.append(dist.isend(grad, dst=self._peer(stage_id - 1), group=self.pp_group,
                                           tag=self._tag(1, task.microbatch, stage_id - 1)))
                 pending.append(grad)
@@ -160,9 +165,9 @@ class PipelineRuntime:
                 work.wait()
         return loss_sum
 
-    def _forward_only_tasks(self) -> list:
+    def _forward_only_tasks(self) -> list[T.Task]:
         """Forward-only order for evaluation: microbatch by microbatch, chunk by chunk."""
-        out = []
+        out: list[T.Task] = []
         for mb in range(self.microbatches):
             for chunk in range(self.vpp):
                 s = self._global_stage(chunk)

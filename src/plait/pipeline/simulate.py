@@ -85,7 +85,8 @@ def theoretical_bubble(pp: int, microbatches: int, vpp: int = 1) -> float:
     return (pp - 1) / (vpp * microbatches + pp - 1)
 
 
-def _message(task: Task, pp_rank: int, pp: int, vpp: int) -> tuple[str, int, int]:
+def _message(task: SendActivation | RecvActivation | SendGradient | RecvGradient, pp_rank: int, pp: int,
+             vpp: int) -> tuple[str, int, int]:
     """Key of the message a send/recv task carries: (kind, microbatch, sending stage)."""
     stage = stage_of(pp_rank, task.chunk, pp)
     last = pp * vpp - 1

@@ -14,15 +14,30 @@ sequence parallelism), in the stages' parameter dtype.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.comm.primitives import GroupInfo
 from plait.mesh import ParallelMesh
+
+
+@runtime_checkable
+class LMShapeConfig(Protocol):
+    """What this wrapper reads from a stage's model config: the widths of the tensors it moves."""
+
+    hidden_size: int
+    vocab_size: int
 
 
 class StagesCausalLM(nn.Module):
     """``stages``: this rank's chunks in chunk order (chunk ``c`` is global stage ``c * pp + pp_rank``)."""
+
+    #: copied from the first stage when it has them (what generation reads for its padding)
+    tensor_parallel: GroupInfo
+    sequence_parallel: bool
 
     def __init__(self, stages: list[nn.Module], mesh: ParallelMesh) -> None:
         super().__init__()
@@ -31,7 +46,9 @@ class StagesCausalLM(nn.Module):
         self.pp, self.pp_rank = mesh.pp, mesh.pp_rank
         self.num_stages = self.pp * len(stages)
         first = stages[0]
-        self.config = first.config
+        config = first.config  # a plain attribute of every family's stage; torch types it Tensor | Module
+        assert isinstance(config, LMShapeConfig), f"stage config {type(config).__name__} lacks hidden/vocab size"
+        self.config: LMShapeConfig = config
         for attr in ("tensor_parallel", "sequence_parallel"):  # what generation reads for its padding
             if hasattr(first, attr):
                 setattr(self, attr, getattr(first, attr))
@@ -62,8 +79,11 @@ class StagesCausalLM(nn.Module):
             if stage < self.num_stages - 1:
                 dist.send(h.contiguous(), dst=self._owner(stage + 1), group=group)
         last = self._owner(self.num_stages - 1)
-        logits = h if self.mesh.rank == last else torch.empty(
-            (input_ids.shape[0], n, self.config.vocab_size), dtype=param.dtype, device=param.device)
-        logits = logits.contiguous()
+        if self.mesh.rank == last:
+            assert h is not None, "the rank holding the last stage ran it"
+            logits = h.contiguous()
+        else:
+            logits = torch.empty((input_ids.shape[0], n, self.config.vocab_size), dtype=param.dtype,
+                                 device=param.device)
         dist.broadcast(logits, src=last, group=group)
         return logits

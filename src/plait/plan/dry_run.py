@@ -19,8 +19,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from plait.materialize import build_model, build_stages
+from plait.mesh import ParallelMesh
+from plait.parallel_state import shard_specs
+from plait.pipeline.layout import plan_partition
 from plait.plan.layout import Layout
+from plait.plan.memory import estimate_memory
 from plait.plan.search import PlanError
 
 _DTYPE_BYTES_FALLBACK = 4
@@ -132,8 +138,6 @@ def _padding(param: torch.Tensor, spec) -> int:
 
 
 def _records(modules: list[torch.nn.Module]) -> list[ParamRecord]:
-    from plait.parallel_state import shard_specs
-
     seen: set[int] = set()
     out = []
     for module in modules:
@@ -160,12 +164,6 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
     ranks. Raises :class:`PlanError` when the
     layout does not fit the world, the rank is out of range, or a process group already exists.
     """
-    import torch.distributed as dist
-
-    from plait.materialize import build_model, build_stages
-    from plait.mesh import ParallelMesh
-    from plait.plan.memory import estimate_memory
-
     if layout.world != world:
         raise PlanError(f"layout {layout.short()} has tp*pp*dp = {layout.world} ranks, not the world {world}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
@@ -181,8 +179,6 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
         if len(stage_layers) != layout.pp * layout.vpp:
             raise PlanError(f"stage_layers has {len(stage_layers)} stages, the layout {layout.pp * layout.vpp}")
     else:
-        from plait.pipeline.layout import plan_partition
-
         part = plan_partition(config, layout.pp * layout.vpp, seq_len, method=partition, cost=partition_cost,
                               cuts=pipeline_cuts)
         stage_layers = part.stage_layers()

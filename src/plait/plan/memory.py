@@ -91,7 +91,11 @@ import functools
 from dataclasses import dataclass, field
 
 from plait.models.llama.config import LlamaConfig
+from plait.pipeline.layout import plan_partition
+from plait.pipeline.schedules import compute_order
+from plait.pipeline.tasks import Forward
 from plait.plan.layout import Layout
+from plait.tensor_parallel.heads import HeadLayout
 
 MiB = 1024**2
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -158,8 +162,6 @@ def local_shapes(config: LlamaConfig, layout: Layout) -> LocalShapes:
     :func:`~plait.models.llama.parallelize.head_layout_for` does) and the vocabulary is split in
     ``ceil(V / T)`` rows per rank.
     """
-    from plait.tensor_parallel.heads import HeadLayout
-
     c, tp = config, layout.tp
     if tp == 1:
         return LocalShapes(1, c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
@@ -236,8 +238,6 @@ _SPLITS: dict[tuple[str, int, int], tuple[tuple[int, ...], ...]] = {}
 def _cached_split(key: str, config: LlamaConfig, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
     k = (key, num_stages, seq_len)
     if k not in _SPLITS:
-        from plait.pipeline.layout import plan_partition
-
         split = plan_partition(config, num_stages, seq_len, method="balanced", cost="flops").stage_layers()
         if len(_SPLITS) > 256:
             _SPLITS.clear()
@@ -453,9 +453,6 @@ class SchedulePeak:
 def _compute_order(schedule: str, pp_rank: int, pp: int, microbatches: int, vpp: int) -> tuple:
     """``(is_forward, microbatch, chunk)`` in a rank's compute order, cached: the layout search asks
     for the same schedules many times."""
-    from plait.pipeline.schedules import compute_order
-    from plait.pipeline.tasks import Forward
-
     if pp == 1:
         return tuple((fwd, mb, 0) for mb in range(microbatches) for fwd in (True, False))
     return tuple((isinstance(t, Forward), t.microbatch, t.chunk)

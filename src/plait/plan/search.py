@@ -38,7 +38,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from plait.devices import DeviceError, DeviceSpec, get_device
+from plait.models.llama.config import LlamaConfig
+from plait.models.registry import family_of
+from plait.pipeline.partition import partition_model, unit_costs
+from plait.pipeline.schedules import ScheduleError, validate_schedule
 from plait.plan.layout import Layout
+from plait.plan.memory import MemoryBreakdown, estimate_memory, precision_bytes
+from plait.plan.timing import TimeBreakdown, estimate_step_time
+from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
 
 #: default global batch, in tokens, when neither a global batch nor micro-batches are given
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
@@ -49,7 +57,13 @@ DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 
 class PlanError(ValueError):
-    """No layout can run (bad world), none fits the memory budget, or a bad device/option."""
+    """No layout can run (bad world), none fits the memory budget, or a bad device/option.
+
+    ``plan``: when no layout fits the budget, the ranked candidates (for a report of the
+    nearest misses); ``None`` otherwise.
+    """
+
+    plan: Plan | None = None
 
 
 @dataclass(frozen=True)
@@ -125,10 +139,8 @@ class _Reasons:
         return "; ".join(shown) + (f"; ... ({more} more)" if more > 0 else "")
 
 
-def _head_check(config, tp: int, placement: str):
+def _head_check(config: LlamaConfig, tp: int, placement: str) -> tuple[list[int], int] | str:
     """``(valid kv replication factors, automatic factor)`` for ``tp``, or a reason string."""
-    from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
-
     c = config
     try:
         auto = HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, tp, None, placement)
@@ -146,11 +158,9 @@ def _head_check(config, tp: int, placement: str):
     return valid, auto.kv_replication
 
 
-def _enumerate(config, world: int, *, devices_per_node: int, micro_batch_size: int, seq_len: int,
+def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_batch_size: int, seq_len: int,
                microbatches: int | None, global_batch_size: int | None,
                options: SearchOptions) -> tuple[list[tuple[Layout, int]], _Reasons]:
-    from plait.pipeline.schedules import ScheduleError, validate_schedule
-
     reasons = _Reasons()
     out: list[tuple[Layout, int]] = []
     layers = config.num_hidden_layers
@@ -209,12 +219,12 @@ def _enumerate(config, world: int, *, devices_per_node: int, micro_batch_size: i
     return out, reasons
 
 
-def _describe_model(config) -> str:
+def _describe_model(config: LlamaConfig) -> str:
     return (f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
             f"{config.num_key_value_heads} KV heads, intermediate {config.intermediate_size}")
 
 
-def enumerate_layouts(config, world: int, *, devices_per_node: int = 8, micro_batch_size: int = 1,
+def enumerate_layouts(config: LlamaConfig, world: int, *, devices_per_node: int = 8, micro_batch_size: int = 1,
                       seq_len: int, microbatches: int | None = None, global_batch_size: int | None = None,
                       options: SearchOptions | None = None) -> list[Layout]:
     """Every valid layout of ``config`` (a :class:`LlamaConfig`) on ``world`` devices (module rules).
@@ -227,8 +237,9 @@ def enumerate_layouts(config, world: int, *, devices_per_node: int = 8, micro_ba
     return [layout for layout, _ in pairs]
 
 
-def _enumerate_checked(config, world, *, devices_per_node, micro_batch_size, seq_len, microbatches,
-                       global_batch_size, options) -> list[tuple[Layout, int]]:
+def _enumerate_checked(config: LlamaConfig, world: int, *, devices_per_node: int, micro_batch_size: int,
+                       seq_len: int, microbatches: int | None, global_batch_size: int | None,
+                       options: SearchOptions) -> list[tuple[Layout, int]]:
     _check_positive(world=world, devices_per_node=devices_per_node, micro_batch_size=micro_batch_size,
                     seq_len=seq_len, microbatches=microbatches, global_batch_size=global_batch_size)
     if microbatches is not None and global_batch_size is not None:
@@ -255,8 +266,8 @@ class Candidate:
     layout: Layout
     microbatches: int
     global_batch_size: int
-    memory: object   # plait.plan.memory.MemoryBreakdown (the peak over pipeline ranks)
-    time: object     # plait.plan.timing.TimeBreakdown
+    memory: MemoryBreakdown  # the peak over pipeline ranks
+    time: TimeBreakdown
     fits: bool
 
     @property
@@ -273,7 +284,7 @@ class Plan:
     """The outcome of :func:`rank_layouts`: every candidate, fastest first, and the recommendation."""
 
     world: int
-    device: object             # plait.devices.DeviceSpec
+    device: DeviceSpec
     memory_bytes: int          # device memory used for the budget
     budget_bytes: int          # memory_bytes * (1 - headroom)
     headroom: float
@@ -289,10 +300,8 @@ class Plan:
         return [c for c in self.candidates if c.fits]
 
 
-def resolve_device(device):
+def resolve_device(device: DeviceSpec | str) -> DeviceSpec:
     """A :class:`~plait.devices.DeviceSpec` from a spec or a table name; unknown names raise :class:`PlanError`."""
-    from plait.devices import DeviceError, DeviceSpec, get_device
-
     if isinstance(device, DeviceSpec):
         return device
     try:
@@ -307,24 +316,22 @@ def smallest_budget_hint(min_total: int, headroom: float) -> str:
     return f"{math.ceil(need / 1e9 * 10) / 10:.1f} GB ({need / 1024**3:.1f} GiB)"
 
 
-def stage_split(config, num_stages: int, seq_len: int, *, method: str = "balanced", cost: str = "flops",
+def stage_split(config: LlamaConfig, num_stages: int, seq_len: int, *, method: str = "balanced", cost: str = "flops",
                 cuts: list[str] | None = None) -> list[list[int]]:
     """Decoder layers of each of ``num_stages`` pipeline stages, as
     :func:`~plait.pipeline.layout.plan_partition` splits them, from the units the model family
     declares (what its model traces to) instead of a traced model, so it costs microseconds, not
     seconds."""
-    from plait.models.registry import family_of
-    from plait.pipeline.partition import partition_model, unit_costs
-
     units = family_of(config).units(config)
     part = partition_model(units, unit_costs(config, units, seq_len, kind=cost), num_stages, method=method,
                            cuts=cuts, cost_kind=cost)
     return part.stage_layers()
 
 
-def rank_layouts(config, world: int, device, *, devices_per_node: int = 8, micro_batch_size: int = 1,
-                 seq_len: int, microbatches: int | None = None, global_batch_size: int | None = None,
-                 precision: str = "autocast", memory_bytes: int | None = None, headroom: float = DEFAULT_HEADROOM,
+def rank_layouts(config: LlamaConfig, world: int, device: DeviceSpec | str, *, devices_per_node: int = 8,
+                 micro_batch_size: int = 1, seq_len: int, microbatches: int | None = None,
+                 global_batch_size: int | None = None, precision: str = "autocast", memory_bytes: int | None = None,
+                 headroom: float = DEFAULT_HEADROOM,
                  options: SearchOptions | None = None, require_fit: bool = True, peak: float | None = None) -> Plan:
     """Price every layout of :func:`enumerate_layouts` and recommend the fastest that fits.
 
@@ -335,9 +342,6 @@ def rank_layouts(config, world: int, device, *, devices_per_node: int = 8, micro
     :class:`PlanError` for an unknown device, a world without layouts, and (with ``require_fit``)
     a budget no layout fits, naming the smallest device memory that would fit one.
     """
-    from plait.plan.memory import estimate_memory, precision_bytes
-    from plait.plan.timing import estimate_step_time
-
     spec = resolve_device(device)
     try:
         precision_bytes(precision)
@@ -365,11 +369,12 @@ def rank_layouts(config, world: int, device, *, devices_per_node: int = 8, micro
                 splits[n] = stage_split(config, n, seq_len, method=options.partition, cost=options.partition_cost)
             except ValueError as e:
                 raise PlanError(f"pipeline split into {n} stages: {e}") from None
-        kw = dict(precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len, microbatches=m)
         try:
-            mem = estimate_memory(config, layout, stage_layers=splits[n], **kw)
-            t = estimate_step_time(config, layout, spec, stage_layers=splits[n], devices_per_node=devices_per_node,
-                                   peak=peak, **kw)
+            mem = estimate_memory(config, layout, precision=precision, micro_batch_size=micro_batch_size,
+                                  seq_len=seq_len, microbatches=m, stage_layers=splits[n])
+            t = estimate_step_time(config, layout, spec, precision=precision, micro_batch_size=micro_batch_size,
+                                   seq_len=seq_len, microbatches=m, stage_layers=splits[n],
+                                   devices_per_node=devices_per_node, peak=peak)
         except ValueError as e:  # e.g. a device without the bandwidths the time model needs
             raise PlanError(f"cannot price {layout.short()} on {spec.name}: {e}") from None
         candidates.append(Candidate(layout, m, m * micro_batch_size * layout.dp, mem, t, mem.total <= budget))

@@ -63,7 +63,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from plait.devices import DeviceSpec, peak_flops
+from plait.models.flops import model_flops_per_token
 from plait.models.llama.config import LlamaConfig
+from plait.pipeline.simulate import theoretical_bubble
 from plait.plan.layout import Layout
 from plait.plan.memory import (
     chunk_parameter_count,
@@ -73,6 +75,7 @@ from plait.plan.memory import (
     precision_bytes,
     rank_chunks,
 )
+from plait.tensor_parallel.heads import HeadLayout
 
 #: achievable share of the dense matmul peak (large GEMMs reach 0.6-0.8 of it on H100; a whole
 #: training step with norms, attention and optimizer typically 0.4-0.55)
@@ -158,9 +161,6 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
     ``peak`` overrides the device's peak FLOP/s for the dtype (measured devices otherwise run
     :func:`plait.devices.peak_flops`'s probe).
     """
-    from plait.pipeline.simulate import theoretical_bubble
-    from plait.train.flops import model_flops_per_token
-
     pb = precision_bytes(precision)
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
@@ -194,8 +194,6 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
             layer_units += 4  # the recomputed forward: 2 AG + 2 RS, or 2 all-reduces (2 * 2)
         layer_tp = layer_units * _ring(T) * A
         heads = layout.kv_replication if layout.kv_replication > 1 else None
-        from plait.tensor_parallel.heads import HeadLayout
-
         m_kv = HeadLayout.plan(config.num_attention_heads, config.num_key_value_heads, config.head_dim, T,
                                heads).kv_replication
         if m_kv > 1:
@@ -233,7 +231,7 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
 
     if layout.pp > 1:
         pp_bw = _bandwidth(device, world <= per_node, "pipeline point-to-point transfers")
-        pp_vol = 2 * m * layout.vpp * B * S_r * sh.hidden * pb.residual
+        pp_vol: float = 2 * m * layout.vpp * B * S_r * sh.hidden * pb.residual
         if config.tie_word_embeddings:
             pp_vol += 2 * _ring(2) * sh.vocab * sh.hidden * pb.grad
         pp_comm_s = pp_vol / pp_bw
