@@ -40,7 +40,7 @@ SMOKE = dict(MODEL, hidden_size=64, intermediate_size=128, num_hidden_layers=2, 
 CONVERT_CHILD = r"""
 import json, sys, time
 import tqdm, safetensors.torch
-import plait.models.llama.hf_io  # imported before the baseline: only the conversion's own memory counts
+import plait.models.hf_io  # imported before the baseline: only the conversion's own memory counts
 from plait.checkpoint.convert import hf_to_plait, plait_to_hf
 def rss():
     with open("/proc/self/status") as f:
@@ -61,7 +61,7 @@ def build(config_kw: dict):
     from plait.materialize import build_llama
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
-    from plait.train.precision import policy_for
+    from plait.precision import policy_for
 
     mesh = ParallelMesh(1, 0, create_groups=False)
     model = build_llama(LlamaConfig(**config_kw), mesh)

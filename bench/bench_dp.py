@@ -92,8 +92,8 @@ def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bo
     """(step, optimizer-state bytes fn, master bytes fn) of plait's DP / ZeRO-1 path."""
     from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
     from plait.materialize import build_stages
-    from plait.train.precision import policy_for
-    from plait.train.run_state import build_runtime
+    from plait.precision import policy_for
+    from plait.train.build_run import build_runtime
     from plait.train.step import train_step
 
     policy = policy_for("fp32")

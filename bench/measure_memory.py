@@ -112,8 +112,8 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     from plait.models.llama.parallelize import kv_replication_for
     from plait.pipeline.layout import plan_partition
     from plait.plan.layout import Layout
-    from plait.train.precision import policy_for
-    from plait.train.run_state import build_runtime
+    from plait.precision import policy_for
+    from plait.train.build_run import build_runtime
     from plait.train.step import train_step
 
     config = LlamaConfig(**model_kw)

@@ -23,7 +23,7 @@ from plait.data_parallel import DistributedOptimizer, OptimizerHyper
 from plait.materialize import build_llama
 from plait.mesh import ParallelMesh
 from plait.models.llama.config import LlamaConfig
-from plait.train.precision import policy_for
+from plait.precision import policy_for
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)

@@ -23,8 +23,8 @@ def hf_dir(tmp_path_factory):
     from plait.data.tokenizer import train_bpe
     from plait.materialize import build_llama
     from plait.mesh import single_process_mesh
+    from plait.models.hf_io import save_hf_checkpoint
     from plait.models.llama import LlamaConfig
-    from plait.models.llama.hf_io import save_hf_checkpoint
 
     root = tmp_path_factory.mktemp("edges")
     with pytest.MonkeyPatch.context() as mp:  # keep the tokenizer out of the user's cache

@@ -11,7 +11,7 @@ from torch import nn
 from distributed import run_distributed
 from plait.comm.primitives import GroupInfo
 from plait.data_parallel import DistributedOptimizer, OptimizerHyper, plan_buffer
-from plait.train.precision import policy_for
+from plait.precision import policy_for
 
 HYPER = OptimizerHyper(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 SOLO = GroupInfo(None, 0, 1)

@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 
 from distributed import run_distributed
 from model_weights import randomize
-from plait.materialize import build_model, build_stages
+from plait.materialize import build_model, build_stages, load_from_hf
 from plait.mesh import ParallelMesh, single_process_mesh
-from plait.models.hf_io import load_from_hf, load_hf_config, save_hf_checkpoint
+from plait.models.hf_io import load_hf_config, save_hf_checkpoint
 from plait.models.llama.parallelize import kv_replication_for
 from plait.models.mistral import MistralConfig
 from plait.models.qwen3 import Qwen3Config

@@ -168,7 +168,7 @@ def run_dir(tmp_path_factory):
     from plait.data.tokenizer import train_bpe
     from plait.materialize import build_llama
     from plait.mesh import single_process_mesh
-    from plait.models.llama.hf_io import save_hf_checkpoint
+    from plait.models.hf_io import save_hf_checkpoint
 
     root = tmp_path_factory.mktemp("gen")
     with pytest.MonkeyPatch.context() as mp:  # keep the tokenizer out of the user's cache
@@ -217,7 +217,7 @@ def test_start_and_stop_ids(run_dir):
     from tokenizers import Tokenizer
 
     from plait.commands.generate import start_and_stop_ids
-    from plait.models.llama.hf_io import load_hf_config
+    from plait.models.hf_io import load_hf_config
 
     tok = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     start, stop = start_and_stop_ids(tok, load_hf_config(run_dir / "final"))

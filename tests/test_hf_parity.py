@@ -21,13 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from distributed import run_distributed
 from model_weights import randomize
-from plait.materialize import build_llama
+from plait.materialize import build_llama, load_from_hf
 from plait.mesh import ParallelMesh, single_process_mesh
-from plait.models.llama.hf_io import (
+from plait.models.hf_io import (
     CheckpointMismatchError,
     load_hf_config,
     load_hf_weights,
-    load_llama_from_hf,
     save_hf_checkpoint,
 )
 from plait.models.llama.parallelize import kv_replication_for
@@ -94,7 +93,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _plait_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    return load_llama_from_hf(path, single_process_mesh())(ids)
+    return load_from_hf(path, single_process_mesh())(ids)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS) + ["qwen2"])
@@ -122,7 +121,7 @@ def test_tp1_save_overwrites_atomically(checkpoints, tmp_path):
     """Without torch.distributed the caller writes; a second save (allowed to replace) replaces the
     first, no temp left, and plait's ownership marker is the only extra file."""
     path, ids, ref = checkpoints["untied_gqa_bias"]
-    model = load_llama_from_hf(path, single_process_mesh())
+    model = load_from_hf(path, single_process_mesh())
     out = tmp_path / "ckpt"
     for _ in range(2):
         save_hf_checkpoint(model, out, single_process_mesh().info("tp"), replace=True)
@@ -139,7 +138,7 @@ def _tp_worker(rank: int, world: int, jobs: list[tuple]) -> dict[str, torch.Tens
     for name, path, ids, save_to, sp in jobs:
         config = load_hf_config(path)
         mesh = ParallelMesh(world, rank, tp=world, kv_replication=kv_replication_for(config, world))
-        model = load_llama_from_hf(path, mesh, sequence_parallel=sp)
+        model = load_from_hf(path, mesh, sequence_parallel=sp)
         with torch.no_grad():
             out[name] = model(ids)
         if save_to is not None:
@@ -204,7 +203,7 @@ def _copy_with_config(src: Path, dst: Path, **changes) -> Path:
 def test_shape_mismatch_names_tensor_shapes_and_field(checkpoints, tmp_path, change, tensor, found, expected, field):
     bad = _copy_with_config(checkpoints["tied_mha"][0], tmp_path / "bad", **change)
     with pytest.raises(CheckpointMismatchError) as err:
-        load_llama_from_hf(bad, single_process_mesh())
+        load_from_hf(bad, single_process_mesh())
     msg = str(err.value)
     assert tensor in msg and str(found) in msg and str(expected) in msg and field in msg, msg
 
@@ -231,7 +230,7 @@ def test_missing_tensors_are_named(checkpoints, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"], tensors["model.norm.weight"]
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointMismatchError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.norm\.weight"):
-        load_llama_from_hf(bad, single_process_mesh())
+        load_from_hf(bad, single_process_mesh())
 
 
 @pytest.mark.parametrize("change,pattern", [
@@ -243,21 +242,21 @@ def test_missing_tensors_are_named(checkpoints, tmp_path):
 def test_config_that_disagrees_on_tensor_set(checkpoints, tmp_path, change, pattern):
     bad = _copy_with_config(checkpoints["tied_mha"][0], tmp_path / "bad", **change)
     with pytest.raises(CheckpointMismatchError, match=pattern):
-        load_llama_from_hf(bad, single_process_mesh())
+        load_from_hf(bad, single_process_mesh())
 
 
 def test_directory_without_config_or_weights(checkpoints, tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        load_llama_from_hf(tmp_path, single_process_mesh())
+        load_from_hf(tmp_path, single_process_mesh())
     (tmp_path / "config.json").write_text((checkpoints["tied_mha"][0] / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        load_llama_from_hf(tmp_path, single_process_mesh())
+        load_from_hf(tmp_path, single_process_mesh())
 
 
 def test_qwen2_style_saves_as_qwen2(checkpoints, tmp_path):
     """q/k/v biases without an output bias are written as a Qwen2 directory transformers loads."""
     path, ids, ref = checkpoints["qwen2"]
-    model = load_llama_from_hf(path, single_process_mesh())
+    model = load_from_hf(path, single_process_mesh())
     save_hf_checkpoint(model, tmp_path / "out", single_process_mesh().info("tp"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen2"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()

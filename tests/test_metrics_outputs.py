@@ -22,7 +22,7 @@ def _config(**kw):
 # ------------------------------------------------------------------------------------ FLOPs / MFU
 @pytest.mark.parametrize("tied", [False, True])
 def test_flops_per_token_by_hand(tied):
-    from plait.train.flops import matmul_params, model_flops_per_token
+    from plait.models.flops import matmul_params, model_flops_per_token
 
     cfg = _config(tie_word_embeddings=tied)
     # per layer: q 16*16 + k 16*8 + v 16*8 + o 16*16 = 768; mlp 3*16*32 = 1536; 2 norms 32 -> 2336
@@ -35,7 +35,7 @@ def test_flops_per_token_by_hand(tied):
 
 
 def test_flops_counts_biases_and_rejects_bad_seq_len():
-    from plait.train.flops import matmul_params, model_flops_per_token
+    from plait.models.flops import matmul_params, model_flops_per_token
 
     cfg = _config(attention_bias=True, mlp_bias=True)
     # + q/k/v biases 16+8+8 and o bias 16 = 48, + mlp biases 2*32 + 16 = 80 per layer
@@ -45,7 +45,7 @@ def test_flops_counts_biases_and_rejects_bad_seq_len():
 
 
 def test_mfu_arithmetic():
-    from plait.train.flops import mfu
+    from plait.models.flops import mfu
 
     assert mfu(1000.0, 40800.0, 1e8) == pytest.approx(0.408)
     # 7B-ish example: 3000 tok/s/GPU * 6*7e9 FLOP/token on an H100's 989.4 TFLOP/s bf16 peak

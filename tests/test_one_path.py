@@ -24,7 +24,7 @@ from plait.config import load_recipe, recipe_data
 from plait.config.load import DEFAULT_RECIPE
 from plait.materialize import build_model, build_stages
 from plait.mesh import ParallelMesh, single_process_mesh
-from plait.models.llama.hf_io import save_hf_checkpoint
+from plait.models.hf_io import save_hf_checkpoint
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.entry import prepare_data
 from trainer_runs import corpus_dir, max_relative, run_recipe

@@ -23,8 +23,8 @@ from plait.cli import main
 from plait.config import validate_recipe
 from plait.materialize import build_llama
 from plait.mesh import single_process_mesh
+from plait.models.hf_io import save_hf_checkpoint
 from plait.models.llama.config import LlamaConfig
-from plait.models.llama.hf_io import save_hf_checkpoint
 from plait.outputs import DirectoryLock, DirectoryLockedError, OutputDirError
 from plait.outputs.ownership import MARKER, classify
 from plait.outputs.preflight import check_outputs, claim_outputs

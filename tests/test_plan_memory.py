@@ -41,7 +41,7 @@ from plait.plan.memory import (
     rank_parameter_count,
 )
 from plait.plan.timing import estimate_step_time
-from plait.train.precision import policy_for
+from plait.precision import policy_for
 
 
 def _config(**kw) -> LlamaConfig:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.train.precision import PRESETS, policy_for
+from plait.precision import PRESETS, policy_for
 from trainer_runs import corpus_dir, run_recipe
 
 STEPS = 50

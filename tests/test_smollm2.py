@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from plait.materialize import load_from_hf
 from plait.mesh import ParallelMesh, single_process_mesh
-from plait.models.llama.hf_io import gguf_to_hf_dir, load_hf_config, load_llama_from_hf
+from plait.models.hf_io import gguf_to_hf_dir, load_hf_config
 from plait.models.llama.parallelize import kv_replication_for
 
 pytestmark = pytest.mark.slow
@@ -99,7 +100,7 @@ def reference(smol) -> dict:
 def _smol_worker(rank: int, world: int, path: Path, ids: torch.Tensor) -> tuple[torch.Tensor | None, float]:
     config = load_hf_config(path)
     mesh = ParallelMesh(world, rank, tp=world, kv_replication=kv_replication_for(config, world))
-    model = load_llama_from_hf(path, mesh)
+    model = load_from_hf(path, mesh)
     with torch.no_grad():
         logits, loss = model(ids), model(ids, labels=ids)
     return (logits if rank == 0 else None), loss.item()
@@ -127,7 +128,7 @@ def test_reference_perplexity_is_sane(reference):
 
 def test_tp1_matches_transformers(smol, reference):
     path, ids = smol
-    model = load_llama_from_hf(path, single_process_mesh())
+    model = load_from_hf(path, single_process_mesh())
     with torch.no_grad():
         _check(model(ids), model(ids, labels=ids).item(), reference, LOGIT_TOL_TP1)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plait.train.lowp_adamw import LowPrecisionAdamW
-from plait.train.stochastic_rounding import stochastic_round_to_bf16
+from plait.optim.lowp_adamw import LowPrecisionAdamW
+from plait.optim.stochastic_rounding import stochastic_round_to_bf16
 
 
 def _from_bits(bits: list[int]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 
 from plait.init import init_parameters
 from plait.mesh import ParallelMesh
-from plait.models.hf_io import check_hf_tensors, read_hf_tensors
+from plait.models.hf_io import check_hf_tensors, load_hf_config, read_hf_tensors
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
 from plait.models.registry import family_of
@@ -70,6 +70,14 @@ def build_model(config: Any, mesh: ParallelMesh, *, seed: int = 0, device: str |
     elif init:
         init_parameters(model, seed, config.initializer_range)
     return model
+
+
+def load_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> nn.Module:
+    """This rank's shard of the Hugging Face model at ``path`` on ``mesh``, of the family its
+    ``config.json`` names (config, build, load)."""
+    config = load_hf_config(path)
+    return build_model(config, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device, hf_path=path)
 
 
 def build_stages(config: Any, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,

@@ -10,16 +10,14 @@ learning rate and optimizer state, and (under the same layout) the same dropout 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.reader import CheckpointReader
 from plait.parallel_state import named_parameters_with_specs
-
-if TYPE_CHECKING:
-    from plait.train.run_state import RunState
+from plait.train.run_state import RunState
 
 
 def layout_of(state: RunState) -> dict[str, Any]:

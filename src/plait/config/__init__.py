@@ -17,6 +17,7 @@ from plait.config.load import (
     recipe_data,
     recipe_to_yaml,
 )
+from plait.config.problems import Problem, RecipeError
 from plait.config.resolve import ModelNumbers, ResolvedRecipe, model_flops_per_token
 from plait.config.schema import (
     CheckpointSection,
@@ -31,7 +32,7 @@ from plait.config.schema import (
     SchedulerSection,
     TrainSection,
 )
-from plait.config.validate import Problem, RecipeError, check_recipe, validate_recipe
+from plait.config.validate import check_recipe, validate_recipe
 
 __all__ = [
     "CheckpointSection", "DataSection", "LoggingSection", "ModelNumbers", "ModelSection", "OptimizerSection",

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import os
 
+from plait.config.problems import Problem, Verbatim
 from plait.config.resolve import ResolvedRecipe
-from plait.config.validate import Problem, Verbatim
+from plait.pipeline.layout import plan_partition
+from plait.plan.layout import Layout
+from plait.plan.memory import PRECISIONS, estimate_memory
 
 GiB = 1024**3
 
@@ -61,10 +64,6 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
     A ``manual`` precision is priced as ``bf16-pure``, the preset with the fewest bytes per
     parameter, so the estimate stays a lower bound.
     """
-    from plait.pipeline.layout import plan_partition
-    from plait.plan.layout import Layout
-    from plait.plan.memory import PRECISIONS, estimate_memory
-
     r, p = resolved.recipe, resolved.recipe.parallel
     precision = r.precision.preset if r.precision.preset in PRECISIONS else "bf16-pure"
     checkpointing = r.train.activation_checkpointing

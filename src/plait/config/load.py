@@ -33,8 +33,9 @@ from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.resolver import BaseResolver
 from ruamel.yaml.tag import Tag
 
+from plait.config.parse import parse_recipe_partial
+from plait.config.problems import Problem, RecipeError, Verbatim
 from plait.config.schema import SECTIONS, Recipe
-from plait.config.validate import Problem, RecipeError, Verbatim, parse_recipe_partial
 
 # ---------------------------------------------------------------------- YAML 1.2 core schema
 _TAG = "tag:yaml.org,2002:"

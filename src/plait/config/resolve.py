@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.config.schema import ARCH_FIELDS, Recipe
+from plait.models.flops import model_flops_per_token
 from plait.models.llama.config import LlamaConfig
-from plait.train.flops import model_flops_per_token
+from plait.tensor_parallel.heads import HeadLayout
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,8 @@ class ResolvedRecipe:
     def microbatches(self) -> int:
         return self.recipe.parallel.microbatches
 
-    def head_layout(self):
+    def head_layout(self) -> HeadLayout:
         """The :class:`~plait.tensor_parallel.heads.HeadLayout` of the attention heads over TP."""
-        from plait.tensor_parallel.heads import HeadLayout
-
         c = self.model_config(self.vocab_size_hint()[0])
         return HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.tp,
                                self.kv_replication, self.recipe.parallel.kv_placement)
@@ -140,12 +139,16 @@ class ResolvedRecipe:
         return Recipe.model_validate(data)
 
 
+def derive_world_and_dp(tp: int, pp: int, dp: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(world_size, dp)``: without a world size, ``tp * pp * (dp or 1)`` processes are assumed."""
+    if world_size is None:
+        return tp * pp * (dp or 1), dp or 1
+    return world_size, dp if dp is not None else world_size // (tp * pp)
+
+
 def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | None = None,
             warnings: list[str] | tuple[str, ...] = ()) -> ResolvedRecipe:
-    """Derive the values of a recipe that :func:`~plait.config.validate.collect_problems` accepted."""
-    from plait.config.validate import derive_world_and_dp
-    from plait.tensor_parallel.heads import HeadLayout
-
+    """Derive the values of a recipe that :func:`~plait.config.rules.collect_problems` accepted."""
     r, p = recipe, recipe.parallel
     world, dp = derive_world_and_dp(p.tp, p.pp, p.dp, world_size)
     arch = hf_config or r.model.to_model_config(r.model.vocab_size or r.data.vocab_size)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from plait.models.llama.config import LlamaConfig, ModelConfigError
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
+from plait.precision import KNOBS
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -192,8 +193,6 @@ class PrecisionSection(Section):
 
     def knobs(self) -> dict[str, Any]:
         """The manual knobs as set in the recipe (``None`` = not set)."""
-        from plait.train.precision import KNOBS
-
         return {k: getattr(self, k) for k in KNOBS}
 
 

@@ -12,7 +12,7 @@ One object covers every combination of data parallelism, ZeRO-1 and precision pr
   all-gathered over the data-parallel group so every replica holds the whole updated model.
 
 The inner optimizer is a stock ``torch.optim.AdamW`` (fused where available) over fp32 segments,
-or :class:`~plait.train.lowp_adamw.LowPrecisionAdamW` when it updates bf16 weights directly, so a
+or :class:`~plait.optim.lowp_adamw.LowPrecisionAdamW` when it updates bf16 weights directly, so a
 learning-rate scheduler drives ``inner`` as usual. Optimizer state therefore exists only for the
 owned segments: its bytes per rank are ``1/dp`` of the unsharded total plus the padding that
 makes buckets divide evenly (:meth:`DistributedOptimizer.memory_report`).
@@ -32,7 +32,7 @@ from plait.comm.primitives import GroupInfo, all_gather_single
 from plait.data_parallel.grad_sync import GradSync
 from plait.data_parallel.layout import BufferLayout, Segment, plan_buffer
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
-from plait.train.precision import PrecisionPolicy
+from plait.precision import PrecisionPolicy
 
 
 @dataclass
@@ -138,7 +138,7 @@ class DistributedOptimizer:
         groups = [{"params": decay, "weight_decay": hyper.weight_decay}, {"params": keep, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or [{"params": [self.param_data[:0]], "weight_decay": 0.0}]
         if self.policy.master_dtype == torch.bfloat16:
-            from plait.train.lowp_adamw import LowPrecisionAdamW
+            from plait.optim.lowp_adamw import LowPrecisionAdamW
 
             return LowPrecisionAdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
                                      stochastic_rounding=self.policy.stochastic_rounding, seed=hyper.seed)

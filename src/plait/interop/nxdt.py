@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from plait.config.load import dump_recipe_text, parse_yaml
-from plait.config.validate import RecipeError, format_value, validate_recipe
+from plait.config.problems import RecipeError, format_value
+from plait.config.validate import validate_recipe
 from plait.interop.nxdt_collect import Collector, Entry
 from plait.interop.nxdt_model import import_model
 from plait.interop.nxdt_numerics import import_optim, import_precision

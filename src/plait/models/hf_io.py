@@ -236,16 +236,6 @@ def _read_shard(tensor_slice: Any, spec: ShardSpec, out: torch.Tensor) -> None:
         out.narrow(spec.dim, local, length).copy_(tensor_slice[tuple(index)])
 
 
-def load_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> nn.Module:
-    """This rank's shard of the Hugging Face model at ``path`` on ``mesh``, of the family its
-    ``config.json`` names (config, build, load)."""
-    from plait.materialize import build_model  # materialize imports this module
-
-    config = load_hf_config(path)
-    return build_model(config, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device, hf_path=path)
-
-
 # ---------------------------------------------------------------------------------- saving
 def _plan_shards(entries: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
     """Greedy, order-preserving split of ``(name, nbytes)`` into files of at most ``max_shard_bytes``."""
@@ -406,5 +396,5 @@ def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: i
     return Path(out_dir)
 
 
-__all__ = ["CheckpointMismatchError", "HFTensors", "check_hf_tensors", "gguf_to_hf_dir", "load_from_hf",
-           "load_hf_config", "load_hf_weights", "read_hf_tensors", "save_hf_checkpoint", "write_hf_dir"]
+__all__ = ["CheckpointMismatchError", "HFTensors", "check_hf_tensors", "gguf_to_hf_dir", "load_hf_config",
+           "load_hf_weights", "read_hf_tensors", "save_hf_checkpoint", "write_hf_dir"]

@@ -11,7 +11,7 @@ included), ``k = local_kv_heads * head_dim`` (K/V replication included), ``n_q``
 ``i = intermediate_size / T``, ``V' = ceil(vocab / T)`` (the vocabulary padded to a multiple of
 ``T``; exactly ``vocab`` at ``T = 1``, where plait does not swap in parallel modules).
 ``S' = S / T`` under sequence parallelism, else ``S``. Byte sizes per precision preset
-(:data:`PRECISIONS`, following :mod:`plait.train.precision`): ``p`` parameter, ``g`` gradient
+(:data:`PRECISIONS`, following :mod:`plait.precision`): ``p`` parameter, ``g`` gradient
 buffer (fp32 under ``bf16-mixed``: gradients are accumulated and reduced in fp32), ``o`` one
 optimizer state (the dtype the optimizer updates), ``w`` master weight, ``c`` compute (matmul
 inputs, attention, MLP), ``r`` residual stream (pipeline transfers).

@@ -53,7 +53,7 @@ NeuronLink), across nodes ``inter_node_bw`` (per device, one direction). Latency
 
 ``total_s = (compute_s + tp_comm_s) / (1 - bubble_share) + pp_comm_s + (1 - dp_overlap) * dp_comm_s``
 and ``mfu = model FLOPs of the step / (total_s * world * peak)`` with PaLM's model FLOPs
-(:func:`plait.train.flops.model_flops_per_token`: no recomputation, no padding).
+(:func:`plait.models.flops.model_flops_per_token`: no recomputation, no padding).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor, *,
     reductions, norm, clipping and update of :func:`finish_step`.
 
     The runtime calls ``optimizer.grads.mark_final`` before each stage's last backward (wired by
-    :func:`plait.train.run_state.build_run`). Returns (loss, grad norm) as device tensors; the loss
+    :func:`plait.train.build_run.build_run`). Returns (loss, grad norm) as device tensors; the loss
     is the mean over micro-batches on the rank holding the last stage and zero on the others.
     """
     with watch("forward/backward (pipeline point-to-point and tensor-parallel collectives)", "pp, tp"):

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from plait.checkpoint.writer import CheckpointWriter
+from plait.train.build_run import build_run
 from plait.train.evaluation import evaluate
-from plait.train.run_state import RunState, build_run
+from plait.train.run_state import RunState
 from plait.train.running_metrics import RunningMetrics
 from plait.train.step import train_step
 
@@ -175,7 +176,7 @@ class Trainer:
         return MultiSink(sinks)
 
     def _throughput_fields(self, steps: int, seconds: float, data_wait: float) -> dict[str, float]:
-        from plait.train.flops import mfu, model_flops_per_token
+        from plait.models.flops import mfu, model_flops_per_token
         from plait.train.loggers import peak_memory_bytes
 
         tokens = steps * self.resolved.tokens_per_step

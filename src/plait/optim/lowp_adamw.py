@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from plait.train.stochastic_rounding import stochastic_round_to_bf16
+from plait.optim.stochastic_rounding import stochastic_round_to_bf16
 
 
 def _rounding_seed(seed: int, step: int, group_index: int, param_index: int) -> int:
