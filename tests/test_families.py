@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from distributed import run_distributed
@@ -33,8 +32,7 @@ from plait.models.llama.parallelize import kv_replication_for
 from plait.models.mistral import MistralConfig
 from plait.models.qwen3 import Qwen3Config
 from plait.models.registry import FAMILIES, family_for_model_type
-from plait.parallel_state import shard_specs
-from plait.tensor_parallel.sharding import assemble_from_shards
+from tp_gather import full_grads as _full_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -194,23 +192,6 @@ def test_hf_path_under_pp_reads_each_stage_its_own_tensors(checkpoints, tmp_path
 
 
 # ------------------------------------------------------------------------------ several ranks
-def _full_grads(model: torch.nn.Module, tp) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient as the full tensor, gathered over the TP group."""
-    specs = shard_specs(model)
-    every = [None] * tp.size
-    dist.all_gather_object(every, specs, group=tp.group)
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach()
-        if name not in specs:
-            out[name] = g.clone()
-            continue
-        parts = [torch.empty_like(g) for _ in range(tp.size)]
-        dist.all_gather(parts, g.contiguous(), group=tp.group)
-        out[name] = assemble_from_shards([s[name] for s in every], parts)
-    return out
-
-
 def _grads(model: torch.nn.Module, ids: torch.Tensor, tp=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(weight gradients, gradient of the embedding output) of the next-token loss on ``ids``."""
     kept: list[torch.Tensor] = []

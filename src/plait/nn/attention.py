@@ -1,5 +1,11 @@
 """The weight-free middle of attention: rotary, causal (optionally sliding-window) grouped-query
-SDPA and attention dropout."""
+SDPA and attention dropout.
+
+Packed rows (several samples back to back in one sequence) pass a ``mask`` built once per forward
+by :func:`document_causal_mask`: a query sees only earlier keys of its own sample, so no sample
+attends to another, and with positions restarting at 0 in each sample (the rotary tables follow
+``position_ids``) every sample computes exactly what it would alone.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +24,19 @@ def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torc
     return (j <= i) & (j > i - window)
 
 
+def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[batch, 1, seq, seq]`` mask of a packed batch: query ``i`` sees key ``j`` when
+    ``j <= i`` and both belong to the same sample (``segment_ids [batch, seq]``; padding, any
+    id of its own, attends only to padding, so no row of the mask is empty)."""
+    s = segment_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    return (same & causal).unsqueeze(1)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin,
-                     dropout_p: float = 0.0, window: int | None = None) -> torch.Tensor:
+                     dropout_p: float = 0.0, window: int | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary + causal grouped-query attention on ``[batch, seq, heads*head_dim]`` projections.
 
     The head counts are read from the shapes (``head_dim`` from the rotary table), so the same
@@ -27,7 +44,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin
     ``dropout_p`` is SDPA's dropout on the attention weights; the caller decides (training mode,
     which generator) since this function cannot know. ``window``: each query sees at most that
     many positions (itself included); ``None`` or a window at least the sequence length is full
-    causal attention and takes exactly the full-attention path. Returns
+    causal attention and takes exactly the full-attention path. ``mask``: a packed batch's
+    :func:`document_causal_mask` (the window, if any, is applied on top of it). Returns
     ``[batch, seq, q_heads*head_dim]``.
     """
     b, s, _ = q.shape
@@ -37,10 +55,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin
     v = v.view(b, s, -1, hd).transpose(1, 2)
     q, k = apply_rotary(q, k, cos, sin)
     gqa = q.shape[1] != k.shape[1]
-    if window is None or window >= s:
+    windowed = window is not None and window < s
+    if mask is None and not windowed:
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     else:
-        mask = sliding_window_mask(s, window, q.device)
+        if windowed:
+            assert window is not None
+            band = sliding_window_mask(s, window, q.device)
+            mask = band if mask is None else mask & band
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(b, s, -1)
 
@@ -59,9 +81,9 @@ class AttentionCore(nn.Module):
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return causal_attention(q, k, v, cos, sin, dropout_p=self.dropout if self.training else 0.0,
-                                window=self.window)
+                                window=self.window, mask=mask)
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}" + (f", window={self.window}" if self.window is not None else "")

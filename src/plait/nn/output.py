@@ -11,7 +11,9 @@ class CausalLMOutput(nn.Module):
     """Turns output-head logits into the next-token loss (when labels are given) or full logits.
 
     ``labels`` are aligned with ``input_ids`` (position t predicts ``labels[t+1]``); positions
-    labelled ``ignore_index`` do not count. The loss is the mean over counted tokens.
+    labelled ``ignore_index`` do not count. The loss is the mean over counted tokens, or, with
+    ``loss_normalizer``, their sum divided by it (so a step over micro-batches and data-parallel
+    ranks with different numbers of target tokens can average over all of them, not per batch).
     The tensor-parallel plan replaces this module with a vocab-parallel one.
     """
 
@@ -20,11 +22,14 @@ class CausalLMOutput(nn.Module):
         self.vocab_size = vocab_size
         self.ignore_index = ignore_index
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_normalizer: float | None = None) -> torch.Tensor:
         if labels is None:
             return logits
         # Shift the labels, not the logits: the logits are the largest activation and slicing
         # them would copy it. The last position gets ``ignore_index``.
         shift_labels = F.pad(labels[:, 1:], (0, 1), value=self.ignore_index).reshape(-1)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels,
-                               ignore_index=self.ignore_index)
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        if loss_normalizer is None:
+            return F.cross_entropy(flat, shift_labels, ignore_index=self.ignore_index)
+        return F.cross_entropy(flat, shift_labels, ignore_index=self.ignore_index, reduction="sum") / loss_normalizer

@@ -56,9 +56,17 @@ class RotaryEmbedding(nn.Module):
         """Recompute the frequency table (after materialising a model built on the meta device)."""
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
-    def forward(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.float())
+    def forward(self, x: torch.Tensor, seq_len: int,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of shape ``[seq, head_dim]`` for positions ``0..seq_len-1``, or, given
+        ``position_ids [batch, seq]`` (a packed row restarts them in each sample), of shape
+        ``[batch, 1, seq, head_dim]`` (broadcast over the heads)."""
+        inv_freq = self.inv_freq.float()
+        if position_ids is None:
+            pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)
+        else:
+            freqs = (position_ids.to(inv_freq.device, torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 

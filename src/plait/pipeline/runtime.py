@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.data.batch import TokenBatch, as_token_batch
 from plait.mesh import ParallelMesh
 from plait.pipeline import tasks as T
 from plait.pipeline.schedules import schedule_tasks
@@ -82,14 +83,25 @@ class PipelineRuntime:
     def _context(self):
         return self.precision_context() if self.precision_context else contextlib.nullcontext()
 
-    def run(self, batch: torch.Tensor, *, train: bool = True) -> torch.Tensor:
-        """Run one step's schedule over ``batch`` (``[microbatches, micro_batch, seq]``).
+    def loss_normalizer(self, batch: TokenBatch) -> float | None:
+        """The divisor of a micro-batch's summed token losses such that, after the runtime's
+        division by the micro-batch count and the data-parallel average, the step's loss is the
+        sum over the global batch divided by its target tokens (``None``: per-micro-batch means)."""
+        if batch.loss_tokens is None:
+            return None
+        return max(batch.loss_tokens, 1) / (self.microbatches * self.mesh.info("dp").size)
+
+    def run(self, batch: torch.Tensor | TokenBatch, *, train: bool = True) -> torch.Tensor:
+        """Run one step's schedule over ``batch`` (``[microbatches, micro_batch, seq]`` ids, or a
+        :class:`~plait.data.batch.TokenBatch` with labels and a packed layout).
 
         Training: gradients accumulate in the stages' parameters (loss of each microbatch divided
         by the number of microbatches). Returns the device-side loss sum of the last stage's
         microbatches (already divided by the microbatch count), zero on other ranks.
         """
-        ids = batch.to(self.device, non_blocking=True)
+        tokens = as_token_batch(batch).to(self.device)
+        ids = tokens.input_ids
+        normalizer = self.loss_normalizer(tokens)
         m = self.microbatches
         loss_sum = torch.zeros((), device=self.device)
         state: dict[tuple[int, int], _InFlight] = {}
@@ -113,7 +125,8 @@ class PipelineRuntime:
                 if train and not stage.first:
                     x.requires_grad_()
                 with torch.set_grad_enabled(train), self._context():
-                    out = stage(x, self.seq_len, labels=ids[task.microbatch] if stage.last else None)
+                    out = stage(x, self.seq_len, **tokens.stage_inputs(task.microbatch, last=bool(stage.last),
+                                                                        normalizer=normalizer))
                 if stage.last:
                     out = out / m
                     loss_sum = loss_sum + out.detach().float()

@@ -56,13 +56,14 @@ class ParallelAttentionCore(nn.Module):
         self.attention_fn, self.dropout, self.rng = attention_fn, dropout, rng
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        kw = {} if mask is None else {"mask": mask}  # functions that know no packed batches keep working
         if not (self.training and self.dropout > 0):
-            return self.attention_fn(q, k, v, cos, sin)
+            return self.attention_fn(q, k, v, cos, sin, **kw)
         rng = self.rng
         assert rng is not None, "the constructor refuses dropout without an rng"
         with rng.fork(q.device):
-            return self.attention_fn(q, k, v, cos, sin, dropout_p=self.dropout)
+            return self.attention_fn(q, k, v, cos, sin, dropout_p=self.dropout, **kw)
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}"
@@ -114,11 +115,12 @@ class ParallelSelfAttention(nn.Module):
             v = C.all_reduce_grad(v, self.kv.group)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.core(q, k, v, cos, sin)
+        out = self.core(q, k, v, cos, sin, mask)
         if self.head_mask is not None:
             out = out * self.head_mask.to(out.dtype)
         return self.o_proj(out)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from plait.models.llama.config import LlamaConfig
-from plait.nn.attention import AttentionCore, causal_attention
+from plait.nn.attention import AttentionCore, causal_attention, document_causal_mask
 from plait.nn.mlp import GatedMLP, SwiGLU
 from plait.nn.norm import RMSNorm, rms_norm
 from plait.nn.output import CausalLMOutput
@@ -62,11 +62,12 @@ class LlamaAttention(nn.Module):
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         # the core applies ``attention_dropout`` only in training mode (``self.training`` is shared
         # with it through ``train()``/``eval()``)
-        return self.o_proj(self.core(q, k, v, cos, sin))
+        return self.o_proj(self.core(q, k, v, cos, sin, mask))
 
 
 class LlamaMLP(GatedMLP):
@@ -95,8 +96,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, **kw)
         self.residual_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.self_attn(self.input_layernorm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: a packed batch's document mask (:func:`plait.nn.attention.document_causal_mask`)."""
+        x = x + self._drop(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
 
     def _drop(self, y: torch.Tensor) -> torch.Tensor:
@@ -119,11 +122,15 @@ class LlamaModel(nn.Module):
         self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.rotary_emb = RotaryEmbedding(config, device=device)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids``/``segment_ids`` (``[batch, seq]``) describe a packed batch: positions
+        restart in each sample and attention stays within a sample."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(h, input_ids.shape[1])
+        cos, sin = self.rotary_emb(h, input_ids.shape[1], position_ids)
+        mask = None if segment_ids is None else document_causal_mask(segment_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.norm(h)
 
 
@@ -154,5 +161,10 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        return self.output(self.lm_head(self.model(input_ids)), labels)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+                loss_normalizer: float | None = None) -> torch.Tensor:
+        """Logits, or with ``labels`` the loss (mean over the target tokens, or their sum divided by
+        ``loss_normalizer``); ``position_ids``/``segment_ids`` for a packed batch."""
+        h = self.model(input_ids, position_ids, segment_ids)
+        return self.output(self.lm_head(h), labels, loss_normalizer)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from plait.models.llama.model import LlamaForCausalLM
+from plait.nn.attention import document_causal_mask
 
 
 class StageModel(nn.Module):
@@ -67,16 +68,22 @@ class LlamaStage(nn.Module):
         if self.last and self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, seq_len: int, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int, labels: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+                loss_normalizer: float | None = None) -> torch.Tensor:
         """``x``: token ids on the first stage, hidden states otherwise. The last stage returns the
-        loss when ``labels`` are given, else the logits; other stages return hidden states."""
+        loss when ``labels`` are given (see :class:`~plait.nn.output.CausalLMOutput` for
+        ``loss_normalizer``), else the logits; other stages return hidden states.
+        ``position_ids``/``segment_ids`` (``[batch, seq]``, every stage gets them from the batch)
+        describe a packed batch."""
         h = self.model.embed_tokens(x) if self.first else x
-        cos, sin = self.model.rotary_emb(h, seq_len)
+        cos, sin = self.model.rotary_emb(h, seq_len, position_ids)
+        mask = None if segment_ids is None else document_causal_mask(segment_ids)
         for layer in self.model.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         if not self.last:
             return h
-        return self.output(self.lm_head(self.model.norm(h)), labels)
+        return self.output(self.lm_head(self.model.norm(h)), labels, loss_normalizer)
 
     def extra_repr(self) -> str:
         span = f"{self.layer_ids[0]}-{self.layer_ids[-1]}" if self.layer_ids else "none"

@@ -22,9 +22,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps, device=device, dtype=dtype)
         self.k_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        return self.o_proj(self.core(self.q_norm(q), self.k_norm(k), v, cos, sin))
+        return self.o_proj(self.core(self.q_norm(q), self.k_norm(k), v, cos, sin, mask))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
