@@ -1,0 +1,249 @@
+"""Fine-tuning data on disk: JSONL rows -> chat-rendered, masked, (packed) rows of ``seq_len``.
+
+``prepare_rows`` reads an SFT or preference JSONL file (:mod:`plait.data.sft_rows`), splits the
+*rows* into train and validation (held-out rows are never seen in training, whole), renders and
+tokenises them with the tokenizer's chat template and marks the assistant tokens
+(:mod:`plait.data.sft_tokenize`), packs them (:mod:`plait.data.packing`) and writes, per split,
+``[rows, seq_len]`` arrays of input ids, labels, positions and segments plus the number of
+target tokens of each row. :class:`RowDataset` serves them to the loader.
+
+The directory is keyed by everything that changes its content (file hash, tokenizer hash, format,
+sequence length, packing, truncation, train_on_prompt, split), written under a temporary name and
+renamed into place, so a rerun with the same inputs reuses it and a killed run leaves no half
+directory behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from plait.data.chat_template import load_chat_template
+from plait.data.errors import DataError
+from plait.data.packing import IGNORE_INDEX, PackedRows, pack
+from plait.data.sft_rows import PreferenceRow, SFTRow, describe_skipped, read_preference_rows, read_sft_rows
+from plait.data.sft_tokenize import describe_counts, tokenize_preference, tokenize_sft
+from plait.data.token_shards import TOKENIZER_FILE
+from plait.data.tokenizer import cache_dir as resolve_cache_dir
+from plait.data.tokenizer import load_tokenizer_file, tokenizer_vocab_size
+
+#: ``index.json`` ``format`` of a prepared fine-tuning directory
+ROWS_FORMAT = "plait-rows-v1"
+INDEX_FILE = "index.json"
+FIELDS = ("input_ids", "labels", "position_ids", "segment_ids")
+RowFormat = Literal["sft", "preference"]
+
+
+@dataclass(frozen=True)
+class RowsSettings:
+    """What shapes the prepared rows (all of it is part of the directory's key)."""
+
+    kind: RowFormat
+    seq_len: int
+    packing: bool = True
+    truncation: str = "drop"
+    train_on_prompt: bool = False
+    skip_bad_rows: bool = False
+    val_fraction: float = 0.05
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RowsReport:
+    """What preparation did, for the one-line report of ``plait data prepare`` and ``plait train``."""
+
+    directory: Path
+    reused: bool
+    rows: dict[str, int]
+    efficiency: dict[str, float]
+    counts: dict[str, int]
+    skipped: dict[str, int]
+
+    def describe(self) -> str:
+        split = ", ".join(f"{name} {n} rows ({self.efficiency[name]:.0%} real tokens)" for name, n in self.rows.items())
+        return (f"{split}; {describe_counts(Counter(self.counts))}; {describe_skipped(Counter(self.skipped))}"
+                f"{' (reused)' if self.reused else ''}")
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _key(source: Path, tokenizer: Path, settings: RowsSettings) -> str:
+    text = json.dumps({"source": _hash_file(source), "tokenizer": _hash_file(tokenizer),
+                       **settings.__dict__, "format": ROWS_FORMAT}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _split_rows(rows: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """Rows shuffled once by ``seed`` then cut: the validation rows are whole conversations."""
+    if len(rows) < 2:
+        raise DataError(f"{len(rows)} usable row(s): at least 2 are needed (one for training, one held out)")
+    order = np.random.default_rng(seed).permutation(len(rows))
+    n_val = min(len(rows) - 1, max(1, round(len(rows) * val_fraction)))
+    val = sorted(order[:n_val].tolist())
+    train = sorted(order[n_val:].tolist())
+    return [rows[i] for i in train], [rows[i] for i in val]
+
+
+def _targets(labels: np.ndarray) -> np.ndarray:
+    """Target tokens per row: positions ``t`` whose next label counts (the loss shifts inside)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
+
+
+def _write_split(out: Path, split: str, rows: PackedRows) -> None:
+    for name in FIELDS:
+        np.save(out / f"{split}_{name}.npy", getattr(rows, name).astype(np.int32))
+    np.save(out / f"{split}_targets.npy", _targets(rows.labels))
+
+
+def _read_rows(source: Path, settings: RowsSettings) -> tuple[list[SFTRow] | list[PreferenceRow], Counter[str]]:
+    if settings.kind == "sft":
+        return read_sft_rows(source, skip_bad_rows=settings.skip_bad_rows)
+    return read_preference_rows(source, skip_bad_rows=settings.skip_bad_rows)
+
+
+def _existing(out: Path, key: str) -> dict | None:
+    index = out / INDEX_FILE
+    if not index.is_file():
+        return None
+    try:
+        found = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("format") == ROWS_FORMAT and found.get("key") == key \
+        else None
+
+
+def _report(out: Path, index: dict, reused: bool) -> RowsReport:
+    return RowsReport(directory=out, reused=reused, rows=index["rows"], efficiency=index["efficiency"],
+                      counts=index["counts"], skipped=index["skipped"])
+
+
+def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settings: RowsSettings, *,
+                 out_dir: str | os.PathLike | None = None,
+                 cache_dir: str | os.PathLike | None = None) -> RowsReport:
+    """Prepare (or reuse) the rows of ``source`` (a JSONL file); see the module doc. ``tokenizer``
+    is a ``tokenizer.json`` (its directory's ``tokenizer_config.json`` gives the chat template)."""
+    src = Path(source).expanduser()
+    if not src.is_file() or src.suffix.lower() != ".jsonl":
+        raise DataError(f"data.source {str(source)!r}: data.format {settings.kind!r} reads one .jsonl file "
+                        f"(one JSON object per line); give the path of such a file")
+    tok_path = Path(tokenizer).expanduser()
+    if not tok_path.is_file():
+        raise DataError(f"data.tokenizer {str(tokenizer)!r}: data.format {settings.kind!r} needs the model's "
+                        f"tokenizer.json (its chat template renders the rows); no such file")
+    key = _key(src, tok_path, settings)
+    cache = resolve_cache_dir(cache_dir)
+    default = cache / "datasets" / f"{src.stem}-{settings.kind}-{key}"
+    out = Path(out_dir).expanduser() if out_dir is not None else default
+    found = _existing(out, key)
+    if found is not None:
+        return _report(out, found, reused=True)
+    stale = out.exists() and out_dir is None and rows_directory(out) is not None  # ours, of an older index
+    if out.exists() and not stale and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"data output {out} exists and is not this data's prepared directory; plait does not "
+                        f"replace what it did not write: give an empty or new directory")
+    tok = load_tokenizer_file(tok_path)
+    template = load_chat_template(tok_path, tok)
+    rows, skipped = _read_rows(src, settings)
+    train_rows, val_rows = _split_rows(list(rows), settings.val_fraction, settings.seed)
+    pad_id = 0
+    counts: Counter[str] = Counter()
+    packed: dict[str, PackedRows] = {}
+    for split, part in (("train", train_rows), ("val", val_rows)):
+        if settings.kind == "sft":
+            units, c = tokenize_sft(part, tok, template, seq_len=settings.seq_len, truncation=settings.truncation,
+                                    train_on_prompt=settings.train_on_prompt)
+            packed[split] = pack(units, settings.seq_len, pad_id=pad_id, packed=settings.packing)
+        else:
+            pairs, c = tokenize_preference(part, tok, template, seq_len=settings.seq_len,
+                                           truncation=settings.truncation)
+            packed[split] = pack(pairs, settings.seq_len, pad_id=pad_id, packed=settings.packing)
+        counts.update({f"{split}_{k}": v for k, v in c.items()})
+    index = {"format": ROWS_FORMAT, "key": key, "kind": settings.kind, "seq_len": settings.seq_len,
+             "packing": settings.packing, "source": str(src), "template": template.source,
+             "vocab_size": tokenizer_vocab_size(tok),
+             "rows": {s: p.num_rows for s, p in packed.items()},
+             "efficiency": {s: round(p.efficiency, 4) for s, p in packed.items()},
+             "counts": dict(counts), "skipped": dict(skipped)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for split, rows_of_split in packed.items():
+            _write_split(tmp, split, rows_of_split)
+        shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
+        config = tok_path.parent / "tokenizer_config.json"
+        if config.is_file():
+            shutil.copyfile(config, tmp / config.name)
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1), encoding="utf-8")
+        os.chmod(tmp, 0o777 & ~_umask())
+        if stale:
+            shutil.rmtree(out)
+        elif out.is_dir():
+            out.rmdir()  # empty
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _report(out, index, reused=False)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def rows_directory(path: str | os.PathLike) -> Path | None:
+    """``path`` as a prepared fine-tuning directory, else None."""
+    p = Path(path).expanduser()
+    index = p / INDEX_FILE
+    if not index.is_file():
+        return None
+    try:
+        found = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return p if isinstance(found, dict) and found.get("format") == ROWS_FORMAT else None
+
+
+class RowDataset:
+    """One split of a prepared fine-tuning directory: fixed-length rows with their layout."""
+
+    def __init__(self, prepared_dir: str | os.PathLike, split: str = "train") -> None:
+        self.directory = Path(prepared_dir)
+        self.index = json.loads((self.directory / INDEX_FILE).read_text(encoding="utf-8"))
+        if self.index.get("format") != ROWS_FORMAT:
+            raise DataError(f"{self.directory}: not a prepared fine-tuning directory (no {ROWS_FORMAT} index.json)")
+        self.split = split
+        self.arrays = {name: np.load(self.directory / f"{split}_{name}.npy", mmap_mode="r") for name in FIELDS}
+        self.row_targets = np.load(self.directory / f"{split}_targets.npy")
+        self.seq_len = int(self.index["seq_len"])
+        self.vocab_size = int(self.index["vocab_size"])
+        self.kind: RowFormat = self.index["kind"]
+
+    def __len__(self) -> int:
+        return int(self.arrays["input_ids"].shape[0])
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """``[len(indices), seq_len]`` int64 tensors of every field."""
+        return {name: torch.from_numpy(np.asarray(a[indices], dtype=np.int64)) for name, a in self.arrays.items()}
+
+    def targets(self, indices: list[int]) -> int:
+        """Target tokens of the rows ``indices`` (read from the per-row counts, no row data)."""
+        return int(self.row_targets[indices].sum())

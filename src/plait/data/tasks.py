@@ -1,0 +1,89 @@
+"""A small fine-tuning task that needs no download: two-number arithmetic in a fixed answer format.
+
+Nothing can be fetched at run time, so the post-training recipes train and score on a task
+generated here, deterministically from a seed: questions such as ``What is 48 + 17? Answer with
+the number only.`` whose answer is exact and checkable (``65``). The SFT file holds conversations;
+the preference file pairs the right answer (chosen) with a near miss (rejected: off by a small
+amount, or the right number in a chatty, wrong format). The held-out file uses operand pairs the
+training file never contains, so a gain on it is generalisation, not recall.
+
+``write_task_files(directory, seed)`` writes ``sft_train.jsonl``, ``sft_heldout.jsonl``,
+``preference_train.jsonl`` and ``preference_heldout.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+OPERATORS = ("+", "-", "*")
+SYSTEM = "You are a careful calculator. Reply with the number only."
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}? Answer with the number only."
+
+    @property
+    def answer(self) -> str:
+        value = self.a + self.b if self.op == "+" else self.a - self.b if self.op == "-" else self.a * self.b
+        return str(value)
+
+
+def _problems(rng: random.Random, count: int, heldout: bool) -> list[Problem]:
+    """Distinct problems; held-out ones have ``(a + b) % 5 == 0``, training ones never do."""
+    seen: set[Problem] = set()
+    out: list[Problem] = []
+    while len(out) < count:
+        op = rng.choice(OPERATORS)
+        a, b = rng.randint(2, 99), rng.randint(2, 99 if op != "*" else 12)
+        p = Problem(a, op, b)
+        if ((a + b) % 5 == 0) != heldout or p in seen:
+            continue
+        seen.add(p)
+        out.append(p)
+    return out
+
+
+def _near_miss(rng: random.Random, p: Problem) -> str:
+    if rng.random() < 0.5:
+        return f"The answer is {p.answer}."  # right number, wrong format
+    return str(int(p.answer) + rng.choice((-10, -2, -1, 1, 2, 10)))
+
+
+def sft_row(p: Problem) -> dict:
+    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p.question},
+                         {"role": "assistant", "content": p.answer}]}
+
+
+def preference_row(rng: random.Random, p: Problem) -> dict:
+    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p.question}],
+            "chosen": p.answer, "rejected": _near_miss(rng, p)}
+
+
+def write_task_files(directory: str | Path, seed: int = 0, *, train: int = 2000, heldout: int = 200) -> dict[str, Path]:
+    """Write the four JSONL files (see the module doc); returns their paths by name."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    train_problems, heldout_problems = _problems(rng, train, False), _problems(rng, heldout, True)
+    files = {
+        "sft_train": [sft_row(p) for p in train_problems],
+        "sft_heldout": [sft_row(p) for p in heldout_problems],
+        "preference_train": [preference_row(rng, p) for p in train_problems],
+        "preference_heldout": [preference_row(rng, p) for p in heldout_problems],
+    }
+    paths = {}
+    for name, rows in files.items():
+        path = out / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        paths[name] = path
+    return paths
