@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from plait.data.tokenizer import cache_dir
+
 T = 1e12
 GB = 1e9
 GiB = 1024**3
@@ -236,8 +238,6 @@ def cpu_model() -> str:
 
 
 def cache_file() -> Path:
-    from plait.data.tokenizer import cache_dir
-
     return cache_dir() / "device_peaks.json"
 
 

@@ -7,6 +7,7 @@ When the process already belongs to a launched world (``torchrun`` or SLURM set 
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -15,7 +16,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, SupportsInt
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
 def _adopt_slurm_environment() -> None:
@@ -74,14 +82,9 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None
     if in_launched_world():
         entrypoint(*args)
         return
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
                           monitor_interval=0.5, start_method="spawn")
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     quiet = CleanStopFilter()
     loggers = [logging.getLogger(name) for name in CleanStopFilter.LOGGERS]
     for logger in loggers:
@@ -134,6 +137,8 @@ class CleanStopFilter(logging.Filter):
 
     def _is_stop(self, sig: object) -> bool:
         """``sig``: a signal, its number or its name (the agent logs ``Signals.name`` when closing)."""
+        if not isinstance(sig, (str, SupportsInt)):
+            return False
         try:
             value = signal.Signals[sig] if isinstance(sig, str) else signal.Signals(int(sig))
         except (KeyError, ValueError, TypeError):
@@ -172,9 +177,6 @@ def init_worker(threads: int = 1) -> tuple[int, int]:
 
     The worker also stops by itself if its launcher dies (:func:`exit_when_orphaned`).
     """
-    import torch
-    import torch.distributed as dist
-
     exit_when_orphaned()
 
     torch.set_num_threads(threads)
@@ -193,10 +195,6 @@ def _attempt_store() -> dict:
     and fail with "Connection refused" (seen with gloo on CPU). Prefixing the keys with
     ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt's rendezvous separate.
     """
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     env = os.environ
     if "TORCHELASTIC_RESTART_COUNT" not in env or "MASTER_ADDR" not in env:
         return {}
@@ -210,8 +208,6 @@ def _attempt_store() -> dict:
 
 def finish_worker() -> None:
     """Tear down the process group and leave without running interpreter-exit hooks (gloo can abort there)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -228,10 +224,9 @@ def exit_worker_now(status: int = 0) -> None:
     semaphore objects" at exit. Running those finalizers first (what a normal exit does) keeps
     the stop clean without running any other exit hook.
     """
-    import multiprocessing.util
-
     finish_worker()
-    multiprocessing.util._run_finalizers(0)  # the multiprocessing part of a normal exit, only that
+    # the multiprocessing part of a normal exit, only that; typeshed omits this private function
+    multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

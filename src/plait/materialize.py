@@ -17,7 +17,7 @@ ranks of a TP group.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -34,12 +34,31 @@ from plait.tensor_parallel.random import TensorParallelRNG
 PathLike = str | os.PathLike
 
 
+@runtime_checkable
+class TiesWeights(Protocol):
+    """A family's model or pipeline stage: it re-ties its output head to the embedding, which
+    ``to_empty`` unties."""
+
+    def tie_weights(self) -> None: ...
+
+
+def rng_tracker_of(module: nn.Module) -> TensorParallelRNG:
+    """The per-TP-rank dropout stream the builder gave ``module`` (a built model or one of its stages)."""
+    tracker = module.rng_tracker
+    if not isinstance(tracker, TensorParallelRNG):
+        raise TypeError(f"{type(module).__name__}.rng_tracker is a {type(tracker).__name__}, "
+                        f"not a TensorParallelRNG; build the model with plait.materialize")
+    return tracker
+
+
 def _meta_model(config: Any, mesh: ParallelMesh, dtype: torch.dtype, sequence_parallel: bool,
-                rng: TensorParallelRNG) -> nn.Module:
+                rng: TensorParallelRNG) -> LlamaForCausalLM:
     """The full model of ``config``'s family on the meta device, with its TP plan applied."""
     family = family_of(config)
     with torch.device("meta"):
         model = family.causal_lm_cls(config, dtype=dtype)
+    if not isinstance(model, LlamaForCausalLM):  # every family's model derives from it
+        raise TypeError(f"{family.name}: {type(model).__name__} does not derive from LlamaForCausalLM")
     if mesh.tp > 1:
         family.parallelize(model, mesh, sequence_parallel=sequence_parallel, rng=rng)
     model.rng_tracker = rng  # also without TP, so every built model has one
@@ -47,6 +66,8 @@ def _meta_model(config: Any, mesh: ParallelMesh, dtype: torch.dtype, sequence_pa
 
 
 def _allocate(module: nn.Module, device: str | torch.device) -> None:
+    if not isinstance(module, TiesWeights):
+        raise TypeError(f"{type(module).__name__} has no tie_weights(); it is not a family's model or stage")
     module.to_empty(device=device)
     module.tie_weights()
     reset_buffers(module)
@@ -121,8 +142,10 @@ def build_llama(config: LlamaConfig, mesh: ParallelMesh, *, seed: int = 0, devic
                 dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                 init: bool = True, rng_seed: int | None = None) -> LlamaForCausalLM:
     """This rank's model shard (:func:`build_model`; kept under its first name)."""
-    return build_model(config, mesh, seed=seed, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
-                       init=init, rng_seed=rng_seed)
+    model = build_model(config, mesh, seed=seed, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
+                        init=init, rng_seed=rng_seed)
+    assert isinstance(model, LlamaForCausalLM), "every family's model derives from LlamaForCausalLM"
+    return model
 
 
 def build_llama_stages(config: LlamaConfig, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,

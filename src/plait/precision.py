@@ -89,6 +89,13 @@ def knob_problems(values: dict[str, object]) -> list[tuple[str, str]]:
     return problems
 
 
+def _dtype(knob: str, value: object) -> torch.dtype:
+    """The torch dtype a knob names; knob values come from a recipe, so a wrong name is a ValueError."""
+    if not isinstance(value, str) or value not in DTYPES:
+        raise ValueError(f"precision.{knob}={value!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[value]
+
+
 def policy_for(preset: str, overrides: dict[str, object] | None = None) -> PrecisionPolicy:
     """The policy of a preset name (and, for ``manual``, its knob values)."""
     if preset not in PRESETS and preset != "manual":
@@ -98,6 +105,7 @@ def policy_for(preset: str, overrides: dict[str, object] | None = None) -> Preci
     bad = knob_problems(v)
     if bad:
         raise ValueError("; ".join(f"precision.{k}: {msg}" for k, msg in bad))
-    return PrecisionPolicy(param_dtype=DTYPES[v["param_dtype"]], autocast=bool(v["autocast"]),
-                           master_weights=bool(v["master_weights"]), grad_dtype=DTYPES[v["grad_dtype"]],
+    return PrecisionPolicy(param_dtype=_dtype("param_dtype", v["param_dtype"]), autocast=bool(v["autocast"]),
+                           master_weights=bool(v["master_weights"]),
+                           grad_dtype=_dtype("grad_dtype", v["grad_dtype"]),
                            stochastic_rounding=bool(v["stochastic_rounding"]))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from plait.checkpoint.format import (
     FORMAT,
@@ -38,6 +39,7 @@ from plait.checkpoint.format import (
     write_json_atomic,
 )
 from plait.checkpoint.reader import CheckpointReader
+from plait.checkpoint.store import commit
 from plait.checkpoint.training import model_config_dict
 from plait.checkpoint.writer import DTYPE_NAMES
 from plait.models.hf_io import _weight_map, load_hf_config, write_hf_dir
@@ -49,9 +51,7 @@ TOKENIZER = "tokenizer.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
+def _progress(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
 
 
@@ -168,8 +168,6 @@ def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = Tr
                 "model_config": model_config_dict(config), "model_family": type(config).family}
     write_json_atomic(tmp / MANIFEST, manifest)
     fsync_dir(tmp)
-    from plait.checkpoint.store import commit
-
     return commit(tmp, 0)
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from plait.checkpoint.format import CheckpointError, read_manifest, sha256_of, tensor_key
+from plait.checkpoint.format import CheckpointError, rank_file, read_manifest, sha256_of, tensor_key
+from plait.tensor_parallel.sharding import ShardSpec
 
 
 class CheckpointReader:
@@ -81,10 +82,11 @@ class CheckpointReader:
     def shape(self, kind: str, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[tensor_key(kind, name)]["shape"])
 
-    def check_model(self, expected: dict[str, tuple[int, ...]]) -> None:
+    def check_model(self, expected: dict[str, tuple[int, ...]]) -> list[str]:
         """Every parameter of the target model is in the checkpoint with its full shape.
 
-        Raises :class:`CheckpointError` naming the first mismatching tensor and both shapes.
+        Raises :class:`CheckpointError` naming the first mismatching tensor and both shapes; returns
+        the checkpoint's model tensors that ``expected`` does not name.
         """
         for name, shape in expected.items():
             key = tensor_key("model", name)
@@ -103,43 +105,47 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ reading
     @torch.no_grad()
-    def read_into(self, kind: str, name: str, out: torch.Tensor, spec=None) -> None:
+    def read_into(self, kind: str, name: str, out: torch.Tensor, spec: ShardSpec | None = None) -> None:
         """Fill ``out`` (this rank's local tensor, any dtype) with ``kind/name`` as ``spec`` shards it."""
         key = tensor_key(kind, name)
         entry = self.tensors.get(key)
         if entry is None:
             raise CheckpointError(f"{self.dir}: {key} is not in the checkpoint")
-        if spec is None:
-            targets = [(None, 0, 0, None)]  # the whole tensor
-        else:
-            if any(i < 0 for i in spec.index):
-                out.zero_()
-            targets = [(spec.dim, local, full, length) for local, full, length in spec.runs()]
+        if spec is not None and any(i < 0 for i in spec.index):
+            out.zero_()
+        runs = [] if spec is None else spec.runs()  # spec None: the whole tensor
         covered = 0
         for sl in entry["slices"]:
             with ExitStack() as transient:
                 handle = self._open(sl["file"], None if self.keep_open else transient)
                 src = handle.get_slice(sl["key"])
-                for dim, local, full, length in targets:
-                    covered += self._copy(src, sl, out, dim, local, full, length)
+                if spec is None:
+                    covered += self._copy_whole(src, sl, out)
+                else:
+                    for local, full, length in runs:
+                        covered += self._copy_run(src, sl, out, spec.dim, local, full, length)
         need = out.numel() if spec is None else sum(
-            length * (out.numel() // max(out.shape[spec.dim], 1)) for _, _, _, length in targets)
+            length * (out.numel() // max(out.shape[spec.dim], 1)) for _, _, length in runs)
         if covered < need:
             raise CheckpointError(f"{self.dir}: {key} does not cover every entry this rank needs "
                                   f"({covered} of {need} elements)")
 
     @staticmethod
-    def _copy(src, sl: dict[str, Any], out: torch.Tensor, dim: int | None, local: int, full: int,
-              length: int | None) -> int:
+    def _copy_whole(src: Any, sl: dict[str, Any], out: torch.Tensor) -> int:
+        """Copy one saved slice into the whole target tensor; returns the elements copied."""
+        sdim = sl["dim"]
+        if sdim is None:
+            out.copy_(src[:])
+            return out.numel()
+        region = out.narrow(sdim, sl["start"], sl["length"])
+        region.copy_(src[:])
+        return region.numel()
+
+    @staticmethod
+    def _copy_run(src: Any, sl: dict[str, Any], out: torch.Tensor, dim: int, local: int, full: int,
+                  length: int) -> int:
         """Copy the overlap of one saved slice with one target run; returns the elements copied."""
         sdim, sstart, slen = sl["dim"], sl["start"], sl["length"]
-        if dim is None:  # the target is the whole tensor
-            if sdim is None:
-                out.copy_(src[:])
-                return out.numel()
-            region = out.narrow(sdim, sstart, slen)
-            region.copy_(src[:])
-            return region.numel()
         lo, hi = full, full + length
         if sdim is None:  # saved whole: read the target's run from it
             index = [slice(None)] * out.dim()
@@ -160,8 +166,6 @@ class CheckpointReader:
 
     def read_rng(self, rank: int) -> dict[str, torch.Tensor]:
         """The RNG states rank ``rank`` saved (from its own file)."""
-        from plait.checkpoint.format import rank_file
-
         fname = rank_file(rank)
         if fname not in self.manifest["files"]:
             return {}

@@ -9,6 +9,7 @@ learning rate and optimizer state, and (under the same layout) the same dropout 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,8 @@ def rng_states(state: RunState) -> dict[str, torch.Tensor]:
         states["cuda"] = torch.cuda.get_rng_state()
     tracker = getattr(state.modules[0], "rng_tracker", None)
     if tracker is not None:
-        for dev, state in tracker.get_state().items():
-            states[f"tracker/{dev}"] = state
+        for dev, dev_state in tracker.get_state().items():
+            states[f"tracker/{dev}"] = dev_state
     return states
 
 
@@ -46,8 +47,6 @@ def checkpoint_meta(state: RunState, step: int) -> dict[str, Any]:
 
 def model_config_dict(config) -> dict[str, Any]:
     """The constructor arguments of a :class:`LlamaConfig` (JSON-safe), for the manifest."""
-    import dataclasses
-
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
 
 

@@ -20,6 +20,8 @@ they were; the ``.tmp`` directory is removed at the next start or save.
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -146,8 +148,6 @@ class CheckpointWriter:
         write_json_atomic(tmp / part_file(self.rank), part)
         if self.rank != 0:
             return None
-        import shutil
-
         for name, src in snap.attachments.items():
             shutil.copy(src, tmp / name)
         return self._commit(tmp, snap)
@@ -161,8 +161,6 @@ class CheckpointWriter:
                 raise CheckpointError(f"checkpoint step {snap.step}: ranks did not finish writing within "
                                       f"{self.commit_timeout:.0f} s (missing {missing[:8]}); left uncommitted in {tmp}")
             time.sleep(0.02)
-        import json
-
         tensors: dict[str, dict[str, Any]] = {}
         files: dict[str, dict[str, Any]] = {}
         for p in parts:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from plait.config.problems import Problem, Verbatim
 from plait.config.resolve import ResolvedRecipe
 from plait.pipeline.layout import plan_partition
@@ -51,8 +53,6 @@ def processes_on_this_host(world_size: int) -> int:
 
 def _accelerated() -> bool:
     """True when training would run on CUDA devices (the trainer's rule); creates no context."""
-    import torch
-
     return torch.cuda.is_available()
 
 

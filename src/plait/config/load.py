@@ -156,6 +156,7 @@ class _Builder:
             if isinstance(node, SequenceNode):
                 return [self.build(item, f"{path}.{i}" if path else str(i), depth + 1)
                         for i, item in enumerate(node.value)]
+            assert isinstance(node, MappingNode), "a YAML node is a scalar, a sequence or a mapping"
             return self._mapping(node, path, depth)
         finally:
             self.active.discard(id(node))
@@ -203,6 +204,7 @@ def _key(node: Node) -> str:
 
 def _scalar(node: ScalarNode) -> Any:
     """A scalar's value by its (resolved or explicit) core-schema tag."""
+    assert node.tag is not None, "the composer resolves every scalar's tag"
     kind, text = node.tag[len(_TAG):], node.value
     if kind == "str":
         return text

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from plait.config.problems import Problem, suggest
 from plait.config.schema import SECTIONS, Recipe
@@ -22,7 +23,7 @@ def _field_default(section: str, name: str) -> tuple[bool, Any]:
     return (info is not None, None if info is None else info.default)
 
 
-def _type_text(err: dict[str, Any]) -> str:
+def _type_text(err: ErrorDetails) -> str:
     kind, ctx = err["type"], err.get("ctx") or {}
     texts = {
         "int_type": "must be an integer", "int_parsing": "must be an integer",

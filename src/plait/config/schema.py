@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -43,41 +44,45 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = Field("shakespeare-tiny", min_length=1,
+    name: str = Field(default="shakespeare-tiny", min_length=1,
                       description="Run name; substituted for {name} in run.output_dir")
-    output_dir: str = Field("runs/{name}", min_length=1,
+    output_dir: str = Field(default="runs/{name}", min_length=1,
                             description="Directory of the run's outputs (metrics, TensorBoard, plot, checkpoint); "
                                         "{name} is replaced by run.name")
-    seed: Int = Field(0, ge=0, le=2**32 - 1, description="Seed of initialisation, data order and sampling")
+    seed: Int = Field(default=0, ge=0, le=2**32 - 1, description="Seed of initialisation, data order and sampling")
 
 
 class ModelSection(Section):
     family: Literal[FAMILY_CHOICES] = Field(  # type: ignore[valid-type]
-        DEFAULT_FAMILY, description="Model family (architecture); with model.hf_path it comes from config.json's "
-                                    "model_type")
-    hf_path: str | None = Field(None, description="Initialise from a Hugging Face model directory; the architecture "
-                                                  "fields then come from its config.json and must not be set here")
-    vocab_size: Int | None = Field(None, ge=1, description="Embedding rows; null = the tokenizer's size")
-    hidden_size: Int = Field(256, ge=1, description="Width of the residual stream")
-    intermediate_size: Int = Field(768, ge=1, description="Width of the gated MLP")
-    num_hidden_layers: Int = Field(4, ge=1, description="Number of decoder blocks")
-    num_attention_heads: Int = Field(8, ge=1, description="Query heads per layer")
-    num_key_value_heads: Int = Field(4, ge=1, description="Key/value heads per layer (grouped-query attention); "
-                                                          "must divide num_attention_heads")
-    head_dim: Int | None = Field(None, ge=1, description="Width of one head; null = hidden_size / num_attention_heads")
-    max_position_embeddings: Int = Field(256, ge=1, description="Longest sequence the model supports")
-    rms_norm_eps: Float = Field(1e-5, gt=0, description="Epsilon of the RMS norms")
-    rope_theta: Float = Field(10000.0, gt=0, description="Base of the rotary position embedding")
-    rope_scaling: dict[str, Any] | None = Field(None, description="Hugging Face rope_scaling mapping "
-                                                                  "(rope_type 'default' or 'llama3'); null = none")
-    attention_bias: Bool = Field(False, description="Biases on the q/k/v/o projections")
-    tie_word_embeddings: Bool = Field(True, description="Share the input embedding with the output head")
-    sliding_window: Int | None = Field(None, ge=1, description="Positions a query attends to, itself included "
-                                                               "(model.family 'mistral' only); null = full attention")
-    attention_dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the attention probabilities")
-    hidden_dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the attention and MLP outputs before "
-                                                               "each residual add")
-    initializer_range: Float = Field(0.02, gt=0, description="Standard deviation of the initial weights")
+        default=DEFAULT_FAMILY, description="Model family (architecture); with model.hf_path it comes from "
+                                            "config.json's model_type")
+    hf_path: str | None = Field(default=None, description="Initialise from a Hugging Face model "
+                                                          "directory; the architecture fields then come "
+                                                          "from its config.json and must not be set here")
+    vocab_size: Int | None = Field(default=None, ge=1, description="Embedding rows; null = the tokenizer's size")
+    hidden_size: Int = Field(default=256, ge=1, description="Width of the residual stream")
+    intermediate_size: Int = Field(default=768, ge=1, description="Width of the gated MLP")
+    num_hidden_layers: Int = Field(default=4, ge=1, description="Number of decoder blocks")
+    num_attention_heads: Int = Field(default=8, ge=1, description="Query heads per layer")
+    num_key_value_heads: Int = Field(default=4, ge=1, description="Key/value heads per layer (grouped-query "
+                                                                  "attention); must divide num_attention_heads")
+    head_dim: Int | None = Field(default=None, ge=1, description="Width of one head; null = "
+                                                                 "hidden_size / num_attention_heads")
+    max_position_embeddings: Int = Field(default=256, ge=1, description="Longest sequence the model supports")
+    rms_norm_eps: Float = Field(default=1e-5, gt=0, description="Epsilon of the RMS norms")
+    rope_theta: Float = Field(default=10000.0, gt=0, description="Base of the rotary position embedding")
+    rope_scaling: dict[str, Any] | None = Field(default=None, description="Hugging Face rope_scaling "
+                                                                          "mapping (rope_type 'default' "
+                                                                          "or 'llama3'); null = none")
+    attention_bias: Bool = Field(default=False, description="Biases on the q/k/v/o projections")
+    tie_word_embeddings: Bool = Field(default=True, description="Share the input embedding with the output head")
+    sliding_window: Int | None = Field(default=None, ge=1, description="Positions a query attends to, itself "
+                                                                       "included (model.family 'mistral' "
+                                                                       "only); null = full attention")
+    attention_dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the attention probabilities")
+    hidden_dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the attention and MLP outputs "
+                                                                       "before each residual add")
+    initializer_range: Float = Field(default=0.02, gt=0, description="Standard deviation of the initial weights")
 
     def arch_values(self) -> dict[str, Any]:
         """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""
@@ -146,32 +151,35 @@ def read_hf_config(hf_path: str) -> LlamaConfig:
 
 
 class ParallelSection(Section):
-    tp: Int = Field(1, ge=1, description="Tensor-parallel degree")
-    pp: Int = Field(1, ge=1, description="Pipeline-parallel degree (pipeline stages across ranks)")
-    dp: Int | None = Field(None, ge=1, description="Data-parallel degree; null = world size / (tp * pp)")
-    vpp: Int = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank (needs pp > 1)")
-    sequence_parallel: Bool = Field(False, description="Split the activations outside attention and MLP over the "
-                                                       "sequence within the TP group (needs seq_len % tp == 0)")
-    kv_replication: Int | None = Field(None, ge=1, description="TP ranks that hold the same K/V heads; "
-                                                               "null = the smallest that needs no padding")
+    tp: Int = Field(default=1, ge=1, description="Tensor-parallel degree")
+    pp: Int = Field(default=1, ge=1, description="Pipeline-parallel degree (pipeline stages across ranks)")
+    dp: Int | None = Field(default=None, ge=1, description="Data-parallel degree; null = world size / (tp * pp)")
+    vpp: Int = Field(default=1, ge=1, description="Virtual pipeline stages per pipeline rank (needs pp > 1)")
+    sequence_parallel: Bool = Field(default=False, description="Split the activations outside attention "
+                                                               "and MLP over the sequence within the TP "
+                                                               "group (needs seq_len % tp == 0)")
+    kv_replication: Int | None = Field(default=None, ge=1, description="TP ranks that hold the same K/V heads; "
+                                                                       "null = the smallest that needs no padding")
     kv_placement: Literal["interleaved", "adjacent"] = Field(
-        "interleaved", description="Placement of K/V replicas in the TP group: 'interleaved' or 'adjacent'")
-    zero1: Bool = Field(False, description="Shard optimizer state and master weights over DP (ZeRO-1); "
-                                           "no effect (a warning) with dp=1")
-    bucket_mb: Float = Field(25.0, gt=0, description="Size cap of a gradient bucket in MB; each bucket's data-parallel "
-                                                     "reduction starts as soon as its last gradient is ready")
-    overlap_grad_reduce: Bool = Field(True, description="Start each bucket's data-parallel reduction during backward "
-                                                        "(false: all after backward, for comparison)")
-    microbatches: Int = Field(1, ge=1, description="Micro-batches per step (gradient accumulation; "
-                                                   "pipeline micro-batches when pp > 1)")
+        default="interleaved", description="Placement of K/V replicas in the TP group: 'interleaved' or 'adjacent'")
+    zero1: Bool = Field(default=False, description="Shard optimizer state and master weights over DP (ZeRO-1); "
+                                                   "no effect (a warning) with dp=1")
+    bucket_mb: Float = Field(default=25.0, gt=0, description="Size cap of a gradient bucket in MB; each "
+                                                             "bucket's data-parallel reduction starts "
+                                                             "as soon as its last gradient is ready")
+    overlap_grad_reduce: Bool = Field(default=True, description="Start each bucket's data-parallel reduction during "
+                                                                "backward (false: all after backward, for comparison)")
+    microbatches: Int = Field(default=1, ge=1, description="Micro-batches per step (gradient accumulation; "
+                                                           "pipeline micro-batches when pp > 1)")
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
-        "1f1b", description="Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b' (used when pp > 1)")
+        default="1f1b", description="Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b' (used when pp > 1)")
     partition: Literal["balanced", "even", "manual"] = Field(
-        "balanced", description="Pipeline split: 'balanced' by cost, 'even' by layer count, 'manual' at pipeline_cuts")
+        default="balanced", description="Pipeline split: 'balanced' by cost, 'even' "
+                                        "by layer count, 'manual' at pipeline_cuts")
     partition_cost: Literal["flops", "params"] = Field(
-        "flops", description="Per-unit cost the balanced split evens out (embedding and head included)")
+        default="flops", description="Per-unit cost the balanced split evens out (embedding and head included)")
     pipeline_cuts: list[str] | None = Field(
-        None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)")
+        default=None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)")
 
 
 DtypeName = Literal["fp32", "bf16"]
@@ -179,17 +187,19 @@ DtypeName = Literal["fp32", "bf16"]
 
 class PrecisionSection(Section):
     preset: Literal["fp32", "autocast", "bf16-mixed", "bf16-pure", "manual"] = Field(
-        "fp32", description="Numeric precision bundle: 'fp32'; 'autocast' (fp32 weights, bf16 autocast compute); "
-                            "'bf16-mixed' (bf16 weights and compute, fp32 master weights, gradients and optimizer "
-                            "state); 'bf16-pure' (everything bf16, stochastic rounding of the update); 'manual' "
-                            "(the knobs below, starting from fp32). See docs/precision.md")
-    param_dtype: DtypeName | None = Field(None, description="manual only: dtype of the model weights (and compute)")
-    autocast: Bool | None = Field(None, description="manual only: run forward under bf16 autocast")
-    master_weights: Bool | None = Field(None, description="manual only: keep fp32 master weights for the optimizer")
-    grad_dtype: DtypeName | None = Field(None, description="manual only: dtype of gradient accumulation and "
-                                                           "data-parallel reduction")
-    stochastic_rounding: Bool | None = Field(None, description="manual only: round bf16 weight updates "
-                                                               "stochastically (needs bf16 weights, no master)")
+        default="fp32", description="Numeric precision bundle: 'fp32'; 'autocast' (fp32 weights, bf16 autocast "
+                                    "compute); 'bf16-mixed' (bf16 weights and compute, fp32 master weights, gradients "
+                                    "and optimizer state); 'bf16-pure' (everything bf16, stochastic rounding of the "
+                                    "update); 'manual' (the knobs below, starting from fp32). See docs/precision.md")
+    param_dtype: DtypeName | None = Field(default=None, description="manual only: dtype of the "
+                                                                    "model weights (and compute)")
+    autocast: Bool | None = Field(default=None, description="manual only: run forward under bf16 autocast")
+    master_weights: Bool | None = Field(default=None, description="manual only: keep fp32 master "
+                                                                  "weights for the optimizer")
+    grad_dtype: DtypeName | None = Field(default=None, description="manual only: dtype of gradient accumulation and "
+                                                                   "data-parallel reduction")
+    stochastic_rounding: Bool | None = Field(default=None, description="manual only: round bf16 weight updates "
+                                                                       "stochastically (needs bf16 weights, no master)")
 
     def knobs(self) -> dict[str, Any]:
         """The manual knobs as set in the recipe (``None`` = not set)."""
@@ -197,90 +207,93 @@ class PrecisionSection(Section):
 
 
 class OptimizerSection(Section):
-    name: Literal["adamw"] = Field("adamw", description="Optimizer; only 'adamw'")
-    lr: Float = Field(3e-3, gt=0, description="Peak learning rate")
-    weight_decay: Float = Field(0.1, ge=0, description="Decoupled weight decay (not applied to norms and biases)")
-    beta1: Float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay")
-    beta2: Float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay")
-    eps: Float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
-    grad_clip: Float = Field(1.0, ge=0, description="Clip the global gradient norm to this value; 0 = off")
+    name: Literal["adamw"] = Field(default="adamw", description="Optimizer; only 'adamw'")
+    lr: Float = Field(default=3e-3, gt=0, description="Peak learning rate")
+    weight_decay: Float = Field(default=0.1, ge=0, description="Decoupled weight decay (not "
+                                                               "applied to norms and biases)")
+    beta1: Float = Field(default=0.9, ge=0, lt=1, description="AdamW first-moment decay")
+    beta2: Float = Field(default=0.95, ge=0, lt=1, description="AdamW second-moment decay")
+    eps: Float = Field(default=1e-8, gt=0, description="AdamW denominator epsilon")
+    grad_clip: Float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this value; 0 = off")
 
 
 class SchedulerSection(Section):
     name: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Decay after warm-up: 'cosine', 'linear' or 'constant'")
-    warmup_steps: Int = Field(20, ge=0, description="Steps of linear warm-up from 0 to optimizer.lr")
-    min_lr_ratio: Float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of optimizer.lr")
+        default="cosine", description="Decay after warm-up: 'cosine', 'linear' or 'constant'")
+    warmup_steps: Int = Field(default=20, ge=0, description="Steps of linear warm-up from 0 to optimizer.lr")
+    min_lr_ratio: Float = Field(default=0.1, ge=0, le=1, description="Final learning rate as a "
+                                                                     "fraction of optimizer.lr")
 
 
 class DataSection(Section):
-    source: str = Field("shakespeare", min_length=1,
+    source: str = Field(default="shakespeare", min_length=1,
                         description="Built-in corpus ('shakespeare', 'bible'), a .txt/.jsonl file, a directory "
                                     "of them, or a prepared data directory")
-    tokenizer: str = Field("bpe", min_length=1, description="'bpe' = train a byte-level BPE on the source, or a "
-                                                            "path to a tokenizer.json")
-    vocab_size: Int = Field(2048, ge=257, description="Size of the trained BPE (tokenizer: bpe)")
-    seq_len: Int = Field(128, ge=1, description="Tokens per training sequence")
-    val_fraction: Float = Field(0.05, gt=0, lt=1, description="Share of the tokens held out for validation")
-    micro_batch_size: Int = Field(8, ge=1, description="Sequences per micro-batch on one DP rank")
-    global_batch_size: Int | None = Field(None, ge=1, description="Sequences per optimizer step; "
-                                                                  "null = micro_batch_size * microbatches * dp")
-    prefetch: Int = Field(2, ge=0, description="Batches loaded ahead by a background thread; 0 = none")
-    cache_dir: str | None = Field(None, description="Where prepared data is cached; null = $PLAIT_CACHE "
-                                                    "or ~/.cache/plait")
+    tokenizer: str = Field(default="bpe", min_length=1, description="'bpe' = train a byte-level BPE on the source, or "
+                                                                    "a path to a tokenizer.json")
+    vocab_size: Int = Field(default=2048, ge=257, description="Size of the trained BPE (tokenizer: bpe)")
+    seq_len: Int = Field(default=128, ge=1, description="Tokens per training sequence")
+    val_fraction: Float = Field(default=0.05, gt=0, lt=1, description="Share of the tokens held out for validation")
+    micro_batch_size: Int = Field(default=8, ge=1, description="Sequences per micro-batch on one DP rank")
+    global_batch_size: Int | None = Field(default=None, ge=1, description="Sequences per optimizer step; "
+                                                                          "null = micro_batch_size * microbatches * dp")
+    prefetch: Int = Field(default=2, ge=0, description="Batches loaded ahead by a background thread; 0 = none")
+    cache_dir: str | None = Field(default=None, description="Where prepared data is cached; null "
+                                                            "= $PLAIT_CACHE or ~/.cache/plait")
 
 
 class TrainSection(Section):
-    steps: Int = Field(300, ge=1, description="Optimizer steps")
-    eval_every: Int = Field(100, ge=1, description="Evaluate on the validation split every this many steps "
-                                                   "(and at the end)")
-    eval_batches: Int = Field(8, ge=1, description="Validation global batches per evaluation: the first "
-                                                    "eval_batches x global_batch_size validation sequences, the same "
-                                                    "under every layout")
-    log_every: Int = Field(10, ge=1, description="Log metrics every this many steps (and at the end)")
-    sample_prompt: str = Field("ROMEO:", description="Prompt of the text sample generated at the end")
-    sample_tokens: Int = Field(48, ge=0, description="Tokens generated for the final sample; 0 = no sample text")
-    stall_timeout_s: Float = Field(600.0, ge=0, description="Abort (exit status 3, naming the rank, group and "
-                                                            "operation) when one communicating phase of a step "
-                                                            "takes longer; 0 = off")
+    steps: Int = Field(default=300, ge=1, description="Optimizer steps")
+    eval_every: Int = Field(default=100, ge=1, description="Evaluate on the validation split "
+                                                           "every this many steps (and at the end)")
+    eval_batches: Int = Field(default=8, ge=1, description="Validation global batches per evaluation: the first "
+                                                           "eval_batches x global_batch_size validation sequences, the "
+                                                           "same under every layout")
+    log_every: Int = Field(default=10, ge=1, description="Log metrics every this many steps (and at the end)")
+    sample_prompt: str = Field(default="ROMEO:", description="Prompt of the text sample generated at the end")
+    sample_tokens: Int = Field(default=48, ge=0, description="Tokens generated for the final "
+                                                             "sample; 0 = no sample text")
+    stall_timeout_s: Float = Field(default=600.0, ge=0, description="Abort (exit status 3, naming the rank, group and "
+                                                                    "operation) when one communicating phase of a step "
+                                                                    "takes longer; 0 = off")
     nonfinite: Literal["halt", "skip"] = Field(
-        "halt", description="A step whose loss or gradient norm is not finite: 'halt' (save nothing, stop with an "
-                            "error) or 'skip' (discard its update and go on)")
+        default="halt", description="A step whose loss or gradient norm is not finite: 'halt' (save nothing, stop with "
+                                    "an error) or 'skip' (discard its update and go on)")
     activation_checkpointing: Literal["off", "full", "selective"] = Field(
-        "off", description="Recompute activations in backward: 'off', 'full' (every decoder block) or 'selective' "
-                           "(the block submodules in train.checkpoint_modules)")
+        default="off", description="Recompute activations in backward: 'off', 'full' (every decoder block) or "
+                                   "'selective' (the block submodules in train.checkpoint_modules)")
     checkpoint_modules: list[str] = Field(default_factory=list, description="With selective checkpointing: "
                                           "submodule names inside a decoder block, e.g. ['self_attn', 'mlp']")
 
 
 class CheckpointSection(Section):
-    save_final: Bool = Field(True, description="Write a Hugging Face model directory at the end")
-    dir: str = Field("{output_dir}/final", min_length=1,
-                     description="Directory of the final Hugging Face checkpoint; {output_dir} and {name} are "
-                                 "substituted")
-    overwrite: Bool = Field(False, description="Replace what plait wrote earlier: a Hugging Face model at "
-                                               "checkpoint.dir outside this run's directory, or (with resume none) "
-                                               "an earlier run's checkpoints in save_dir; what plait did not write "
-                                               "is never replaced")
-    save_every: Int = Field(0, ge=0, description="Write a sharded training checkpoint every this many steps and at "
-                                                 "the end; 0 = only when preempted (SIGTERM/SIGINT)")
-    save_dir: str = Field("{output_dir}/checkpoints", min_length=1,
+    save_final: Bool = Field(default=True, description="Write a Hugging Face model directory at the end")
+    dir: str = Field(default="{output_dir}/final", min_length=1,
+                     description="Directory of the final Hugging Face checkpoint; "
+                                 "{output_dir} and {name} are substituted")
+    overwrite: Bool = Field(default=False, description="Replace what plait wrote earlier: a Hugging Face model at "
+                                                       "checkpoint.dir outside this run's directory, or (with resume "
+                                                       "none) an earlier run's checkpoints in save_dir; what plait did "
+                                                       "not write is never replaced")
+    save_every: Int = Field(default=0, ge=0, description="Write a sharded training checkpoint every this many steps "
+                                                         "and at the end; 0 = only when preempted (SIGTERM/SIGINT)")
+    save_dir: str = Field(default="{output_dir}/checkpoints", min_length=1,
                           description="Directory of the sharded training checkpoints (step-N subdirectories); "
                                       "{output_dir} and {name} are substituted")
-    keep: Int = Field(2, ge=1, description="Complete checkpoints kept (the newest is never deleted)")
-    keep_every: Int = Field(0, ge=0, description="Also keep every checkpoint whose step is a multiple of this; "
-                                                 "0 = none")
-    resume: str = Field("none", min_length=1, description="'none', 'auto' (the newest complete checkpoint in "
-                                                          "save_dir, if any) or a checkpoint directory")
-    async_save: Bool = Field(True, description="Write checkpoints on a background thread after a host copy "
-                                               "(at most one in flight)")
+    keep: Int = Field(default=2, ge=1, description="Complete checkpoints kept (the newest is never deleted)")
+    keep_every: Int = Field(default=0, ge=0, description="Also keep every checkpoint whose "
+                                                         "step is a multiple of this; 0 = none")
+    resume: str = Field(default="none", min_length=1, description="'none', 'auto' (the newest complete checkpoint in "
+                                                                  "save_dir, if any) or a checkpoint directory")
+    async_save: Bool = Field(default=True, description="Write checkpoints on a background thread after a host copy "
+                                                       "(at most one in flight)")
 
 
 class LoggingSection(Section):
-    jsonl: Bool = Field(True, description="Write metrics.jsonl in the output directory")
-    tensorboard: Bool = Field(True, description="Write TensorBoard event files")
-    progress_bar: Bool = Field(True, description="Show a progress bar on the terminal")
-    plot: Bool = Field(True, description="Plot the loss curves to loss.png at the end")
+    jsonl: Bool = Field(default=True, description="Write metrics.jsonl in the output directory")
+    tensorboard: Bool = Field(default=True, description="Write TensorBoard event files")
+    progress_bar: Bool = Field(default=True, description="Show a progress bar on the terminal")
+    plot: Bool = Field(default=True, description="Plot the loss curves to loss.png at the end")
 
 
 class Recipe(Section):
@@ -306,8 +319,6 @@ SECTIONS: dict[str, type[Section]] = {
 
 # ---------------------------------------------------------------------- reference documentation
 def _type_name(annotation: Any) -> str:
-    import typing
-
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in args)

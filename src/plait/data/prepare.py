@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from plait import __version__ as plait_version
 from plait.data.corpora import CORPORA, corpus_documents, corpus_version
 from plait.data.errors import DataError
 from plait.data.token_shards import (
@@ -39,7 +41,14 @@ from plait.data.token_shards import (
     load_index,
     token_dtype,
 )
-from plait.data.tokenizer import EOS, EOS_CANDIDATES, find_eos, load_tokenizer_file, tokenizer_vocab_size  # noqa: F401 - re-exported
+from plait.data.tokenizer import (
+    EOS,
+    EOS_CANDIDATES,  # noqa: F401 - re-exported
+    find_eos,
+    load_tokenizer_file,
+    tokenizer_vocab_size,
+    train_bpe,
+)
 from plait.data.tokenizer import cache_dir as resolve_cache_dir
 
 SOURCE_SUFFIXES = (".txt", ".jsonl")
@@ -210,7 +219,8 @@ def choose_val_documents(lengths: list[int], val_fraction: float, seed: int) -> 
     At least one document is held out and at least one is kept for training (needs two or more)."""
     assert len(lengths) >= 2
     order = np.random.default_rng(seed).permutation(len(lengths))
-    target, chosen, chars = val_fraction * sum(lengths), set(), 0
+    chosen: set[int] = set()
+    target, chars = val_fraction * sum(lengths), 0
     for i in order[:-1]:
         if chosen and chars >= target:
             break
@@ -362,10 +372,6 @@ def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[i
            tok_path: Path | None, tok_spec: str, vocab_size: int, val_fraction: float, seed: int,
            limit: int | None, shard_tokens: int, progress: bool, cache: Path) -> dict:
     """Tokenises every document into ``tmp``; returns the index (written by the caller)."""
-    from tqdm.auto import tqdm
-
-    from plait.data.tokenizer import train_bpe
-
     if len(lengths) == 1:
         val_docs: set[int] = set()
         cut = _single_document_cut(lengths[0], next(documents()), val_fraction)
@@ -422,8 +428,6 @@ def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[i
         bar.update(len(batch))
     bar.close()
     splits = {"train": writers[False].close(), "val": writers[True].close()}
-
-    from plait import __version__ as plait_version  # noqa: PLC0415
 
     return {
         "format": FORMAT,

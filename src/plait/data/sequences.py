@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
+from plait.data.errors import DataError
 from plait.data.tokenizer import EOS
 
 
 def token_stream(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
     eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        raise DataError(f"the tokenizer has no {EOS} token to join documents with")
     ids: list[int] = []
     for enc in tokenizer.encode_batch(documents):
         ids.extend(enc.ids)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import BinaryIO, TypeGuard
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from plait.data.errors import DataError
 
@@ -68,7 +70,7 @@ def load_index(prepared_dir: str | Path) -> dict:
     return index
 
 
-def _is_count(value, low: int = 0) -> bool:
+def _is_count(value: object, low: int = 0) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
@@ -112,7 +114,7 @@ class ShardWriter:
         self.documents = 0
         self.tokens = 0
         self.max_token_id = -1  # recorded in the index, so readers check the model's vocabulary without a scan
-        self._fh = None
+        self._fh: BinaryIO | None = None
 
     def add(self, tokens: np.ndarray, documents: int = 1) -> None:
         tokens = np.asarray(tokens, dtype=self.dtype)
@@ -121,20 +123,23 @@ class ShardWriter:
             self.max_token_id = max(self.max_token_id, int(tokens.max()))
         pos = 0
         while pos < tokens.size:
-            if self._fh is None or self.shards[-1]["tokens"] == self.shard_tokens:
-                self._open_next()
+            fh = self._fh
+            if fh is None or self.shards[-1]["tokens"] == self.shard_tokens:
+                fh = self._open_next()
             take = min(tokens.size - pos, self.shard_tokens - self.shards[-1]["tokens"])
-            self._fh.write(tokens[pos:pos + take].tobytes())
+            fh.write(tokens[pos:pos + take].tobytes())
             self.shards[-1]["tokens"] += take
             self.tokens += take
             pos += take
 
-    def _open_next(self) -> None:
+    def _open_next(self) -> BinaryIO:
+        """Closes the current shard and begins the next; returns its file."""
         if self._fh is not None:
             self._fh.close()
         name = f"{self.split}-{len(self.shards):05d}.bin"
-        self._fh = open(self.directory / name, "wb")
+        self._fh = fh = open(self.directory / name, "wb")
         self.shards.append({"file": name, "tokens": 0})
+        return fh
 
     def close(self) -> dict:
         """Flushes the last shard; returns the split's index entry."""
@@ -292,8 +297,6 @@ class TokenDataset(torch.utils.data.Dataset):
                                      f"{int(out.max())} >= vocab_size {self.vocab_size} of its {INDEX_FILE} "
                                      f"(the shards disagree with the index); {_redo(self.directory)}")
 
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         """The ``tokenizers.Tokenizer`` the dataset was made with."""
-        from tokenizers import Tokenizer
-
         return Tokenizer.from_file(str(self.directory / self.index.get("tokenizer", TOKENIZER_FILE)))

@@ -60,6 +60,7 @@ class GradSync:
     def _on_grad(self, param: torch.Tensor) -> None:
         key = id(param)
         grad = param.grad
+        assert grad is not None, "a post-accumulate-grad hook runs with the gradient set"
         param.grad = None
         if key in self._done:
             raise RuntimeError(f"a gradient of {self._entry[key].name} arrived after its bucket was reduced; "

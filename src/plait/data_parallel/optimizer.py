@@ -31,6 +31,7 @@ from torch import nn
 from plait.comm.primitives import GroupInfo, all_gather_single
 from plait.data_parallel.grad_sync import GradSync
 from plait.data_parallel.layout import BufferLayout, Segment, plan_buffer
+from plait.optim.lowp_adamw import LowPrecisionAdamW
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
 from plait.precision import PrecisionPolicy
 
@@ -126,7 +127,8 @@ class DistributedOptimizer:
         return self.master_views[s.bucket.index][s.start - lo:s.end - lo], grad
 
     def _build_inner(self, hyper: OptimizerHyper) -> torch.optim.Optimizer:
-        decay, keep = [], []
+        decay: list[torch.Tensor] = []
+        keep: list[torch.Tensor] = []
         self.main_params, self.main_grads, self.main_weights = [], [], []
         for s in self.segments:
             value, grad = self._segment_tensors(s)
@@ -138,14 +140,11 @@ class DistributedOptimizer:
         groups = [{"params": decay, "weight_decay": hyper.weight_decay}, {"params": keep, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or [{"params": [self.param_data[:0]], "weight_decay": 0.0}]
         if self.policy.master_dtype == torch.bfloat16:
-            from plait.optim.lowp_adamw import LowPrecisionAdamW
-
             return LowPrecisionAdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
                                      stochastic_rounding=self.policy.stochastic_rounding, seed=hyper.seed)
-        kwargs = {"lr": hyper.lr, "betas": hyper.betas, "eps": hyper.eps}
         if "fused" in inspect.signature(torch.optim.AdamW).parameters:
-            kwargs["fused"] = True
-        return torch.optim.AdamW(groups, **kwargs)
+            return torch.optim.AdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, fused=True)
+        return torch.optim.AdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps)
 
     # ------------------------------------------------------------------ the step
     @property
@@ -188,11 +187,13 @@ class DistributedOptimizer:
         AdamW reads the flag on the host (one read per step, only when skipping is enabled).
         """
         if found_inf is not None and getattr(self.inner, "defaults", {}).get("fused"):
-            self.inner.found_inf = found_inf.to(torch.float32).reshape(())
+            # the fused AdamW reads ``found_inf`` off itself (the GradScaler protocol); torch's
+            # Optimizer stub does not declare that attribute
+            self.inner.found_inf = found_inf.to(torch.float32).reshape(())  # type: ignore[attr-defined]
             try:
                 self.inner.step()
             finally:
-                del self.inner.found_inf
+                del self.inner.found_inf  # type: ignore[attr-defined]
         elif found_inf is not None and bool(found_inf.item()):
             pass  # skip: weights, moments and step counts stay as they were
         else:
@@ -209,6 +210,7 @@ class DistributedOptimizer:
                     works.append(all_gather_single(self.param_data[b.start:b.end], src, group=self.dp.group,
                                                    async_op=True))
                 else:
+                    assert master is not None, "without ZeRO-1 the weights are published only from a master copy"
                     self.param_data[b.start:b.end].copy_(master)
             for work in works:
                 work.wait()

@@ -25,6 +25,16 @@ def same_name(name: str) -> str:
     return name
 
 
+def config_of(module: nn.Module) -> LlamaConfig:
+    """The config of a family's model or pipeline stage (its plain ``config`` attribute, which
+    torch's ``Module.__getattr__`` types as ``Tensor | Module``); every family's config derives
+    from :class:`LlamaConfig`."""
+    config = module.config
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"{type(module).__name__}.config is a {type(config).__name__}, not a model family's config")
+    return config
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family.

@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
+from plait.models.family import config_of
 from plait.models.registry import family_of, read_hf_config_file
 from plait.outputs.ownership import require_target, write_marker
 from plait.outputs.permissions import apply_umask
@@ -176,7 +177,7 @@ def check_hf_tensors(model: nn.Module, path: PathLike) -> HFTensors:
     """
     path = Path(path)
     weights = _weight_map(path)
-    config = model.config
+    config = config_of(model)
     specs = shard_specs(model)
     params = dict(model.named_parameters())
     src = _sources(config, list(params), weights)
@@ -334,7 +335,7 @@ def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
     ``replace``: a model directory plait wrote before at ``path`` may be replaced (see
     :func:`write_hf_dir`).
     """
-    config = model.config
+    config = config_of(model)
     config_dict = config.to_hf_dict()  # raises for configs HF cannot express, before any I/O
     specs = shard_specs(model)
     names, entries = [], []
@@ -376,6 +377,7 @@ def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: i
     transformers can read GGUF but refuses ``save_pretrained`` on the result, so the tensors and
     config are written here instead. Used to get real weights without a model hub.
     """
+    # lazy: transformers is the optional ``hf`` extra and slow to import; only this converter needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file = Path(gguf_file)

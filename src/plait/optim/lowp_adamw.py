@@ -91,9 +91,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             eps, weight_decay = group["eps"], group["weight_decay"]
             stochastic, seed = group["stochastic_rounding"], group["seed"]
             for param_index, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise ValueError("LowPrecisionAdamW: sparse gradients are not supported")
                 state = self.state[p]
                 if not state:
@@ -103,14 +104,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 step = state["step"]
                 rounding_seed = _rounding_seed(seed, step, group_index, param_index) if stochastic else None
-                self._update(p, state["exp_avg"], state["exp_avg_sq"], step, lr, beta1, beta2, eps,
+                self._update(p, grad, state["exp_avg"], state["exp_avg_sq"], step, lr, beta1, beta2, eps,
                              weight_decay, rounding_seed)
         return loss
 
-    def _update(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                 rounding_seed: int | None) -> None:
-        """One AdamW update of ``p`` in fp32, in the order of torch's single-tensor AdamW.
+        """One AdamW update of ``p`` (gradient ``grad``) in fp32, in the order of torch's single-tensor AdamW.
 
         fp32 tensors are updated in place; lower-precision ones through fp32 copies written back.
         ``rounding_seed`` is None for round-to-nearest, else the seed of the stochastic rounding.
@@ -119,7 +120,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         p32 = p if p.dtype == f32 else p.to(f32)
         m32 = exp_avg if exp_avg.dtype == f32 else exp_avg.to(f32)
         v32 = exp_avg_sq if exp_avg_sq.dtype == f32 else exp_avg_sq.to(f32)
-        g32 = p.grad.to(f32)
+        g32 = grad.to(f32)
 
         if weight_decay != 0:
             p32.mul_(1 - lr * weight_decay)

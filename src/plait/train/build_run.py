@@ -38,8 +38,9 @@ from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
-from plait.materialize import build_stages
+from plait.materialize import build_stages, rng_tracker_of
 from plait.mesh import ParallelMesh
+from plait.models.family import config_of
 from plait.models.llama.config import LlamaConfig
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
@@ -93,7 +94,7 @@ def build_runtime(stages: list[nn.Module], mesh: ParallelMesh, policy: Precision
     device = next(stages[0].parameters()).device
     runtime = PipelineRuntime(stages, mesh, schedule=schedule, microbatches=microbatches,
                               micro_batch_size=micro_batch_size, seq_len=seq_len,
-                              hidden_size=stages[0].config.hidden_size, sequence_parallel=sequence_parallel,
+                              hidden_size=config_of(stages[0]).hidden_size, sequence_parallel=sequence_parallel,
                               dtype=policy.param_dtype, precision_context=(lambda: policy.compute_context(device)))
     grads = optimizer.grads
     runtime.before_last_backward = lambda chunk: grads.mark_final([stages[chunk]])
@@ -156,7 +157,7 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     config = r.model.to_model_config(train_data.vocab_size)  # of the recipe's family, or model.hf_path's
     stages = build_stages_for(resolved, mesh, config, train_data.vocab_size, device)
     for stage in stages:  # the per-TP-rank dropout stream follows the same run seed
-        stage.rng_tracker.reseed(seed)
+        rng_tracker_of(stage).reseed(seed)
     t = r.train
     if t.activation_checkpointing != "off":
         apply_activation_checkpointing(stages, t.activation_checkpointing, t.checkpoint_modules or None)

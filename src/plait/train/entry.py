@@ -6,10 +6,19 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from plait.checkpoint.format import CheckpointError
+from plait.config import recipe_to_yaml, validate_recipe
+from plait.config.load import parse_recipe_text
+from plait.config.schema import Recipe
+from plait.data.checks import check_model_vocab, check_samples, verify_prepared
+from plait.data.prepare import prepare_dataset
+from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
+from plait.train.trainer import Trainer
 
 
-def prepare_data(recipe, progress: bool = False) -> Path:
+def prepare_data(recipe: Recipe, progress: bool = False) -> Path:
     """The prepared directory ``recipe.data`` names, made (or found) and checked for this run.
 
     ``data.source`` may be a corpus, text files or a directory written by ``plait data prepare``
@@ -19,9 +28,6 @@ def prepare_data(recipe, progress: bool = False) -> Path:
     problem is one :class:`~plait.data.errors.DataError` (or a ``ModelConfigError`` for a tokenizer
     larger than ``model.hf_path``'s vocabulary), both ``ValueError``, naming the file and the numbers.
     """
-    from plait.data.checks import check_model_vocab, check_samples, verify_prepared
-    from plait.data.prepare import prepare_dataset
-
     d = recipe.data
     path = prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                            out_dir=None, seed=recipe.run.seed, progress=progress, cache_dir=d.cache_dir)
@@ -39,13 +45,8 @@ USER_ERROR_STATUS = 2
 
 
 def train_worker(recipe_yaml: str) -> None:
-    import torch.distributed as dist
-
-    from plait.config import recipe_to_yaml, validate_recipe
-    from plait.config.load import parse_recipe_text
-    from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
-    from plait.train.trainer import Trainer
-
+    """One rank of ``plait train``: validate the recipe for this world, prepare the data (rank 0
+    first), train, and write the run's outputs; a user error exits with :data:`USER_ERROR_STATUS`."""
     threads = max(1, (os.cpu_count() or 1) // local_world_size())
     rank, world = init_worker(threads)
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 
 def _number(value: Any) -> Any:
@@ -146,8 +147,6 @@ class ProgressSink(MetricsSink):
     _POSTFIX = (("loss", "loss"), ("val_loss", "val"), ("lr", "lr"), ("tokens_per_s", "tok/s"), ("mfu", "mfu"))
 
     def __init__(self, total_steps: int, enabled: bool | None = None, *, initial: int = 0, file=None) -> None:
-        from tqdm.auto import tqdm
-
         if enabled is None:
             enabled = _global_rank() == 0
         self.enabled = enabled

@@ -14,7 +14,7 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 PathLike = str | os.PathLike
 
@@ -39,7 +39,7 @@ def read_metrics(metrics_jsonl: PathLike) -> list[dict[str, Any]]:
     return records
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -55,6 +55,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 def plot_run(metrics_jsonl: PathLike, out_png: PathLike, *, title: str | None = None) -> Path:
     """Write a two-panel PNG: training / validation loss vs step, and tokens/s vs step."""
+    # lazy: matplotlib takes about half a second to import and only this plot (logging.plot) needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.checkpoint.convert import plait_to_hf
+from plait.checkpoint.format import step_dir_name
+from plait.checkpoint.store import latest_checkpoint
+from plait.checkpoint.training import checkpoint_meta, rng_states
 from plait.checkpoint.writer import CheckpointWriter
+from plait.config.resolve import ResolvedRecipe
+from plait.data.baseline import unigram_loss
+from plait.data.loader import BatchLoader
+from plait.data.sampler import GlobalBatchSampler
+from plait.devices import detect_device, peak_flops
+from plait.generate import generate
+from plait.models.flops import mfu, model_flops_per_token
+from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
 from plait.train.evaluation import evaluate
+from plait.train.loggers import (
+    JsonlSink,
+    MetricsSink,
+    MultiSink,
+    ProgressSink,
+    TensorBoardSink,
+    keep_metrics_through,
+    peak_memory_bytes,
+)
+from plait.train.report import plot_run, summary_table
 from plait.train.run_state import RunState
 from plait.train.running_metrics import RunningMetrics
 from plait.train.step import train_step
+from plait.train.watchdog import Watchdog
 
 #: size cap of one file of the final Hugging Face checkpoint (Hugging Face's own default)
 FINAL_SHARD_BYTES = 5 * 1024**3
@@ -34,11 +59,7 @@ FINAL_EXPORT_DIR = ".plait-final-export"
 class Trainer:
     """Owns the state of one rank's run. ``fit()`` trains and returns the final metrics."""
 
-    def __init__(self, resolved, prepared_dir: str | Path, rank: int, world: int) -> None:
-        from plait.data.loader import BatchLoader
-        from plait.data.sampler import GlobalBatchSampler
-        from plait.train.watchdog import Watchdog
-
+    def __init__(self, resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, world: int) -> None:
         self.state: RunState = build_run(resolved, prepared_dir, rank, world)
         st = self.state
         self.resolved, self.recipe = resolved, resolved.recipe
@@ -84,8 +105,6 @@ class Trainer:
     def save_checkpoint(self, step: int, *, sync: bool = False, writer: CheckpointWriter | None = None) -> float:
         """Snapshot this rank's state and write it (in the background unless ``sync``); returns the
         seconds the training loop was held up. ``writer``: another root than the run's save dir."""
-        from plait.checkpoint.training import checkpoint_meta, rng_states
-
         start = time.perf_counter()
         st = self.state
         tokenizer = st.train_data.directory / st.train_data.index.get("tokenizer", "tokenizer.json")
@@ -107,9 +126,6 @@ class Trainer:
             dist.barrier(group=self.state.control)
 
     def _install_signal_handlers(self) -> None:
-        import signal
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -143,8 +159,6 @@ class Trainer:
         Measuring on one rank while the others wait keeps the matmul probe from competing with
         itself on a shared host; it also keeps the probe out of every timed interval.
         """
-        from plait.devices import detect_device, peak_flops
-
         dtype = "fp32" if self.recipe.precision.preset == "fp32" else "bf16"
         value = torch.zeros(1, dtype=torch.float64)
         if self.rank == 0:
@@ -156,14 +170,12 @@ class Trainer:
         return float(value[0])
 
     # ------------------------------------------------------------------ outputs
-    def _build_sinks(self):
+    def _build_sinks(self) -> MultiSink:
         """Rank 0's sinks. A resumed run continues the run's ``metrics.jsonl`` from its start step
         (records past it, from steps trained again now, are dropped); a fresh run starts it anew."""
-        from plait.train.loggers import JsonlSink, MultiSink, ProgressSink, TensorBoardSink, keep_metrics_through
-
         lg = self.recipe.logging
         self.out.mkdir(parents=True, exist_ok=True)
-        sinks = []
+        sinks: list[MetricsSink] = []
         if lg.jsonl:
             metrics = self.out / "metrics.jsonl"
             resumed = self.start_step > 0 and metrics.is_file()
@@ -176,9 +188,6 @@ class Trainer:
         return MultiSink(sinks)
 
     def _throughput_fields(self, steps: int, seconds: float, data_wait: float) -> dict[str, float]:
-        from plait.models.flops import mfu, model_flops_per_token
-        from plait.train.loggers import peak_memory_bytes
-
         tokens = steps * self.resolved.tokens_per_step
         tps = tokens / max(seconds, 1e-9)
         per_device = tps / self.world
@@ -200,6 +209,7 @@ class Trainer:
                                 skip_nonfinite=skip, watch=self.watch)
         self.watchdog.step += 1
         lr = st.scheduler.get_last_lr()[0]
+        assert isinstance(lr, float), "the schedule scales optimizer.lr, a Python float (no host read)"
         st.scheduler.step()
         self.metrics.add(loss, norm, skip_nonfinite=skip)
         return lr
@@ -300,9 +310,6 @@ class Trainer:
         ``train.sample_tokens=0`` asks for no sample: nothing is generated or printed and no
         ``sample.txt`` is written.
         """
-        from plait.data.baseline import unigram_loss
-        from plait.train.report import plot_run, summary_table
-
         r, st = self.recipe, self.state
         if r.checkpoint.save_final:
             self._export_final(final.get("final_step", r.train.steps))
@@ -338,10 +345,6 @@ class Trainer:
         directory (``.plait-final-export``) and removed after the conversion, so a run that asked
         for no checkpoints leaves none (and can simply be run again).
         """
-        from plait.checkpoint.convert import plait_to_hf
-        from plait.checkpoint.format import step_dir_name
-        from plait.checkpoint.store import latest_checkpoint
-
         self.finish_checkpoints()
         source = latest_checkpoint(self.resolved.save_dir)
         export = None
@@ -354,6 +357,8 @@ class Trainer:
                 dist.barrier(group=self.state.control)
             source = latest_checkpoint(export)
         if self.is_writer:
+            if source is None:  # rank 0 committed it above; only the writer reads it back
+                raise RuntimeError(f"the final export checkpoint of step {step} is not complete in {export}")
             plait_to_hf(source, self.resolved.checkpoint_dir, progress=False, overwrite=True,  # checked before launch
                         max_shard_bytes=FINAL_SHARD_BYTES)
             if export is not None:
@@ -361,9 +366,6 @@ class Trainer:
 
     def _sample(self) -> str:
         """``train.sample_tokens`` tokens generated after ``train.sample_prompt`` (every rank takes part)."""
-        from plait.generate import generate
-        from plait.pipeline.stages_lm import StagesCausalLM
-
         r, st = self.recipe, self.state
         tokenizer = st.train_data.tokenizer()
         prompt = tokenizer.encode(r.train.sample_prompt).ids or [st.train_data.eos_id]
