@@ -78,8 +78,9 @@ def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (), example_inp
     retry with :func:`trace_units_export` (with ``export_kwargs``, default ``use_cache=False``
     when the forward takes it). ``block_list``: qualified name of the module list holding the
     blocks (default: the ``ModuleList``/``Sequential``/``ModuleDict`` holding the most parameters).
-    ``concrete_args``: fx's argument of that name; default ``{"labels": None}`` when the forward
-    takes ``labels`` (plait's ``LlamaForCausalLM``).
+    ``concrete_args``: fx's argument of that name; default ``None`` for each of plait's optional
+    forward inputs the forward takes (``labels``, the packed layout ``position_ids`` /
+    ``segment_ids``, ``loss_normalizer``): the traced path is the plain next-token one.
 
     Raises :class:`TraceError` when tracing fails (naming the code and how to make it a leaf) or
     when the graph is not a chain through the blocks.
@@ -88,7 +89,7 @@ def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (), example_inp
     leaves = tuple(leaf_types)
     if concrete_args is None:
         params = inspect.signature(model.forward).parameters
-        concrete_args = {"labels": None} if "labels" in params else None
+        concrete_args = {name: None for name in _OPTIONAL_INPUTS if name in params} or None
     tracer = _UnitTracer(leaves, blocks)
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
@@ -162,6 +163,10 @@ def find_block_list(model: nn.Module) -> str:
 
 
 # ------------------------------------------------------------------------------------- fx tracer
+#: optional inputs of plait's causal-LM forward, fixed to ``None`` when tracing
+_OPTIONAL_INPUTS = ("labels", "position_ids", "segment_ids", "loss_normalizer")
+
+
 class _UnitTracer(torch.fx.Tracer):
     def __init__(self, leaf_types: tuple[type, ...], block_list: str) -> None:
         super().__init__()
