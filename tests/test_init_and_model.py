@@ -66,7 +66,8 @@ def test_fx_traces_with_decoder_layers_as_leaves():
             return isinstance(m, LlamaDecoderLayer) or super().is_leaf_module(m, qualname)
 
     model = build_llama(_config(), single_process_mesh(), seed=0)
-    graph = Tracer().trace(model, concrete_args={"labels": None})
+    optional = ("labels", "position_ids", "segment_ids", "loss_normalizer")  # the plain next-token path
+    graph = Tracer().trace(model, concrete_args=dict.fromkeys(optional))
     gm = torch.fx.GraphModule(model, graph)
     calls = [n.target for n in graph.nodes if n.op == "call_module"]
     assert calls.count("model.layers.0") == 1 and calls.count("model.layers.1") == 1
