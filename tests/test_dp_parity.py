@@ -30,10 +30,11 @@ BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attent
 LAYOUTS = {
     "dp2": (["parallel.dp=2"], 2, 2, 2),
     "dp2-zero1": (["parallel.dp=2", "parallel.zero1=true"], 2, 2, 2),
-    "dp2-accum4": (["parallel.dp=2"], 2, 4, 2),
+    "dp2-accum4": pytest.param((["parallel.dp=2"], 2, 4, 2), marks=pytest.mark.slow),
     "dp2-zero1-no-overlap": pytest.param((["parallel.dp=2", "parallel.zero1=true",
                                            "parallel.overlap_grad_reduce=false"], 2, 2, 2), marks=pytest.mark.slow),
-    "dp4-zero1-tied": (["parallel.dp=4", "parallel.zero1=true", "model.tie_word_embeddings=true"], 4, 1, 4),
+    "dp4-zero1-tied": pytest.param((["parallel.dp=4", "parallel.zero1=true", "model.tie_word_embeddings=true"],
+                                    4, 1, 4), marks=pytest.mark.slow),
     "tp2xdp2-zero1": (["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true"], 4, 2, 2),
     "tp2-kvrep2xdp2-zero1": pytest.param((["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
                                            "parallel.kv_replication=2", "model.num_key_value_heads=1"], 4, 2, 2),

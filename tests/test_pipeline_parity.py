@@ -30,15 +30,17 @@ def corpus(tmp_path_factory):
 
 LAYOUTS = {
     "pp2": (["parallel.pp=2", "model.num_hidden_layers=4"], 2),
-    "pp4": (["parallel.pp=4", "model.num_hidden_layers=4"], 4),
+    # the deeper and uneven splits and the GPipe order run in `make test-slow` (pp2 covers the runtime)
+    "pp4": pytest.param((["parallel.pp=4", "model.num_hidden_layers=4"], 4), marks=pytest.mark.slow),
     "pp2-vpp2": (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
                   "model.num_hidden_layers=4"], 2),
     "pp2xtp2": (["parallel.pp=2", "parallel.tp=2", "model.num_hidden_layers=4"], 4),
     "pp2xtp2-sp": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                     "model.num_hidden_layers=4"], 4),
-    "pp3-7layers": (["parallel.pp=3", "model.num_hidden_layers=7"], 3),
+    "pp3-7layers": pytest.param((["parallel.pp=3", "model.num_hidden_layers=7"], 3), marks=pytest.mark.slow),
     "pp2-tied": (["parallel.pp=2", "model.num_hidden_layers=4", "model.tie_word_embeddings=true"], 2),
-    "pp2-gpipe": (["parallel.pp=2", "parallel.schedule=gpipe", "model.num_hidden_layers=4"], 2),
+    "pp2-gpipe": pytest.param((["parallel.pp=2", "parallel.schedule=gpipe", "model.num_hidden_layers=4"], 2),
+                              marks=pytest.mark.slow),
     # TP alone, for comparison: it shows where the weight round-off of pp2xtp2 comes from
     "tp2-only": (["parallel.tp=2", "model.num_hidden_layers=4"], 2),
 }
@@ -50,9 +52,10 @@ LAYOUTS = {
 WEIGHT_TOL = {"pp2xtp2": 5e-5, "pp2xtp2-sp": 5e-5, "tp2-only": 5e-5}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=getattr(v, "marks", ())) for n, v in LAYOUTS.items()])
 def test_pipeline_matches_single_process(corpus, tmp_path, name):
-    overrides, world = LAYOUTS[name]
+    case = LAYOUTS[name]
+    overrides, world = case.values[0] if hasattr(case, "values") else case
     layers = [o for o in overrides if o.startswith("model.")]
     single = layers + ["parallel.pp=1"]
     if "model.tie_word_embeddings=true" not in overrides:

@@ -54,6 +54,7 @@ def test_bf16_mixed_follows_fp32_over_50_steps(corpus, tmp_path):
     assert max(rel) > 0, "bf16 compute must differ from fp32 at all (is the preset applied?)"
 
 
+@pytest.mark.slow  # 10 s; the rounding itself is unit-tested in tests/test_stochastic_rounding.py
 def test_bf16_pure_needs_stochastic_rounding_at_a_small_learning_rate(corpus, tmp_path):
     """At lr 3e-5 nearly every AdamW update of a ~0.02-sized weight is below half its bf16 spacing
     (~6e-5): round-to-nearest drops them and the loss stalls, stochastic rounding keeps them in

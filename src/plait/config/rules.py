@@ -18,6 +18,7 @@ from plait.config.resolve import derive_world_and_dp
 from plait.config.schema import ARCH_FIELDS, Recipe, read_hf_config
 from plait.data.corpora import CORPORA
 from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
+from plait.data.sft_prepare import rows_directory
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
 from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scaling_problems
@@ -365,8 +366,37 @@ def _check_vocab_fits(c: _Checker, arch: LlamaConfig | None, tokens: int) -> Non
                                                 f"'{d.tokenizer}', or null to use the tokenizer's size")
 
 
+def _check_fine_tuning(c: _Checker, check_paths: bool) -> None:
+    """``data.format`` and ``train.objective`` go together; ``sft`` rows come from one .jsonl file
+    (or a prepared rows directory) rendered with the model's own tokenizer and chat template."""
+    d, t = c.r.data, c.r.train
+    if not c.ok("data.format", "train.objective"):
+        return
+    wanted = {"text": "lm", "sft": "sft"}[d.format]
+    if t.objective != wanted:
+        c.add("train.objective", t.objective, f"data.format {d.format!r} trains with objective {wanted!r}; set "
+                                              f"train.objective={wanted} (or change data.format)")
+    if d.format == "text":
+        return
+    if c.ok("data.tokenizer") and d.tokenizer == "bpe" and not (check_paths and rows_directory(d.source)):
+        c.add("data.tokenizer", "bpe", f"data.format {d.format!r} needs the model's tokenizer.json (its chat "
+                                       f"template renders the rows), e.g. '<model.hf_path>/tokenizer.json'")
+    if check_paths and c.ok("data.source") and rows_directory(d.source) is None:
+        source = Path(d.source).expanduser()
+        if not (source.is_file() and source.suffix.lower() == ".jsonl"):
+            c.add("data.source", d.source, f"data.format {d.format!r} reads one .jsonl file of rows (or a "
+                                           f"directory prepared from one); give its path")
+
+
 def _check_data(c: _Checker, arch: LlamaConfig | None, check_paths: bool) -> None:
     d, m = c.r.data, c.r.model
+    _check_fine_tuning(c, check_paths)
+    if d.format != "text":
+        if check_paths and c.ok("data.tokenizer") and d.tokenizer != "bpe":
+            tokens = _check_tokenizer_file(c)
+            if tokens is not None and c.ok("model.hf_path"):
+                _check_vocab_fits(c, arch, tokens)
+        return
     if check_paths and c.ok("data.source"):
         _check_source(c)
     if check_paths and c.ok("data.tokenizer") and d.tokenizer != "bpe":

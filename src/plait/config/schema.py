@@ -240,10 +240,26 @@ class DataSection(Section):
     prefetch: Int = Field(default=2, ge=0, description="Batches loaded ahead by a background thread; 0 = none")
     cache_dir: str | None = Field(default=None, description="Where prepared data is cached; null "
                                                             "= $PLAIT_CACHE or ~/.cache/plait")
+    format: Literal["text", "sft"] = Field(
+        default="text", description="'text': plain documents, every token a target; 'sft': a .jsonl of "
+                                    "conversations ('messages') or prompt/completion rows, rendered with the "
+                                    "tokenizer's chat template, loss on the assistant tokens only")
+    packing: Bool = Field(default=True, description="sft: pack several samples into each row (attention and "
+                                                    "positions stay within a sample); false = one sample per row")
+    truncation: Literal["drop", "truncate_left", "truncate_right"] = Field(
+        default="drop", description="sft: a sample longer than seq_len is dropped, or cut from the left or right "
+                                    "(counted and reported)")
+    train_on_prompt: Bool = Field(default=False, description="sft: take the loss on every token, not only on the "
+                                                             "assistant's")
+    skip_bad_rows: Bool = Field(default=False, description="sft: skip malformed rows (counted per reason) "
+                                                           "instead of stopping at the first")
 
 
 class TrainSection(Section):
     steps: Int = Field(default=300, ge=1, description="Optimizer steps")
+    objective: Literal["lm", "sft"] = Field(
+        default="lm", description="'lm': next-token loss on every token (data.format text); 'sft': on the target "
+                                  "tokens of data.format sft rows, averaged over the global batch's targets")
     eval_every: Int = Field(default=100, ge=1, description="Evaluate on the validation split "
                                                            "every this many steps (and at the end)")
     eval_batches: Int = Field(default=8, ge=1, description="Validation global batches per evaluation: the first "
@@ -289,6 +305,23 @@ class CheckpointSection(Section):
                                                        "(at most one in flight)")
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _attention_targets() -> list[LoraTarget]:
+    return ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class LoraSection(Section):
+    rank: Int | None = Field(default=None, ge=1, description="Adapter rank; null = no LoRA (every weight trains)")
+    alpha: Float = Field(default=16.0, gt=0, description="Scale numerator: the update is (alpha / rank) B A "
+                                                         "(alpha / sqrt(rank) with rslora)")
+    dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input")
+    target_modules: list[LoraTarget] = Field(default_factory=_attention_targets,
+                                             description="Projections of each decoder block that get an adapter")
+    rslora: Bool = Field(default=False, description="Rank-stabilised scale alpha / sqrt(rank)")
+
+
 class LoggingSection(Section):
     jsonl: Bool = Field(default=True, description="Write metrics.jsonl in the output directory")
     tensorboard: Bool = Field(default=True, description="Write TensorBoard event files")
@@ -310,6 +343,7 @@ class Recipe(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection,
                                           description="Training checkpoints, resume and the final checkpoint")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Metric sinks")
+    lora: LoraSection = Field(default_factory=LoraSection, description="Low-rank adapters (off unless rank is set)")
 
 
 SECTIONS: dict[str, type[Section]] = {

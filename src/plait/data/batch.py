@@ -37,6 +37,11 @@ class TokenBatch:
                  for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
+    def pin_memory(self) -> TokenBatch:
+        pinned = {f.name: getattr(self, f.name).pin_memory()
+                  for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **pinned)
+
     def stage_inputs(self, microbatch: int, *, last: bool, normalizer: float | None) -> dict[str, object]:
         """Keyword arguments of a stage's forward for ``microbatch``: the labels on the last stage,
         the packed layout when there is one (every stage builds its attention mask from it)."""

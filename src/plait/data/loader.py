@@ -17,7 +17,9 @@ import time
 
 import torch
 
+from plait.data.batch import TokenBatch
 from plait.data.sampler import GlobalBatchSampler
+from plait.data.sft_prepare import RowDataset
 
 _END = object()
 
@@ -28,8 +30,11 @@ class _Failure:
 
 
 def _build_batch(dataset, sampler: GlobalBatchSampler, dp_rank: int, dp: int, microbatches: int, pin: bool,
-                 step: int) -> torch.Tensor:
+                 step: int) -> torch.Tensor | TokenBatch:
     flat = [i for mb in sampler.rank_indices(step, dp_rank, dp, microbatches) for i in mb]
+    if isinstance(dataset, RowDataset):  # fine-tuning rows: labels, packed layout, the global target count
+        batch = dataset.token_batch(flat, sampler.indices(step), microbatches)
+        return batch.pin_memory() if pin else batch
     if hasattr(dataset, "batch"):  # TokenDataset reads all samples straight into one array
         data = dataset.batch(flat)
     else:
@@ -95,14 +100,14 @@ class BatchLoader:
                                         name=f"plait-batch-loader-dp{dp_rank}", daemon=True)
         self._thread.start()
 
-    def build(self, step: int) -> torch.Tensor:
+    def build(self, step: int) -> torch.Tensor | TokenBatch:
         """The batch of ``step`` (computed in the calling thread)."""
         return _build_batch(self.dataset, self.sampler, self.dp_rank, self.dp, self.microbatches, self.pin_memory, step)
 
     def __iter__(self) -> BatchLoader:
         return self
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> torch.Tensor | TokenBatch:
         if self._error is not None:
             raise self._error
         if self._done:

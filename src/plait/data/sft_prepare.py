@@ -27,7 +27,9 @@ from typing import Literal
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
+from plait.data.batch import TokenBatch
 from plait.data.chat_template import load_chat_template
 from plait.data.errors import DataError
 from plait.data.packing import IGNORE_INDEX, PackedRows, pack
@@ -35,7 +37,7 @@ from plait.data.sft_rows import PreferenceRow, SFTRow, describe_skipped, read_pr
 from plait.data.sft_tokenize import describe_counts, tokenize_preference, tokenize_sft
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import cache_dir as resolve_cache_dir
-from plait.data.tokenizer import load_tokenizer_file, tokenizer_vocab_size
+from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
 
 #: ``index.json`` ``format`` of a prepared fine-tuning directory
 ROWS_FORMAT = "plait-rows-v1"
@@ -240,6 +242,13 @@ class RowDataset:
     def __len__(self) -> int:
         return int(self.arrays["input_ids"].shape[0])
 
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer_file(self.directory / TOKENIZER_FILE)
+
+    @property
+    def eos_id(self) -> int:
+        return find_eos(self.tokenizer())[1]
+
     def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """``[len(indices), seq_len]`` int64 tensors of every field."""
         return {name: torch.from_numpy(np.asarray(a[indices], dtype=np.int64)) for name, a in self.arrays.items()}
@@ -247,3 +256,11 @@ class RowDataset:
     def targets(self, indices: list[int]) -> int:
         """Target tokens of the rows ``indices`` (read from the per-row counts, no row data)."""
         return int(self.row_targets[indices].sum())
+
+    def token_batch(self, indices: list[int], global_indices: list[int], microbatches: int) -> TokenBatch:
+        """The rows ``indices`` as ``[microbatches, rows / microbatches, seq]`` with the target count
+        of the whole global batch ``global_indices`` (every DP rank computes the same number)."""
+        fields = {k: v.reshape(microbatches, len(indices) // microbatches, -1) for k, v in self.batch(indices).items()}
+        return TokenBatch(input_ids=fields["input_ids"], labels=fields["labels"],
+                          position_ids=fields["position_ids"], segment_ids=fields["segment_ids"],
+                          loss_tokens=self.targets(global_indices))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OPERATORS = ("+", "-", "*")
+TASK_FILES = ("sft_train.jsonl", "sft_heldout.jsonl", "preference_train.jsonl", "preference_heldout.jsonl")
 SYSTEM = "You are a careful calculator. Reply with the number only."
 
 

@@ -72,18 +72,27 @@ def settings_of(modules: list[nn.Module]) -> LoraSettings:
 
 
 def save_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str], tp_group_info: GroupInfo,
-                      base_model_name_or_path: str | None, *, settings: LoraSettings | None = None) -> None:
+                      base_model_name_or_path: str | None, *, settings: LoraSettings | None = None,
+                      pp: GroupInfo | None = None) -> None:
     """Write the adapters of ``modules`` as a PEFT adapter directory.
 
     Every rank of the TP group must call this (full tensors are gathered over it); global rank 0
     (tp rank 0 without ``torch.distributed``) writes. ``modules`` must hold every decoder block
-    (pipeline stages of one rank are fine when that rank holds all blocks). ``settings`` fills
+    (pipeline stages of one rank are fine when that rank holds all blocks), or, with ``pp``, the
+    stages of every pipeline rank together: the adapters (small) are gathered over the pipeline
+    group, and every rank of it must call this. ``settings`` fills
     ``adapter_config.json``; by default, the settings ``apply_lora`` was given.
     Returns after the files exist, on every rank.
     """
     settings = settings if settings is not None else settings_of(modules)
-    _check_every_block(modules)
     tensors = _full_adapter_tensors(modules, tp_group_info)
+    if pp is not None and pp.size > 1:
+        parts: list[Any] = [None] * pp.size
+        dist.all_gather_object(parts, tensors, group=pp.group)
+        tensors = {key: value for part in parts for key, value in part.items()}
+        _check_every_block_named(tensors, modules)
+    else:
+        _check_every_block(modules)
     is_writer = dist.get_rank() == 0 if dist.is_initialized() else tp_group_info.rank == 0
     error: BaseException | None = None
     if is_writer:
@@ -108,6 +117,16 @@ def _check_every_block(modules: list[nn.Module]) -> None:
         raise PeftAdapterError(
             f"save_peft_adapter got adapters of {len(layers)} of the model's {expected} decoder blocks; under "
             f"pipeline parallelism gather the stages on one rank first (saving from a pipeline is not supported)")
+
+
+def _check_every_block_named(tensors: dict[str, torch.Tensor], modules: list[nn.Module]) -> None:
+    """The adapters gathered from every pipeline stage cover every decoder block."""
+    config = getattr(modules[0], "config", None) if modules else None
+    expected = getattr(config, "num_hidden_layers", None)
+    layers = {key.split(".layers.")[1].split(".")[0] for key in tensors if ".layers." in key}
+    if expected is not None and len(layers) != expected:
+        raise PeftAdapterError(f"the pipeline stages hold adapters of {len(layers)} of the model's {expected} "
+                               f"decoder blocks")
 
 
 def _full_adapter_tensors(modules: list[nn.Module], tp: GroupInfo) -> dict[str, torch.Tensor]:

@@ -36,8 +36,10 @@ from plait.checkpoint.store import latest_checkpoint, remove_incomplete
 from plait.checkpoint.training import restore
 from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
+from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+from plait.lora import LoraSettings, apply_lora
 from plait.materialize import build_stages, rng_tracker_of
 from plait.mesh import ParallelMesh
 from plait.models.family import config_of
@@ -45,7 +47,7 @@ from plait.models.llama.config import LlamaConfig
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy, policy_for
-from plait.train.run_state import RunState
+from plait.train.run_state import Dataset, RunState
 from plait.train.schedules import build_scheduler
 
 
@@ -144,20 +146,32 @@ def scheduler_at(optimizer: torch.optim.Optimizer, recipe: Recipe, step: int) ->
                            min_ratio=s.min_lr_ratio, last_epoch=step - 1)
 
 
+def open_datasets(recipe: Recipe, prepared_dir: str | Path) -> tuple[Dataset, Dataset]:
+    """The train and validation splits: token streams cut into ``seq_len`` sequences (``text``), or
+    prepared fine-tuning rows (``sft``)."""
+    if recipe.data.format == "text":
+        return (TokenDataset(prepared_dir, "train", recipe.data.seq_len),
+                TokenDataset(prepared_dir, "val", recipe.data.seq_len))
+    return RowDataset(prepared_dir, "train"), RowDataset(prepared_dir, "val")
+
+
 def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, world: int) -> RunState:
     """Build this rank's :class:`RunState` (see the module docstring for the order)."""
     r = resolved.recipe
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = build_mesh(resolved, rank, world)
     policy = policy_for(r.precision.preset, r.precision.knobs())
-    train_data = TokenDataset(prepared_dir, "train", r.data.seq_len)
-    val_data = TokenDataset(prepared_dir, "val", r.data.seq_len)
+    train_data, val_data = open_datasets(r, prepared_dir)
     seed = dropout_seed_for(r, mesh)
     torch.manual_seed(seed)
     config = r.model.to_model_config(train_data.vocab_size)  # of the recipe's family, or model.hf_path's
     stages = build_stages_for(resolved, mesh, config, train_data.vocab_size, device)
     for stage in stages:  # the per-TP-rank dropout stream follows the same run seed
         rng_tracker_of(stage).reseed(seed)
+    lo = r.lora
+    if lo.rank is not None:  # after the weights are read: the base is frozen, only adapters train
+        apply_lora(stages, LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
+                                        target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
     t = r.train
     if t.activation_checkpointing != "off":
         apply_activation_checkpointing(stages, t.activation_checkpointing, t.checkpoint_modules or None)

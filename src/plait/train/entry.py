@@ -13,7 +13,9 @@ from plait.config import recipe_to_yaml, validate_recipe
 from plait.config.load import parse_recipe_text
 from plait.config.schema import Recipe
 from plait.data.checks import check_model_vocab, check_samples, verify_prepared
+from plait.data.errors import DataError
 from plait.data.prepare import prepare_dataset
+from plait.data.sft_prepare import RowDataset, RowsSettings, prepare_rows, rows_directory
 from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
 from plait.train.trainer import Trainer
 
@@ -29,12 +31,40 @@ def prepare_data(recipe: Recipe, progress: bool = False) -> Path:
     larger than ``model.hf_path``'s vocabulary), both ``ValueError``, naming the file and the numbers.
     """
     d = recipe.data
+    if d.format != "text":
+        return prepare_fine_tuning_rows(recipe, report=progress)
     path = prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                            out_dir=None, seed=recipe.run.seed, progress=progress, cache_dir=d.cache_dir)
     data = verify_prepared(path)
     check_samples(data, d.seq_len)
     # the trainer builds the model from the same call, so this is the vocabulary it will have
     check_model_vocab(data, recipe.model.to_llama_config(data.vocab_size).vocab_size)
+    return path
+
+
+def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
+    """The prepared rows of a ``data.format: sft`` recipe (or the prepared directory it names),
+    checked against the model's vocabulary; ``report`` prints what preparation kept and dropped."""
+    d = recipe.data
+    given = rows_directory(d.source)
+    if given is not None:
+        path = given
+    else:
+        settings = RowsSettings(kind="sft", seq_len=d.seq_len, packing=d.packing, truncation=d.truncation,
+                                train_on_prompt=d.train_on_prompt, skip_bad_rows=d.skip_bad_rows,
+                                val_fraction=d.val_fraction, seed=recipe.run.seed)
+        result = prepare_rows(d.source, d.tokenizer, settings, cache_dir=d.cache_dir)
+        path = result.directory
+        if report:
+            print(f"data: {result.describe()} -> {path}", flush=True)
+    rows = RowDataset(path, "train")
+    if rows.seq_len != d.seq_len:
+        raise DataError(f"data.source {d.source!r} holds rows of {rows.seq_len} tokens, not data.seq_len="
+                        f"{d.seq_len}; prepare it again with this seq_len or set data.seq_len={rows.seq_len}")
+    model_vocab = recipe.model.to_llama_config(rows.vocab_size).vocab_size
+    if rows.vocab_size > model_vocab:
+        raise DataError(f"data.tokenizer has {rows.vocab_size} tokens but the model's vocabulary is {model_vocab}; "
+                        f"use the model's own tokenizer")
     return path
 
 

@@ -22,6 +22,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from plait.data.batch import TokenBatch
+from plait.data.sft_prepare import RowDataset
+
 
 def validation_indices(num_sequences: int, global_batch: int, batches: int) -> list[int]:
     """Indices of the evaluated validation sequences, global batch after global batch (layout-free)."""
@@ -32,19 +35,36 @@ def validation_indices(num_sequences: int, global_batch: int, batches: int) -> l
 
 
 def rank_batches(dataset, *, global_batch: int, batches: int, microbatches: int, micro_batch_size: int,
-                 dp) -> Iterator[torch.Tensor]:
+                 dp) -> Iterator[torch.Tensor | TokenBatch]:
     """This DP rank's share of each evaluated global batch, ``[microbatches, micro_batch_size, seq]``."""
     share = microbatches * micro_batch_size
     assert share * dp.size == global_batch, (share, dp.size, global_batch)
     indices = validation_indices(len(dataset), global_batch, batches)
     for start in range(0, len(indices), global_batch):
         mine = indices[start + dp.rank * share:start + (dp.rank + 1) * share]
-        yield torch.stack([dataset[j] for j in mine]).view(microbatches, micro_batch_size, -1)
+        if isinstance(dataset, RowDataset):
+            yield dataset.token_batch(mine, indices[start:start + global_batch], microbatches)
+        else:
+            yield torch.stack([dataset[j] for j in mine]).view(microbatches, micro_batch_size, -1)
 
 
 def counted_tokens(ids: torch.Tensor) -> int:
     """Tokens scored in ``ids`` (``[..., seq]``): every position but the last, whose label is past the end."""
     return ids[..., :-1].numel()
+
+
+def local_loss_sum(loss: torch.Tensor, batch: torch.Tensor | TokenBatch, dp_size: int) -> tuple[torch.Tensor, float]:
+    """(sum of this rank's token losses, its target count) from ``runtime.run``'s value on the last stage.
+
+    Plain ids: the runtime returns the mean of equal-sized micro-batch means, so times the tokens it
+    is the sum. Fine-tuning rows: it returns the local sum divided by ``loss_tokens / dp`` (the
+    global normalisation of :meth:`PipelineRuntime.loss_normalizer`)."""
+    if isinstance(batch, TokenBatch):
+        assert batch.loss_tokens is not None and batch.labels is not None, "rows carry labels and a target count"
+        local = float((batch.labels[..., 1:] != -100).sum())
+        return loss.detach().double() * (max(batch.loss_tokens, 1) / dp_size), local
+    tokens = counted_tokens(batch)
+    return loss.detach().double() * tokens, float(tokens)
 
 
 def mean_token_loss(totals: torch.Tensor, *groups) -> float:
@@ -73,9 +93,8 @@ def evaluate(runtime, dataset, *, global_batch: int, batches: int, microbatches:
                               micro_batch_size=micro_batch_size, dp=dp):
         loss = runtime.run(batch, train=False)
         if last:
-            tokens = counted_tokens(batch)
-            totals += torch.stack([loss.detach().double() * tokens, torch.tensor(float(tokens), dtype=torch.float64,
-                                                                                   device=device)])
+            total, tokens = local_loss_sum(loss, batch, dp.size)
+            totals += torch.stack([total, torch.tensor(tokens, dtype=torch.float64, device=device)])
     return mean_token_loss(totals, pp, dp)
 
 

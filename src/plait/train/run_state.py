@@ -16,12 +16,16 @@ from torch.optim.lr_scheduler import LambdaLR
 from plait.comm.primitives import GroupInfo
 from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
+from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer
 from plait.mesh import ParallelMesh
 from plait.models.llama.config import LlamaConfig
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy
+
+#: a split of the run's data: text sequences, or fine-tuning rows
+Dataset = TokenDataset | RowDataset
 
 
 @dataclass
@@ -39,8 +43,8 @@ class RunState:
     runtime: PipelineRuntime
     optimizer: DistributedOptimizer
     scheduler: LambdaLR
-    train_data: TokenDataset
-    val_data: TokenDataset
+    train_data: Dataset
+    val_data: Dataset
     #: seed of the global generator on this rank (dropout on replicated activations)
     dropout_seed: int
     #: a gloo group for host-side agreement (preemption) that never touches the accelerator

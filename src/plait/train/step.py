@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from plait.data.batch import TokenBatch
 from plait.data_parallel.optimizer import DistributedOptimizer
 
 #: ``watch(operation, axis)`` -> a context manager timing a communicating phase (see train/watchdog.py)
@@ -45,7 +46,7 @@ def finish_step(optimizer: DistributedOptimizer, grad_clip: float, loss: torch.T
     return norm
 
 
-def train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor, *, grad_clip: float,
+def train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor | TokenBatch, *, grad_clip: float,
                skip_nonfinite: bool = False, watch: Watch = no_watch) -> tuple[torch.Tensor, torch.Tensor]:
     """One step for every layout: the rank's schedule over ``batch`` (``[microbatches, micro_batch,
     seq]``; one stage and plain gradient accumulation without pipeline parallelism), then the

@@ -27,10 +27,13 @@ from plait.checkpoint.training import checkpoint_meta, rng_states
 from plait.checkpoint.writer import CheckpointWriter
 from plait.config.resolve import ResolvedRecipe
 from plait.data.baseline import unigram_loss
+from plait.data.batch import TokenBatch
+from plait.data.chat_template import CONFIG_FILE as TOKENIZER_CONFIG
 from plait.data.loader import BatchLoader
 from plait.data.sampler import GlobalBatchSampler
 from plait.devices import detect_device, peak_flops
 from plait.generate import generate
+from plait.lora import save_peft_adapter
 from plait.models.flops import mfu, model_flops_per_token
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
@@ -198,7 +201,7 @@ class Trainer:
                 "data_wait_share": data_wait / max(seconds, 1e-9)}
 
     # ------------------------------------------------------------------ loop
-    def run_step(self, batch: torch.Tensor) -> float:
+    def run_step(self, batch: torch.Tensor | TokenBatch) -> float:
         """One optimizer step and its device-side metrics; returns the learning rate it used.
 
         Nothing in here reads a device value on the host (tests/test_trainer.py counts).
@@ -311,30 +314,44 @@ class Trainer:
         ``sample.txt`` is written.
         """
         r, st = self.recipe, self.state
-        if r.checkpoint.save_final:
+        if r.checkpoint.save_final and r.lora.rank is not None:
+            self._export_adapter()
+        elif r.checkpoint.save_final:
             self._export_final(final.get("final_step", r.train.steps))
         sample = self._sample() if r.train.sample_tokens > 0 else None
         if not self.is_writer:
             return
-        shutil.copy(Path(prepared_dir) / "tokenizer.json", self.out / "tokenizer.json")
-        if r.checkpoint.save_final:
-            shutil.copy(Path(prepared_dir) / "tokenizer.json", Path(self.resolved.checkpoint_dir) / "tokenizer.json")
+        for name in ("tokenizer.json", TOKENIZER_CONFIG):  # the chat template travels with fine-tuning data
+            if (Path(prepared_dir) / name).is_file():
+                shutil.copy(Path(prepared_dir) / name, self.out / name)
+                if r.checkpoint.save_final:
+                    shutil.copy(Path(prepared_dir) / name, Path(self.resolved.checkpoint_dir) / name)
         metrics_file = self.out / "metrics.jsonl"
         if r.logging.plot and metrics_file.exists():
             plot_run(metrics_file, self.out / "loss.png")
         summary = summary_table(metrics_file, self.start_step) if metrics_file.exists() else json.dumps(final, indent=1)
-        baseline = unigram_loss(prepared_dir, st.train_data.vocab_size)
-        summary += f"\nunigram baseline val loss {baseline:.4f} (a model ignoring context)"
-        if "val_loss" in final:
-            summary += f"; this run: {final['val_loss']:.4f}"
+        if r.data.format == "text":  # the unigram baseline is of plain text; rows score their targets only
+            baseline = unigram_loss(prepared_dir, st.train_data.vocab_size)
+            summary += f"\nunigram baseline val loss {baseline:.4f} (a model ignoring context)"
+            if "val_loss" in final:
+                summary += f"; this run: {final['val_loss']:.4f}"
         (self.out / "summary.txt").write_text(summary + "\n")
         print("\n" + summary, flush=True)
         if r.checkpoint.save_final:
-            print(f"final Hugging Face checkpoint: {self.resolved.checkpoint_dir}", flush=True)
+            what = "LoRA adapter (PEFT layout)" if r.lora.rank is not None else "Hugging Face checkpoint"
+            print(f"final {what}: {self.resolved.checkpoint_dir}", flush=True)
         if sample is not None:
             (self.out / "sample.txt").write_text(sample + "\n")
             print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
         print(f"outputs in {self.out}", flush=True)
+
+    def _export_adapter(self) -> None:
+        """A LoRA run's final model is its adapter in the PEFT layout (``adapter_config.json`` and
+        ``adapter_model.safetensors``), loadable by ``peft`` onto ``model.hf_path``: the base weights
+        did not change. Gathered over TP and the pipeline; global rank 0 writes."""
+        st = self.state
+        self.finish_checkpoints()
+        save_peft_adapter(st.stages, self.resolved.checkpoint_dir, st.tp, self.recipe.model.hf_path, pp=st.pp)
 
     def _export_final(self, step: int) -> None:
         """Write the final Hugging Face model through the sharded checkpoint of ``step``.

@@ -1,0 +1,88 @@
+"""Supervised fine-tuning through the real trainer: packed chat rows, loss on assistant tokens only.
+
+The loss of a step is the sum of the target tokens' losses divided by the global batch's target
+count, so it must not depend on the layout: one process equals TP=2 x DP=2 and PP=2 x DP=2 over
+several steps (fp32). LoRA trains only its adapters and matches one process at TP=2 x DP=2 too.
+Bad combinations of format, objective and tokenizer are refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from plait.config import RecipeError, check_recipe
+from plait.data.tasks import write_task_files
+from trainer_runs import max_relative, run_recipe
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    paths = write_task_files(root, seed=3, train=120, heldout=10)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([paths["sft_train"].read_text()], trainer)
+    tok.save(str(root / "tokenizer.json"))
+    return root, paths
+
+
+def _items(root, extra: list[str]) -> list[str]:
+    return ["data.format=sft", "train.objective=sft", f"data.tokenizer={root / 'tokenizer.json'}",
+            "data.seq_len=256", "data.val_fraction=0.1", "model.hidden_size=64", "model.num_hidden_layers=4",
+            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.intermediate_size=128",
+            "model.max_position_embeddings=256", "precision.preset=fp32", "optimizer.lr=3e-3",
+            "scheduler.warmup_steps=0", f"train.steps={STEPS}", "logging.progress_bar=false", "parallel.tp=1",
+            "parallel.sequence_parallel=false", *extra]
+
+
+def _losses(task, tmp_path, extra: list[str], world: int) -> list[list[float]]:
+    root, paths = task
+    results = run_recipe(paths["sft_train"], tmp_path, _items(root, extra), world, STEPS)
+    return [r["losses"] for r in results]
+
+
+def test_sft_loss_is_the_same_under_tp_dp_and_pp_dp(task, tmp_path):
+    single = _losses(task, tmp_path / "one", ["data.micro_batch_size=2", "parallel.microbatches=2"], 1)[0]
+    assert single[-1] < single[0]  # it learns
+    tp_dp = _losses(task, tmp_path / "tp", ["parallel.tp=2", "parallel.dp=2", "data.micro_batch_size=1",
+                                            "parallel.microbatches=2", "parallel.sequence_parallel=true"], 4)
+    pp_dp = _losses(task, tmp_path / "pp", ["parallel.pp=2", "parallel.dp=2", "data.micro_batch_size=1",
+                                            "parallel.microbatches=2"], 4)
+    assert max_relative(tp_dp[0], single) < 1e-5, (tp_dp[0], single)
+    last_stage = [losses for losses in pp_dp if any(losses)]
+    assert max_relative(last_stage[0], single) < 1e-5, (last_stage[0], single)
+
+
+def test_lora_sft_trains_only_adapters_and_matches_under_tp_dp(task, tmp_path):
+    lora = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,down_proj]"]
+    single = _losses(task, tmp_path / "one", lora + ["data.micro_batch_size=2", "parallel.microbatches=2"], 1)[0]
+    tp_dp = _losses(task, tmp_path / "tp", lora + ["parallel.tp=2", "parallel.dp=2", "data.micro_batch_size=1",
+                                                   "parallel.microbatches=2"], 4)
+    assert single[-1] < single[0]
+    assert max_relative(tp_dp[0], single) < 1e-5, (tp_dp[0], single)
+
+
+@pytest.mark.parametrize("items, field", [
+    (["data.format=sft"], "train.objective"),
+    (["train.objective=sft"], "train.objective"),
+    (["data.format=sft", "train.objective=sft"], "data.tokenizer"),
+])
+def test_format_objective_and_tokenizer_are_checked_before_launch(task, items, field):
+    _, paths = task
+    with pytest.raises(RecipeError) as err:
+        check_recipe(None, [f"data.source={paths['sft_train']}", *items])
+    assert field in err.value.fields, str(err.value)
+
+
+def test_sft_source_must_be_a_jsonl_file(task):
+    root, _ = task
+    with pytest.raises(RecipeError, match="reads one .jsonl file"):
+        check_recipe(None, ["data.format=sft", "train.objective=sft", f"data.source={root}",
+                            f"data.tokenizer={root / 'tokenizer.json'}"])
