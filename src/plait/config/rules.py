@@ -15,7 +15,7 @@ from typing import Any
 from plait.activation_checkpointing import checkpointable_names
 from plait.config.problems import Problem, Verbatim, divisors, format_value, suggest
 from plait.config.resolve import derive_world_and_dp
-from plait.config.schema import ARCH_FIELDS, Recipe, read_hf_config
+from plait.config.schema import ARCH_FIELDS, PREFERENCE_OBJECTIVES, REFERENCE_OBJECTIVES, Recipe, read_hf_config
 from plait.data.corpora import CORPORA
 from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
 from plait.data.sft_prepare import rows_directory
@@ -25,6 +25,7 @@ from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scalin
 from plait.pipeline.layout import plan_partition
 from plait.pipeline.partition import PartitionError
 from plait.pipeline.schedules import ScheduleError, validate_schedule
+from plait.post_training.objectives import PreferenceSettings, PreferenceSettingsError
 from plait.precision import KNOBS, knob_problems, knob_values
 from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
 
@@ -366,16 +367,25 @@ def _check_vocab_fits(c: _Checker, arch: LlamaConfig | None, tokens: int) -> Non
                                                 f"'{d.tokenizer}', or null to use the tokenizer's size")
 
 
+#: the objective each data format trains with (preference: one of several)
+FORMAT_OBJECTIVES: dict[str, tuple[str, ...]] = {"text": ("lm",), "sft": ("sft",), "preference": PREFERENCE_OBJECTIVES}
+
+
 def _check_fine_tuning(c: _Checker, check_paths: bool) -> None:
-    """``data.format`` and ``train.objective`` go together; ``sft`` rows come from one .jsonl file
-    (or a prepared rows directory) rendered with the model's own tokenizer and chat template."""
+    """``data.format`` and ``train.objective`` go together; ``sft`` and ``preference`` rows come
+    from one .jsonl file (or a prepared rows directory) rendered with the model's own tokenizer
+    and chat template."""
     d, t = c.r.data, c.r.train
     if not c.ok("data.format", "train.objective"):
         return
-    wanted = {"text": "lm", "sft": "sft"}[d.format]
-    if t.objective != wanted:
-        c.add("train.objective", t.objective, f"data.format {d.format!r} trains with objective {wanted!r}; set "
-                                              f"train.objective={wanted} (or change data.format)")
+    wanted = FORMAT_OBJECTIVES[d.format]
+    if t.objective not in wanted:
+        choice = wanted[0] if len(wanted) == 1 else " | ".join(wanted)
+        fix = (f"set train.objective={choice}" if len(wanted) == 1
+               else f"set train.objective to one of {choice}")
+        owner = next(f for f, objectives in FORMAT_OBJECTIVES.items() if t.objective in objectives)
+        c.add("train.objective", t.objective, f"data.format {d.format!r} trains with objective {choice}; {fix} "
+                                              f"(or data.format={owner} for objective {t.objective!r})")
     if d.format == "text":
         return
     if c.ok("data.tokenizer") and d.tokenizer == "bpe" and not (check_paths and rows_directory(d.source)):
@@ -388,9 +398,44 @@ def _check_fine_tuning(c: _Checker, check_paths: bool) -> None:
                                            f"directory prepared from one); give its path")
 
 
+def _check_preference(c: _Checker) -> None:
+    """The ``preference`` section: set only for preference objectives, each knob meaningful for
+    the chosen one, and a reference model only where the objective has one (and can build it)."""
+    pr, objective = c.r.preference, c.r.train.objective
+    if not c.ok("preference", "train.objective"):
+        return
+    if objective not in PREFERENCE_OBJECTIVES:
+        defaults = type(pr)()  # a written recipe holds every field: only a changed value is a mistake
+        for name in sorted(n for n in pr.model_fields_set if getattr(pr, n) != getattr(defaults, n)):
+            c.add(f"preference.{name}", getattr(pr, name), f"applies to the preference objectives "
+                                                           f"({', '.join(PREFERENCE_OBJECTIVES)}) only; remove it "
+                                                           f"(train.objective is {objective!r})")
+        return
+    settings = PreferenceSettings(beta=pr.beta, label_smoothing=pr.label_smoothing, sft_weight=pr.sft_weight,
+                                  gamma=pr.gamma)
+    try:
+        settings.check_for(objective)
+    except PreferenceSettingsError as e:
+        for line in str(e).splitlines()[1:]:
+            name, _, rest = line.strip().partition("=")
+            c.add(f"preference.{name}", getattr(pr, name), rest.split(" ", 1)[1])
+    if objective not in REFERENCE_OBJECTIVES:
+        if pr.reference is not None:
+            c.add("preference.reference", pr.reference, f"objective {objective!r} uses no reference model; remove "
+                                                        f"preference.reference (or use dpo/ipo)")
+        return
+    if pr.reference == "adapters_off" and c.ok("lora.rank") and c.r.lora.rank is None:
+        c.add("preference.reference", pr.reference, "the policy without its adapters is the reference only with "
+                                                    "LoRA; set lora.rank, or use reference frozen")
+    if pr.reference == "precompute":
+        c.add("preference.reference", pr.reference, "precomputed reference log-probabilities are not available "
+                                                    "yet; use frozen (or adapters_off with lora.rank)")
+
+
 def _check_data(c: _Checker, arch: LlamaConfig | None, check_paths: bool) -> None:
     d, m = c.r.data, c.r.model
     _check_fine_tuning(c, check_paths)
+    _check_preference(c)
     if d.format != "text":
         if check_paths and c.ok("data.tokenizer") and d.tokenizer != "bpe":
             tokens = _check_tokenizer_file(c)

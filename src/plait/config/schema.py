@@ -33,6 +33,9 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
                "rope_scaling", "attention_bias", "tie_word_embeddings", "sliding_window")
+#: ``train.objective`` values that train on preference pairs, and those of them measured against a reference
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
+REFERENCE_OBJECTIVES = ("dpo", "ipo")
 #: ``model.family`` values: the registered model families (:mod:`plait.models.registry`)
 FAMILY_CHOICES = family_names()
 
@@ -240,10 +243,12 @@ class DataSection(Section):
     prefetch: Int = Field(default=2, ge=0, description="Batches loaded ahead by a background thread; 0 = none")
     cache_dir: str | None = Field(default=None, description="Where prepared data is cached; null "
                                                             "= $PLAIT_CACHE or ~/.cache/plait")
-    format: Literal["text", "sft"] = Field(
+    format: Literal["text", "sft", "preference"] = Field(
         default="text", description="'text': plain documents, every token a target; 'sft': a .jsonl of "
                                     "conversations ('messages') or prompt/completion rows, rendered with the "
-                                    "tokenizer's chat template, loss on the assistant tokens only")
+                                    "tokenizer's chat template, loss on the assistant tokens only; "
+                                    "'preference': a .jsonl of prompt/chosen/rejected rows, each pair kept "
+                                    "in one row (train.objective dpo, ipo, orpo or simpo)")
     packing: Bool = Field(default=True, description="sft: pack several samples into each row (attention and "
                                                     "positions stay within a sample); false = one sample per row")
     truncation: Literal["drop", "truncate_left", "truncate_right"] = Field(
@@ -257,9 +262,11 @@ class DataSection(Section):
 
 class TrainSection(Section):
     steps: Int = Field(default=300, ge=1, description="Optimizer steps")
-    objective: Literal["lm", "sft"] = Field(
+    objective: Literal["lm", "sft", "dpo", "ipo", "orpo", "simpo"] = Field(
         default="lm", description="'lm': next-token loss on every token (data.format text); 'sft': on the target "
-                                  "tokens of data.format sft rows, averaged over the global batch's targets")
+                                  "tokens of data.format sft rows, averaged over the global batch's targets; "
+                                  "'dpo', 'ipo', 'orpo', 'simpo': a preference loss on data.format preference "
+                                  "rows, averaged over the global batch's pairs (see the preference section)")
     eval_every: Int = Field(default=100, ge=1, description="Evaluate on the validation split "
                                                            "every this many steps (and at the end)")
     eval_batches: Int = Field(default=8, ge=1, description="Validation global batches per evaluation: the first "
@@ -322,6 +329,31 @@ class LoraSection(Section):
     rslora: Bool = Field(default=False, description="Rank-stabilised scale alpha / sqrt(rank)")
 
 
+class PreferenceSection(Section):
+    beta: Float = Field(default=0.1, gt=0, description="DPO/IPO: KL strength (IPO's tau); ORPO: weight of the "
+                                                        "odds-ratio term (lambda); SimPO: reward scale (2.0-2.5)")
+    label_smoothing: Float = Field(default=0.0, ge=0, lt=0.5, description="dpo and simpo only: assumed probability "
+                                                                          "that a preference label is flipped")
+    sft_weight: Float | None = Field(default=None, ge=0, description="Weight of the chosen responses' token NLL "
+                                                                     "(over the global batch's chosen tokens) added "
+                                                                     "to the loss; null = 1.0 for orpo, 0 otherwise")
+    gamma: Float = Field(default=0.0, ge=0, description="simpo only: target reward margin (0.5-1.5)")
+    reference: Literal["frozen", "adapters_off", "precompute"] | None = Field(
+        default=None, description="dpo/ipo: the reference model: 'frozen' (a frozen copy of the initial model), "
+                                  "'adapters_off' (the policy with its LoRA adapters disabled; needs lora.rank), "
+                                  "'precompute' (not available yet); null = adapters_off with lora.rank, else "
+                                  "frozen. orpo/simpo use none: leave it null")
+
+    def reference_mode(self, objective: str, lora_rank: int | None) -> str | None:
+        """The reference model ``objective`` trains against: ``None`` for the reference-free
+        objectives (orpo, simpo), else the recipe's choice or its default."""
+        if objective not in REFERENCE_OBJECTIVES:
+            return None
+        if self.reference is not None:
+            return self.reference
+        return "adapters_off" if lora_rank is not None else "frozen"
+
+
 class LoggingSection(Section):
     jsonl: Bool = Field(default=True, description="Write metrics.jsonl in the output directory")
     tensorboard: Bool = Field(default=True, description="Write TensorBoard event files")
@@ -344,6 +376,8 @@ class Recipe(Section):
                                           description="Training checkpoints, resume and the final checkpoint")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Metric sinks")
     lora: LoraSection = Field(default_factory=LoraSection, description="Low-rank adapters (off unless rank is set)")
+    preference: PreferenceSection = Field(default_factory=PreferenceSection,
+                                          description="Preference objectives (data.format preference)")
 
 
 SECTIONS: dict[str, type[Section]] = {

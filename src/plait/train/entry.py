@@ -15,7 +15,7 @@ from plait.config.schema import Recipe
 from plait.data.checks import check_model_vocab, check_samples, verify_prepared
 from plait.data.errors import DataError
 from plait.data.prepare import prepare_dataset
-from plait.data.sft_prepare import RowDataset, RowsSettings, prepare_rows, rows_directory
+from plait.data.sft_prepare import RowDataset, RowFormat, RowsSettings, prepare_rows, rows_directory
 from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
 from plait.train.trainer import Trainer
 
@@ -43,14 +43,15 @@ def prepare_data(recipe: Recipe, progress: bool = False) -> Path:
 
 
 def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
-    """The prepared rows of a ``data.format: sft`` recipe (or the prepared directory it names),
+    """The prepared rows of a ``data.format: sft`` or ``preference`` recipe (or the prepared directory it names),
     checked against the model's vocabulary; ``report`` prints what preparation kept and dropped."""
     d = recipe.data
     given = rows_directory(d.source)
     if given is not None:
         path = given
     else:
-        settings = RowsSettings(kind="sft", seq_len=d.seq_len, packing=d.packing, truncation=d.truncation,
+        kind: RowFormat = "preference" if d.format == "preference" else "sft"
+        settings = RowsSettings(kind=kind, seq_len=d.seq_len, packing=d.packing, truncation=d.truncation,
                                 train_on_prompt=d.train_on_prompt, skip_bad_rows=d.skip_bad_rows,
                                 val_fraction=d.val_fraction, seed=recipe.run.seed)
         result = prepare_rows(d.source, d.tokenizer, settings, cache_dir=d.cache_dir)
@@ -58,6 +59,9 @@ def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
         if report:
             print(f"data: {result.describe()} -> {path}", flush=True)
     rows = RowDataset(path, "train")
+    if rows.kind != d.format:
+        raise DataError(f"data.source {d.source!r} holds {rows.kind} rows but data.format is {d.format!r}; "
+                        f"set data.format={rows.kind} or give a source of {d.format} rows")
     if rows.seq_len != d.seq_len:
         raise DataError(f"data.source {d.source!r} holds rows of {rows.seq_len} tokens, not data.seq_len="
                         f"{d.seq_len}; prepare it again with this seq_len or set data.seq_len={rows.seq_len}")
