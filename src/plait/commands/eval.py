@@ -1,0 +1,69 @@
+"""``plait eval MODEL --data FILE``: held-out exact match (SFT rows) or preference accuracy
+(preference rows) of a Hugging Face model directory or a LoRA adapter directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval", help="score a model on held-out rows: exact match (SFT) or preference accuracy",
+        description="Score MODEL (a Hugging Face directory, or a run's final LoRA adapter directory) on a .jsonl "
+                    "of held-out rows: SFT rows by exact match of the greedy answer to the last assistant turn, "
+                    "preference rows by how often the chosen answer is more likely than the rejected one. "
+                    "See docs/post_training.md.")
+    p.add_argument("model", metavar="MODEL", help="Hugging Face model directory, or a PEFT adapter directory")
+    p.add_argument("--data", required=True, metavar="FILE", help="held-out rows (.jsonl), e.g. from `plait data task`")
+    p.add_argument("--kind", choices=("auto", "sft", "preference"), default="auto",
+                   help="row kind (default: preference when the first row has 'chosen', else sft)")
+    p.add_argument("--base", default=None, metavar="DIR", help="base model of an adapter (default: the adapter's "
+                                                               "base_model_name_or_path)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N rows")
+    p.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="answer length cap (sft)")
+    p.add_argument("--json", action="store_true", help="print the scores as one JSON line")
+    return p
+
+
+def _kind(path: Path) -> str:
+    with path.open(encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return "sft"  # the row reader reports the bad line with its number
+    return "preference" if isinstance(row, dict) and "chosen" in row else "sft"
+
+
+def run(args: argparse.Namespace) -> int:
+    from plait.heldout import exact_match, load_scoring_model, preference_accuracy
+
+    data = Path(args.data).expanduser()
+    if not data.is_file():
+        print(f"plait eval: --data {args.data}: no such file", file=sys.stderr)
+        return 2
+    if args.limit is not None and args.limit < 1:
+        print(f"plait eval: --limit {args.limit} must be at least 1", file=sys.stderr)
+        return 2
+    kind = _kind(data) if args.kind == "auto" else args.kind
+    try:
+        model, tokenizer_dir = load_scoring_model(args.model, args.base)
+        if kind == "sft":
+            em = exact_match(model, tokenizer_dir, data, limit=args.limit, max_new_tokens=args.max_new_tokens)
+            result = {"kind": kind, "rows": em.total, "exact_match": round(em.score, 4)}
+            lines = [f"exact match {em.correct}/{em.total} = {em.score:.1%}"]
+            lines += [f"  Q: {q!r}  reference {r!r}  answer {a!r}" for q, r, a in em.examples]
+        else:
+            pa = preference_accuracy(model, tokenizer_dir, data, limit=args.limit)
+            result = {"kind": kind, "rows": pa.total, "preference_accuracy": round(pa.score, 4),
+                      "mean_margin": round(pa.mean_margin, 4)}
+            lines = [f"preference accuracy {pa.correct}/{pa.total} = {pa.score:.1%}, mean log-prob margin "
+                     f"(chosen - rejected) {pa.mean_margin:+.3f} nats"]
+    except (ValueError, OSError) as e:  # DataError, model config errors, missing files: one line
+        print(f"plait eval: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else "\n".join(lines))
+    return 0
