@@ -27,6 +27,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a model directory (or a step-0 checkpoint) that plait wrote earlier at DEST; "
                         "a directory plait did not write is never replaced")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="SRC is a LoRA adapter directory (PEFT layout, e.g. a LoRA run's final/): write its base "
+                        "model with the adapter folded into the weights as a Hugging Face directory at DEST")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="with --merge-lora: the base model (default: the adapter's base_model_name_or_path)")
     p.add_argument("--info", action="store_true", help="only describe the plait checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -44,6 +49,8 @@ def run(args) -> int:
     from plait.checkpoint.store import latest_checkpoint
 
     src = Path(args.source)
+    if args.merge_lora:
+        return _merge_lora(src, args)
     if src.is_file() and src.suffix.lower() == ".gguf":
         return _from_gguf(src, args)
     if not src.is_dir():
@@ -77,6 +84,42 @@ def run(args) -> int:
         return _fail(str(e))
     except OSError as e:  # the disk filled up, a file vanished: name the file, no traceback
         return _fail(f"{e.filename or args.dest}: {e.strerror or e}")
+
+
+def _merge_lora(src: Path, args) -> int:
+    """Base model + PEFT adapter -> one Hugging Face model whose weights include the adapter
+    (``W + scale * B A``), with the tokenizer files of the adapter directory (or the base)."""
+    import shutil
+
+    from plait.heldout import ADAPTER_CONFIG, load_scoring_model
+    from plait.lora import merge_lora_
+    from plait.mesh import single_process_mesh
+    from plait.models.hf_io import save_hf_checkpoint
+    from plait.outputs.ownership import probe_writable, require_target
+
+    if not (src / ADAPTER_CONFIG).is_file():
+        return _fail(f"--merge-lora: {src} holds no {ADAPTER_CONFIG}; give a LoRA adapter directory (a LoRA run's "
+                     f"final/ directory)")
+    if args.dest is None:
+        return _fail("give the output Hugging Face directory: plait convert ADAPTER_DIR DEST --merge-lora")
+    dest = Path(args.dest)
+    try:
+        _check_dest(dest, src)
+        require_target(dest, "hf-model", what="DEST", replace=args.overwrite,
+                       replace_hint="allow replacing it (--overwrite)")
+        probe_writable(dest.parent, what="DEST", target=dest)
+        model, tokenizer_dir = load_scoring_model(src, args.base)
+        merged = merge_lora_([model])
+        save_hf_checkpoint(model, dest, single_process_mesh().info("tp"), replace=args.overwrite)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (tokenizer_dir / name).is_file():
+                shutil.copyfile(tokenizer_dir / name, dest / name)
+    except ValueError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"{e.filename or args.dest}: {e.strerror or e}")
+    print(f"wrote {dest}: {merged} adapted projections merged into the base model")
+    return 0
 
 
 def _from_gguf(src: Path, args) -> int:

@@ -45,6 +45,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--hf", metavar="HF_DIR", help="Hugging Face directory: config.json, *.safetensors, "
                                                      "tokenizer.json")
     p.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: start of a new document)")
+    p.add_argument("--chat", action="store_true",
+                   help="treat --prompt as a user message: render it with the model's chat template (its "
+                        "tokenizer_config.json or chat_template.jinja; ChatML otherwise) and print the answer")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
     p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to add (default 100)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = all)")
@@ -243,8 +247,14 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
         raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})") from None
     config = model.config  # a plain attribute of every family's model; torch types it Tensor | Module
     assert isinstance(config, TokenConfig), f"model config {type(config).__name__} lacks the token fields"
-    ids = tokenizer.encode(args.prompt).ids if args.prompt else []
     start, stop = start_and_stop_ids(tokenizer, config)
+    shown = args.prompt
+    if args.chat:
+        text, chat_stop = _chat_prompt(args, tok_file, tokenizer)
+        stop |= chat_stop
+        ids, shown = tokenizer.encode(text, add_special_tokens=False).ids, ""
+    else:
+        ids = tokenizer.encode(args.prompt).ids if args.prompt else []
     if not ids:
         if start is None:
             raise _UsageError("the prompt is empty and the model has no start token; give --prompt TEXT")
@@ -260,9 +270,28 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
                        on_token=None if bar is None else (lambda _token: bar.update(1)))
     new_ids = out[0, len(ids):].tolist()
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    sys.stdout.write(args.prompt + text + "\n")
+    sys.stdout.write(shown + text.strip() * bool(args.chat) + text * (not args.chat) + "\n")
     sys.stdout.flush()
     return 0
+
+
+def _chat_prompt(args: argparse.Namespace, tok_file: Path, tokenizer) -> tuple[str, set[int]]:
+    """The conversation (optional system message, the user's --prompt) rendered with a generation
+    prompt, and the ids that end an assistant turn under that template."""
+    from plait.data.chat_template import load_chat_template
+    from plait.data.errors import DataError
+
+    if not args.prompt:
+        raise _UsageError("--chat needs --prompt TEXT (the user's message)")
+    template = load_chat_template(tok_file, tokenizer)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except DataError as e:
+        raise _UsageError(str(e)) from None
+    ends = {tokenizer.token_to_id(t) for t in (template.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>") if t}
+    return text, {i for i in ends if i is not None}
 
 
 def show_progress(args: argparse.Namespace, stream) -> bool:

@@ -1,0 +1,98 @@
+"""The fine-tuning commands as a user runs them: plait data task, plait eval, plait generate --chat,
+plait convert --merge-lora, with their mistakes refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from plait.data.tasks import write_task_files
+from plait.lora import LoraSettings, apply_lora, save_peft_adapter
+from plait.materialize import build_model, load_from_hf
+from plait.mesh import single_process_mesh
+from plait.models.hf_io import save_hf_checkpoint
+from plait.models.llama.config import LlamaConfig
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def plait(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny random model with a ChatML tokenizer, an adapter on it, and the task files."""
+    root = tmp_path_factory.mktemp("cli")
+    paths = write_task_files(root / "task", seed=2, train=40, heldout=4)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([paths["sft_train"].read_text()], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    mesh = single_process_mesh()
+    base = build_model(config, mesh, seed=1)
+    save_hf_checkpoint(base, root / "base", mesh.info("tp"))
+    tok.save(str(root / "base" / "tokenizer.json"))
+    apply_lora([base], LoraSettings(rank=2, alpha=4.0), seed=3)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("lora.B"):
+                p.normal_(0, 0.5)
+    save_peft_adapter([base], root / "adapter", mesh.info("tp"), str(root / "base"))
+    tok.save(str(root / "adapter" / "tokenizer.json"))
+    return root, paths, base
+
+
+def test_task_command_writes_files_and_refuses_to_overwrite(tmp_path):
+    out = plait("data", "task", str(tmp_path / "t"), "--train", "5", "--heldout", "2")
+    assert out.returncode == 0, out.stderr
+    assert len((tmp_path / "t" / "sft_train.jsonl").read_text().splitlines()) == 5
+    again = plait("data", "task", str(tmp_path / "t"))
+    assert again.returncode == 2 and "already holds sft_train.jsonl" in again.stderr
+
+
+def test_eval_scores_sft_and_preference_rows_of_a_model_and_an_adapter(setup):
+    root, paths, _ = setup
+    sft = plait("eval", str(root / "base"), "--data", str(paths["sft_heldout"]), "--json", "--max-new-tokens", "4")
+    assert sft.returncode == 0, sft.stderr
+    result = json.loads(sft.stdout)
+    assert result["kind"] == "sft" and result["rows"] == 4 and 0 <= result["exact_match"] <= 1
+    pref = plait("eval", str(root / "adapter"), "--data", str(paths["preference_heldout"]), "--json")
+    assert pref.returncode == 0, pref.stderr
+    assert json.loads(pref.stdout)["kind"] == "preference"
+    missing = plait("eval", str(root / "base"), "--data", str(root / "nope.jsonl"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_merge_lora_equals_base_plus_adapter_and_refuses_mistakes(setup):
+    root, _, adapted = setup
+    out = plait("convert", str(root / "adapter"), str(root / "merged"), "--merge-lora")
+    assert out.returncode == 0, out.stderr
+    merged = load_from_hf(root / "merged", single_process_mesh())
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert float((merged(ids) - adapted(ids)).abs().max()) < 1e-5
+    assert (root / "merged" / "tokenizer.json").is_file()
+    again = plait("convert", str(root / "adapter"), str(root / "merged"), "--merge-lora")
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    not_adapter = plait("convert", str(root / "base"), str(root / "m2"), "--merge-lora")
+    assert not_adapter.returncode == 2 and "holds no adapter_config.json" in not_adapter.stderr
+
+
+def test_generate_chat_renders_the_template(setup):
+    root, _, _ = setup
+    out = plait("generate", "--hf", str(root / "base"), "--chat", "--prompt", "What is 2 + 3?", "--greedy",
+                "--max-new-tokens", "3", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    empty = plait("generate", "--hf", str(root / "base"), "--chat")
+    assert empty.returncode == 2 and "--chat needs --prompt" in empty.stderr
