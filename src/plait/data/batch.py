@@ -20,6 +20,23 @@ import torch
 
 
 @dataclass(frozen=True)
+class PairCounts:
+    """Preference rows: how many pairs a step holds, known on every rank without communication.
+
+    In a preference row segment ``2k`` is the chosen and ``2k + 1`` the rejected sample of the
+    row's ``k``-th pair. The loss of a step is the mean over ``total`` pairs (and the optional SFT
+    term the mean over ``chosen_tokens``), whatever the layout.
+    """
+
+    #: pairs of each of this rank's micro-batches (host ints: they size the per-pair tensors)
+    per_microbatch: tuple[int, ...]
+    #: pairs of the global batch (every micro-batch of every data-parallel rank)
+    total: int
+    #: target tokens of the chosen responses of the global batch
+    chosen_tokens: int
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     #: ``[microbatches, micro_batch, seq]`` token ids
     input_ids: torch.Tensor
@@ -31,6 +48,8 @@ class TokenBatch:
     segment_ids: torch.Tensor | None = None
     #: target tokens of the global batch; ``None``: the mean over each micro-batch's targets
     loss_tokens: int | None = None
+    #: preference rows: the pair counts of this rank's micro-batches and of the global batch
+    pairs: PairCounts | None = None
 
     def to(self, device: torch.device, non_blocking: bool = True) -> TokenBatch:
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)

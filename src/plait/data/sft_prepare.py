@@ -5,7 +5,8 @@
 tokenises them with the tokenizer's chat template and marks the assistant tokens
 (:mod:`plait.data.sft_tokenize`), packs them (:mod:`plait.data.packing`) and writes, per split,
 ``[rows, seq_len]`` arrays of input ids, labels, positions and segments plus the number of
-target tokens of each row. :class:`RowDataset` serves them to the loader.
+target tokens of each row (and, for preference rows, the number of pairs and of chosen-response
+target tokens of each row). :class:`RowDataset` serves them to the loader.
 
 The directory is keyed by everything that changes its content (file hash, tokenizer hash, format,
 sequence length, packing, truncation, train_on_prompt, split), written under a temporary name and
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from plait.data.batch import TokenBatch
+from plait.data.batch import PairCounts, TokenBatch
 from plait.data.chat_template import load_chat_template
 from plait.data.errors import DataError
 from plait.data.packing import IGNORE_INDEX, PackedRows, pack
@@ -107,10 +108,24 @@ def _targets(labels: np.ndarray) -> np.ndarray:
     return (labels[:, 1:] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
 
 
-def _write_split(out: Path, split: str, rows: PackedRows) -> None:
+def _pairs(segment_ids: np.ndarray) -> np.ndarray:
+    """Preference pairs per row: segments ``2k`` and ``2k + 1`` are pair ``k`` of the row."""
+    return ((segment_ids.max(axis=1, initial=-1) + 1) // 2).astype(np.int64)
+
+
+def _chosen_targets(labels: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+    """Target tokens of the chosen responses per row (even segments), for the SFT term's normaliser."""
+    scored = (labels[:, 1:] != IGNORE_INDEX) & (segment_ids[:, 1:] >= 0) & (segment_ids[:, 1:] % 2 == 0)
+    return scored.sum(axis=1).astype(np.int64)
+
+
+def _write_split(out: Path, split: str, rows: PackedRows, kind: RowFormat) -> None:
     for name in FIELDS:
         np.save(out / f"{split}_{name}.npy", getattr(rows, name).astype(np.int32))
     np.save(out / f"{split}_targets.npy", _targets(rows.labels))
+    if kind == "preference":  # per-row counts: every rank knows a global batch's pairs without communication
+        np.save(out / f"{split}_pairs.npy", _pairs(rows.segment_ids))
+        np.save(out / f"{split}_chosen_targets.npy", _chosen_targets(rows.labels, rows.segment_ids))
 
 
 def _read_rows(source: Path, settings: RowsSettings) -> tuple[list[SFTRow] | list[PreferenceRow], Counter[str]]:
@@ -187,7 +202,7 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         for split, rows_of_split in packed.items():
-            _write_split(tmp, split, rows_of_split)
+            _write_split(tmp, split, rows_of_split, settings.kind)
         shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
         config = tok_path.parent / "tokenizer_config.json"
         if config.is_file():
@@ -238,6 +253,11 @@ class RowDataset:
         self.seq_len = int(self.index["seq_len"])
         self.vocab_size = int(self.index["vocab_size"])
         self.kind: RowFormat = self.index["kind"]
+        self.row_pairs: np.ndarray | None = None
+        self.row_chosen_targets: np.ndarray | None = None
+        if self.kind == "preference":
+            self.row_pairs = np.load(self.directory / f"{split}_pairs.npy")
+            self.row_chosen_targets = np.load(self.directory / f"{split}_chosen_targets.npy")
 
     def __len__(self) -> int:
         return int(self.arrays["input_ids"].shape[0])
@@ -257,10 +277,22 @@ class RowDataset:
         """Target tokens of the rows ``indices`` (read from the per-row counts, no row data)."""
         return int(self.row_targets[indices].sum())
 
+    def pair_counts(self, indices: list[int], global_indices: list[int], microbatches: int) -> PairCounts | None:
+        """Preference rows: the pairs of each micro-batch of ``indices`` and the pairs and chosen
+        target tokens of the global batch ``global_indices`` (read from per-row counts); else None."""
+        if self.row_pairs is None or self.row_chosen_targets is None:
+            return None
+        per_row = self.row_pairs[indices].reshape(microbatches, -1).sum(axis=1)
+        return PairCounts(per_microbatch=tuple(int(n) for n in per_row),
+                          total=int(self.row_pairs[global_indices].sum()),
+                          chosen_tokens=int(self.row_chosen_targets[global_indices].sum()))
+
     def token_batch(self, indices: list[int], global_indices: list[int], microbatches: int) -> TokenBatch:
         """The rows ``indices`` as ``[microbatches, rows / microbatches, seq]`` with the target count
-        of the whole global batch ``global_indices`` (every DP rank computes the same number)."""
+        of the whole global batch ``global_indices`` (every DP rank computes the same number) and,
+        for preference rows, its pair counts."""
         fields = {k: v.reshape(microbatches, len(indices) // microbatches, -1) for k, v in self.batch(indices).items()}
         return TokenBatch(input_ids=fields["input_ids"], labels=fields["labels"],
                           position_ids=fields["position_ids"], segment_ids=fields["segment_ids"],
-                          loss_tokens=self.targets(global_indices))
+                          loss_tokens=self.targets(global_indices),
+                          pairs=self.pair_counts(indices, global_indices, microbatches))

@@ -8,6 +8,7 @@ nothing else needs to remember them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -57,6 +58,21 @@ def adapted(modules: list[nn.Module]) -> Iterator[tuple[Projection, LoraAdapter]
         adapter = adapter_of(proj.module)
         if adapter is not None:
             yield proj, adapter
+
+
+@contextlib.contextmanager
+def adapters_disabled(modules: list[nn.Module]) -> Iterator[None]:
+    """Inside, every adapter of ``modules`` is skipped: the model computes its base weights alone
+    (the reference model of DPO/IPO with LoRA: no second copy of the base). Nothing is drawn
+    from any generator for the skipped adapters; they are enabled again on exit, even on error."""
+    found = [adapter for _, adapter in adapted(modules)]
+    for adapter in found:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in found:
+            adapter.enabled = True
 
 
 def apply_lora(modules: list[nn.Module], settings: LoraSettings, *, seed: int,

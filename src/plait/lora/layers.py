@@ -76,6 +76,8 @@ class LoraAdapter(nn.Module):
         self.a_spec, self.b_spec = a_spec, b_spec
         #: the settings this adapter was built from (set by ``apply_lora``; written to PEFT's config)
         self.settings: LoraSettings | None = None
+        #: False while :func:`plait.lora.adapters_disabled` holds: the projection is its base alone
+        self.enabled = True
         local_a = a_spec.local_shape if a_spec is not None else a_shape
         local_b = b_spec.local_shape if b_spec is not None else b_shape
         self.A = nn.Parameter(torch.empty(local_a, device=device, dtype=dtype))
@@ -158,7 +160,7 @@ def adapter_of(module: nn.Module | None) -> LoraAdapter | None:
 
 def _plus_adapter(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     adapter = adapter_of(proj)
-    return y if adapter is None else y + adapter(x).to(y.dtype)
+    return y if adapter is None or not adapter.enabled else y + adapter(x).to(y.dtype)
 
 
 class LoraLinear(nn.Linear):

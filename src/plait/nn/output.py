@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class SequenceLoss(Protocol):
+    """A loss of whole sequences computed from the last stage's logits in place of the output
+    module's next-token loss (a preference objective bound to one micro-batch): ``(logits
+    [b, s, V_local], labels [b, s]) -> scalar``."""
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
 
 
 class CausalLMOutput(nn.Module):

@@ -11,6 +11,12 @@ An activation is dropped as soon as its backward has run. A sent activation's bu
 when the matching gradient comes back (the send is then known to be complete; gloo reports a send
 complete only once it is waited on), so at most the schedule's in-flight microbatches are held.
 Sent input gradients are still kept until the end of the step.
+
+Sequence-level objectives (preference training) plug in two ways, both optional: a ``loss_head``
+whose :meth:`LossHead.bind` gives the last stage, per micro-batch, the loss to compute from its
+logits; and a ``reference_pass`` run over the same batch before each run's schedule (a
+forward-only pass, through the pipeline, of the reference model whose last stage keeps the
+reference log-probabilities for the policy's loss).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +32,7 @@ from torch import nn
 
 from plait.data.batch import TokenBatch, as_token_batch
 from plait.mesh import ParallelMesh
+from plait.nn.output import SequenceLoss
 from plait.pipeline import tasks as T
 from plait.pipeline.schedules import schedule_tasks
 
@@ -44,6 +52,12 @@ class StepResult:
 
     loss_sum: torch.Tensor
     pending: list = field(default_factory=list)
+
+
+class LossHead(Protocol):
+    """What the last stage computes its loss with when it is not the next-token loss."""
+
+    def bind(self, tokens: TokenBatch, microbatch: int, train: bool) -> SequenceLoss: ...
 
 
 class PipelineRuntime:
@@ -67,6 +81,10 @@ class PipelineRuntime:
         #: optimizer then lets the data-parallel reduction of the chunk's buckets start)
         self.before_last_backward: Callable[[int], None] | None = None
         self._last_backward = {t.chunk: i for i, t in enumerate(self.tasks) if isinstance(t, T.Backward)}
+        #: the last stage's loss per micro-batch, when it is not the output module's next-token loss
+        self.loss_head: LossHead | None = None
+        #: run over each batch (already on the device) before the schedule: a reference model's pass
+        self.reference_pass: Callable[[TokenBatch], None] | None = None
 
     # ------------------------------------------------------------------ topology
     def _global_stage(self, chunk: int) -> int:
@@ -97,11 +115,19 @@ class PipelineRuntime:
 
         Training: gradients accumulate in the stages' parameters (loss of each microbatch divided
         by the number of microbatches). Returns the device-side loss sum of the last stage's
-        microbatches (already divided by the microbatch count), zero on other ranks.
+        microbatches (already divided by the microbatch count), zero on other ranks. With a
+        ``reference_pass`` it runs over the batch first (training and evaluation alike).
         """
         tokens = as_token_batch(batch).to(self.device)
+        if self.reference_pass is not None:
+            self.reference_pass(tokens)
+        return self.execute(tokens, train=train)
+
+    def execute(self, tokens: TokenBatch, *, train: bool) -> torch.Tensor:
+        """The schedule over ``tokens`` (on the device), without the reference pass: see :meth:`run`."""
         ids = tokens.input_ids
-        normalizer = self.loss_normalizer(tokens)
+        head = self.loss_head
+        normalizer = None if head is not None else self.loss_normalizer(tokens)
         m = self.microbatches
         loss_sum = torch.zeros((), device=self.device)
         state: dict[tuple[int, int], _InFlight] = {}
@@ -124,9 +150,11 @@ class PipelineRuntime:
                 x = ids[task.microbatch] if stage.first else received.pop(key)
                 if train and not stage.first:
                     x.requires_grad_()
+                kw = tokens.stage_inputs(task.microbatch, last=bool(stage.last), normalizer=normalizer)
+                if stage.last and head is not None:
+                    kw["sequence_loss"] = head.bind(tokens, task.microbatch, train)
                 with torch.set_grad_enabled(train), self._context():
-                    out = stage(x, self.seq_len, **tokens.stage_inputs(task.microbatch, last=bool(stage.last),
-                                                                        normalizer=normalizer))
+                    out = stage(x, self.seq_len, **kw)
                 if stage.last:
                     out = out / m
                     loss_sum = loss_sum + out.detach().float()

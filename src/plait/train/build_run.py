@@ -17,7 +17,8 @@ Order of construction (fixed, commented where it matters):
 4. activation checkpointing (after the TP swap and the pipeline split, on the swapped modules);
 5. the optimizer, which takes ownership of the weights (flat buffers) and gradients;
 6. the pipeline runtime (any ``pp``, including 1) and its hook that lets each stage's
-   data-parallel reduction start during its last backward;
+   data-parallel reduction start during its last backward; for a preference objective, the
+   loss head on the last stage and the reference model's pass (:mod:`plait.train.preference`);
 7. resume: interrupted saves removed, the checkpoint loaded, then the learning-rate schedule
    placed at the resumed step through the scheduler's public constructor.
 """
@@ -47,6 +48,7 @@ from plait.models.llama.config import LlamaConfig
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy, policy_for
+from plait.train.preference import attach_preference, freeze
 from plait.train.run_state import Dataset, RunState
 from plait.train.schedules import build_scheduler
 
@@ -148,7 +150,7 @@ def scheduler_at(optimizer: torch.optim.Optimizer, recipe: Recipe, step: int) ->
 
 def open_datasets(recipe: Recipe, prepared_dir: str | Path) -> tuple[Dataset, Dataset]:
     """The train and validation splits: token streams cut into ``seq_len`` sequences (``text``), or
-    prepared fine-tuning rows (``sft``)."""
+    prepared fine-tuning rows (``sft``, ``preference``)."""
     if recipe.data.format == "text":
         return (TokenDataset(prepared_dir, "train", recipe.data.seq_len),
                 TokenDataset(prepared_dir, "val", recipe.data.seq_len))
@@ -180,10 +182,16 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     runtime = build_runtime(stages, mesh, policy, optimizer, schedule=p.schedule, microbatches=p.microbatches,
                             micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
                             sequence_parallel=p.sequence_parallel)
+    reference_stages = None
+    if r.preference.reference_mode(t.objective, lo.rank) == "frozen":  # the initial model, built the same way
+        reference_stages = freeze(build_stages_for(resolved, mesh, config, train_data.vocab_size, device),
+                                  policy.param_dtype)
+    head = attach_preference(resolved, runtime, mesh, policy, config.vocab_size, reference_stages)
     state = RunState(resolved=resolved, rank=rank, world=world, device=device, mesh=mesh, policy=policy,
                      config=config, stages=stages, runtime=runtime, optimizer=optimizer,
                      scheduler=scheduler_at(optimizer.inner, r, 0), train_data=train_data, val_data=val_data,
-                     dropout_seed=seed, control=_control_group(world))
+                     dropout_seed=seed, control=_control_group(world), preference=head,
+                     reference_stages=reference_stages)
     state.start_step = _resume(state)  # the checkpoint is restored into this state
     state.scheduler = scheduler_at(optimizer.inner, r, state.start_step)
     return state

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from plait.data.batch import TokenBatch
 from plait.data.sft_prepare import RowDataset
+from plait.post_training.head import PreferenceHead
 
 
 def validation_indices(num_sequences: int, global_batch: int, batches: int) -> list[int]:
@@ -98,4 +99,19 @@ def evaluate(runtime, dataset, *, global_batch: int, batches: int, microbatches:
     return mean_token_loss(totals, pp, dp)
 
 
-__all__ = ["counted_tokens", "evaluate", "mean_token_loss", "rank_batches", "validation_indices"]
+@torch.no_grad()
+def evaluate_preference(runtime, head: PreferenceHead, dataset, *, global_batch: int, batches: int,
+                        microbatches: int, micro_batch_size: int, dp, pp) -> dict[str, float]:
+    """The preference objective on the same validation rows under every layout: ``val_loss`` (the
+    per-pair loss averaged over every evaluated pair, plus the SFT term over their chosen tokens)
+    and the pair metrics (``val_rewards/accuracy``, ...), read from the head's evaluation sums.
+    The reference pass runs before each batch, as in training."""
+    for batch in rank_batches(dataset, global_batch=global_batch, batches=batches, microbatches=microbatches,
+                              micro_batch_size=micro_batch_size, dp=dp):
+        runtime.run(batch, train=False)
+    read = head.read("eval", pp, dp)
+    return {"val_loss": read.pop("loss", math.nan), **{f"val_{name}": v for name, v in read.items()}}
+
+
+__all__ = ["counted_tokens", "evaluate", "evaluate_preference", "mean_token_loss", "rank_batches",
+           "validation_indices"]

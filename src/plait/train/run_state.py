@@ -22,6 +22,7 @@ from plait.data_parallel.optimizer import DistributedOptimizer
 from plait.mesh import ParallelMesh
 from plait.models.llama.config import LlamaConfig
 from plait.pipeline.runtime import PipelineRuntime
+from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy
 
 #: a split of the run's data: text sequences, or fine-tuning rows
@@ -51,6 +52,10 @@ class RunState:
     control: dist.ProcessGroup | None
     #: the optimizer step the run starts at (0, or the resumed checkpoint's)
     start_step: int = 0
+    #: the preference objective's head on the last stage (``None``: the next-token loss)
+    preference: PreferenceHead | None = None
+    #: the frozen reference model's stages (DPO/IPO with ``preference.reference: frozen``)
+    reference_stages: list[nn.Module] | None = None
 
     @property
     def recipe(self) -> Recipe:

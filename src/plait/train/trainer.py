@@ -37,7 +37,7 @@ from plait.lora import save_peft_adapter
 from plait.models.flops import mfu, model_flops_per_token
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
-from plait.train.evaluation import evaluate
+from plait.train.evaluation import evaluate, evaluate_preference
 from plait.train.loggers import (
     JsonlSink,
     MetricsSink,
@@ -279,6 +279,10 @@ class Trainer:
         now = time.perf_counter()
         n = self.metrics.steps
         record = {"step": done, **self.metrics.read(average_over=self.dp, loss_from=self.pp), "lr": lr}
+        if self.state.preference is not None:  # pair-weighted over the interval; the step losses stay in "loss"
+            pairs = self.state.preference.read("train", self.pp, self.dp)
+            pairs.pop("loss", None)
+            record.update(pairs)
         if not math.isfinite(record["loss"]) and "skipped_steps" not in record:
             raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
                                      f"optimizer.lr or enable optimizer.grad_clip")
@@ -300,6 +304,11 @@ class Trainer:
     def _eval_fields(self) -> dict[str, float]:
         """Validation loss on the same sequences under every layout (see train/evaluation.py)."""
         r, st = self.recipe, self.state
+        if st.preference is not None:
+            return evaluate_preference(st.runtime, st.preference, st.val_data,
+                                       global_batch=self.resolved.global_batch_size, batches=r.train.eval_batches,
+                                       microbatches=r.parallel.microbatches, micro_batch_size=r.data.micro_batch_size,
+                                       dp=st.dp, pp=st.pp)
         val = evaluate(st.runtime, st.val_data, global_batch=self.resolved.global_batch_size,
                        batches=r.train.eval_batches, microbatches=r.parallel.microbatches,
                        micro_batch_size=r.data.micro_batch_size, dp=st.dp, pp=st.pp)

@@ -15,6 +15,7 @@ from torch import nn
 
 from plait.models.llama.model import LlamaForCausalLM
 from plait.nn.attention import document_causal_mask
+from plait.nn.output import SequenceLoss
 
 
 class StageModel(nn.Module):
@@ -70,10 +71,11 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_len: int, labels: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-                loss_normalizer: float | None = None) -> torch.Tensor:
+                loss_normalizer: float | None = None, sequence_loss: SequenceLoss | None = None) -> torch.Tensor:
         """``x``: token ids on the first stage, hidden states otherwise. The last stage returns the
         loss when ``labels`` are given (see :class:`~plait.nn.output.CausalLMOutput` for
-        ``loss_normalizer``), else the logits; other stages return hidden states.
+        ``loss_normalizer``; ``sequence_loss``, when given, computes it from the logits instead,
+        e.g. a preference objective), else the logits; other stages return hidden states.
         ``position_ids``/``segment_ids`` (``[batch, seq]``, every stage gets them from the batch)
         describe a packed batch."""
         h = self.model.embed_tokens(x) if self.first else x
@@ -83,7 +85,10 @@ class LlamaStage(nn.Module):
             h = layer(h, cos, sin, mask)
         if not self.last:
             return h
-        return self.output(self.lm_head(self.model.norm(h)), labels, loss_normalizer)
+        logits = self.lm_head(self.model.norm(h))
+        if sequence_loss is not None and labels is not None:
+            return sequence_loss(logits, labels)
+        return self.output(logits, labels, loss_normalizer)
 
     def extra_repr(self) -> str:
         span = f"{self.layer_ids[0]}-{self.layer_ids[-1]}" if self.layer_ids else "none"

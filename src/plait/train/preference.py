@@ -1,0 +1,108 @@
+"""Preference training wired into the one training path: the head on the last stage, the reference model.
+
+:func:`attach_preference` gives the run's runtime a :class:`~plait.post_training.head.PreferenceHead`
+(the last stage's loss from its logits) and, for DPO and IPO, a reference pass that runs before
+every schedule, training and evaluation alike, over the same batch and through the same pipeline:
+
+* ``adapters_off`` (LoRA): the policy's own stages with every adapter disabled
+  (:func:`plait.lora.adapters_disabled`), forward only through the same runtime. The base weights
+  never train, so this is exactly the initial model, with no second copy in memory.
+* ``frozen``: a second copy of the stages, built and loaded exactly like the policy's at the start
+  (same initialisation or the same ``model.hf_path``; without adapters, which start at zero), cast
+  to the policy's parameter dtype, with no gradients and no optimizer, driven by its own
+  forward-only runtime over the same layout.
+
+Both passes run in eval mode (no dropout), so the reference is deterministic and draws nothing
+from the generators the policy's dropout uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from plait.config.resolve import ResolvedRecipe
+from plait.config.schema import PREFERENCE_OBJECTIVES
+from plait.data.batch import TokenBatch
+from plait.lora import adapters_disabled
+from plait.mesh import ParallelMesh
+from plait.pipeline.runtime import PipelineRuntime
+from plait.post_training.head import PreferenceHead
+from plait.post_training.objectives import PreferenceSettings
+from plait.precision import PrecisionPolicy
+
+
+def preference_settings(resolved: ResolvedRecipe) -> PreferenceSettings:
+    pr = resolved.recipe.preference
+    return PreferenceSettings(beta=pr.beta, label_smoothing=pr.label_smoothing, sft_weight=pr.sft_weight,
+                              gamma=pr.gamma)
+
+
+@contextlib.contextmanager
+def eval_mode(stages: list[nn.Module]) -> Iterator[None]:
+    """The stages in eval mode (no dropout) inside; their previous modes restored after."""
+    modes = [m.training for stage in stages for m in stage.modules()]
+    for stage in stages:
+        stage.eval()
+    try:
+        yield
+    finally:
+        for module, mode in zip((m for stage in stages for m in stage.modules()), modes, strict=True):
+            module.training = mode
+
+
+def _adapters_off_pass(runtime: PipelineRuntime, head: PreferenceHead):
+    stages = runtime.stages
+
+    def reference_pass(tokens: TokenBatch) -> None:
+        with adapters_disabled(stages), eval_mode(stages), head.collecting_reference():
+            runtime.execute(tokens, train=False)
+    return reference_pass
+
+
+def _frozen_pass(reference: PipelineRuntime, head: PreferenceHead):
+    def reference_pass(tokens: TokenBatch) -> None:
+        with eval_mode(reference.stages), head.collecting_reference():
+            reference.execute(tokens, train=False)
+    return reference_pass
+
+
+def freeze(stages: list[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
+    """``stages`` as a frozen reference: the policy's parameter dtype, no gradients."""
+    for stage in stages:
+        stage.to(dtype)
+        for p in stage.parameters():
+            p.requires_grad_(False)
+    return stages
+
+
+def attach_preference(resolved: ResolvedRecipe, runtime: PipelineRuntime, mesh: ParallelMesh,
+                      policy: PrecisionPolicy, vocab_size: int,
+                      reference_stages: list[nn.Module] | None) -> PreferenceHead | None:
+    """Wire the recipe's preference objective into ``runtime`` (see the module doc); ``None`` for
+    the other objectives. ``reference_stages``: the frozen copy, for ``reference: frozen``."""
+    r = resolved.recipe
+    objective = r.train.objective
+    if objective not in PREFERENCE_OBJECTIVES:
+        return None
+    p = r.parallel
+    head = PreferenceHead(objective, preference_settings(resolved), vocab_size=vocab_size, tp=mesh.info("tp"),
+                          microbatches=p.microbatches, dp_size=mesh.info("dp").size, device=runtime.device)
+    runtime.loss_head = head
+    mode = r.preference.reference_mode(objective, r.lora.rank)
+    if mode == "adapters_off":
+        runtime.reference_pass = _adapters_off_pass(runtime, head)
+    elif mode == "frozen":
+        assert reference_stages is not None, "build_run builds the frozen reference for reference: frozen"
+        reference = PipelineRuntime(reference_stages, mesh, schedule=p.schedule, microbatches=p.microbatches,
+                                    micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
+                                    hidden_size=runtime.act_shape[-1], sequence_parallel=p.sequence_parallel,
+                                    dtype=policy.param_dtype, precision_context=runtime.precision_context)
+        reference.loss_head = head
+        runtime.reference_pass = _frozen_pass(reference, head)
+    elif mode is not None:
+        raise ValueError(f"preference.reference={mode!r} is not available; use frozen or adapters_off")
+    return head

@@ -1,0 +1,149 @@
+"""Preference training (DPO, IPO, ORPO, SimPO) through the real trainer on preference rows.
+
+The loss of a step is the mean over every pair of the global batch (and ORPO's NLL term the mean
+over every chosen token), so it must not depend on the layout: one process equals TP=2 x DP=2
+(DPO against a frozen reference) and PP=2 x DP=2 (ORPO, SimPO: the loss computed on the last
+stage from its logits), fp32, over several steps. With LoRA the reference is the policy with its
+adapters off or a frozen copy: both give the same losses, and at step 0 (adapters start at zero,
+so policy = reference) the DPO loss is exactly log 2. Bad combinations are refused before launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from distributed import run_distributed
+from plait.config import RecipeError, check_recipe
+from plait.data.tasks import write_task_files
+from trainer_runs import max_relative
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preference")
+    paths = write_task_files(root, seed=3, train=120, heldout=10)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([paths["sft_train"].read_text()], trainer)
+    tok.save(str(root / "tokenizer.json"))
+    return root, paths
+
+
+def _items(root, objective: str, extra: list[str]) -> list[str]:
+    return ["data.format=preference", f"train.objective={objective}", f"data.tokenizer={root / 'tokenizer.json'}",
+            # 420 tokens hold two or three pairs of the task: micro-batches have different pair counts
+            "data.seq_len=420", "data.val_fraction=0.1", "model.hidden_size=64", "model.num_hidden_layers=4",
+            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.intermediate_size=128",
+            "model.max_position_embeddings=420", f"data.cache_dir={root / 'cache'}", "precision.preset=fp32",
+            "optimizer.lr=3e-3",
+            "scheduler.warmup_steps=0", f"train.steps={STEPS}", "logging.progress_bar=false", "parallel.tp=1",
+            "parallel.sequence_parallel=false", "train.eval_batches=1", *extra]
+
+
+def _worker(rank, world, recipe_yaml, prepared, steps):
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    batches, losses, pairs = iter(trainer.loader), [], []
+    for _ in range(steps):
+        trainer.run_step(next(batches))
+        losses.append(trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)["loss"])
+        head = trainer.state.preference
+        assert head is not None
+        pairs.append(head.read("train", trainer.pp, trainer.dp))
+    trainer.loader.close()
+    rows = trainer.state.train_data.row_pairs
+    return {"losses": losses, "pairs": pairs, "eval": trainer._eval_fields(),
+            "pairs_per_row": sorted({int(n) for n in rows}) if rows is not None else []}
+
+
+def _run(task, tmp_path, objective: str, extra: list[str], world: int) -> list[dict]:
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    root, paths = task
+    items = _items(root, objective, extra) + [f"data.source={paths['preference_train']}",
+                                              f"run.output_dir={tmp_path}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    return run_distributed(_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared, STEPS)
+
+
+SINGLE = ["data.micro_batch_size=2", "parallel.microbatches=2"]
+TP_DP = ["parallel.tp=2", "parallel.dp=2", "data.micro_batch_size=1", "parallel.microbatches=2",
+         "parallel.sequence_parallel=true"]
+PP_DP = ["parallel.pp=2", "parallel.dp=2", "data.micro_batch_size=1", "parallel.microbatches=2"]
+
+
+def _last_stage(results: list[dict]) -> dict:
+    return next(r for r in results if any(r["losses"]))
+
+
+def test_dpo_with_a_frozen_reference_is_the_same_under_tp_dp(task, tmp_path):
+    single = _run(task, tmp_path / "one", "dpo", SINGLE, 1)[0]
+    assert len(single["pairs_per_row"]) > 1, single["pairs_per_row"]  # a per-micro-batch mean would differ
+    assert single["losses"][0] == pytest.approx(math.log(2), rel=1e-6)  # policy = reference at step 0
+    assert single["losses"][-1] < single["losses"][0]  # it learns
+    for key in ("rewards/chosen", "rewards/margin", "rewards/accuracy", "logps/chosen", "logps/rejected"):
+        assert key in single["pairs"][-1]
+    assert single["pairs"][0]["rewards/margin"] == pytest.approx(0.0, abs=1e-6)
+    assert {"val_loss", "val_rewards/accuracy"} <= set(single["eval"])
+    tp_dp = _run(task, tmp_path / "tp", "dpo", TP_DP, 4)
+    assert max_relative(tp_dp[0]["losses"], single["losses"]) < 1e-5, (tp_dp[0]["losses"], single["losses"])
+    assert tp_dp[0]["eval"]["val_loss"] == pytest.approx(single["eval"]["val_loss"], rel=1e-5)
+    assert tp_dp[0]["pairs"][-1]["rewards/margin"] == pytest.approx(single["pairs"][-1]["rewards/margin"],
+                                                                    rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("objective, extra", [
+    ("orpo", []),
+    pytest.param("simpo", ["preference.beta=2.0", "preference.gamma=0.5"], marks=pytest.mark.slow),
+])
+def test_reference_free_objectives_are_the_same_under_pp_dp(task, tmp_path, objective, extra):
+    single = _run(task, tmp_path / "one", objective, SINGLE + extra, 1)[0]
+    assert single["losses"][-1] < single["losses"][0]
+    pp_dp = _last_stage(_run(task, tmp_path / "pp", objective, PP_DP + extra, 4))
+    assert max_relative(pp_dp["losses"], single["losses"]) < 1e-5, (pp_dp["losses"], single["losses"])
+    assert pp_dp["eval"]["val_loss"] == pytest.approx(single["eval"]["val_loss"], rel=1e-5)
+    if objective == "orpo":
+        assert pp_dp["pairs"][-1]["loss/nll"] == pytest.approx(single["pairs"][-1]["loss/nll"], rel=1e-5)
+
+
+def test_lora_dpo_reference_adapters_off_equals_a_frozen_copy(task, tmp_path):
+    lora = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,down_proj]", *SINGLE]
+    off = _run(task, tmp_path / "off", "dpo", lora + ["preference.reference=adapters_off"], 1)[0]
+    frozen = _run(task, tmp_path / "frozen", "dpo", lora + ["preference.reference=frozen"], 1)[0]
+    assert off["losses"][0] == pytest.approx(math.log(2), rel=1e-6)
+    assert off["losses"][-1] < off["losses"][0]
+    assert max_relative(off["losses"], frozen["losses"]) < 1e-6, (off["losses"], frozen["losses"])
+
+
+@pytest.mark.parametrize("items, field", [
+    (["data.format=preference", "train.objective=sft"], "train.objective"),
+    (["data.format=sft", "train.objective=dpo"], "train.objective"),
+    (["train.objective=orpo", "preference.reference=frozen"], "preference.reference"),
+    (["train.objective=dpo", "preference.reference=adapters_off"], "preference.reference"),
+    (["train.objective=ipo", "preference.label_smoothing=0.1"], "preference.label_smoothing"),
+    (["train.objective=dpo", "preference.gamma=0.5"], "preference.gamma"),
+    (["data.format=sft", "train.objective=sft", "preference.beta=0.5"], "preference.beta"),
+])
+def test_bad_preference_recipes_are_refused_before_launch(task, items, field):
+    root, paths = task
+    base = ["data.format=preference", f"data.tokenizer={root / 'tokenizer.json'}",
+            f"data.source={paths['preference_train']}"]
+    with pytest.raises(RecipeError) as err:
+        check_recipe(None, base + items)
+    assert field in err.value.fields, str(err.value)
