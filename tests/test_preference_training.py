@@ -4,8 +4,10 @@ The loss of a step is the mean over every pair of the global batch (and ORPO's N
 over every chosen token), so it must not depend on the layout: one process equals TP=2 x DP=2
 (DPO against a frozen reference) and PP=2 x DP=2 (ORPO, SimPO: the loss computed on the last
 stage from its logits), fp32, over several steps. With LoRA the reference is the policy with its
-adapters off or a frozen copy: both give the same losses, and at step 0 (adapters start at zero,
-so policy = reference) the DPO loss is exactly log 2. Bad combinations are refused before launch.
+adapters off (in one process, and at PP=2 x DP=2 where the reference pass runs through the
+pipeline: slow) or a frozen copy (one process): both give the same losses, and at step 0
+(adapters start at zero, so policy = reference) the DPO loss is exactly log 2. A whole IPO run
+writes the pair metrics to metrics.jsonl. Bad combinations are refused before launch.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def task(tmp_path_factory):
 def _items(root, objective: str, extra: list[str]) -> list[str]:
     return ["data.format=preference", f"train.objective={objective}", f"data.tokenizer={root / 'tokenizer.json'}",
             # 420 tokens hold two or three pairs of the task: micro-batches have different pair counts
-            "data.seq_len=420", "data.val_fraction=0.1", "model.hidden_size=64", "model.num_hidden_layers=4",
+            "data.seq_len=420", "data.val_fraction=0.1", "model.hidden_size=64", "model.num_hidden_layers=2",
             "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.intermediate_size=128",
             "model.max_position_embeddings=420", f"data.cache_dir={root / 'cache'}", "precision.preset=fp32",
             "optimizer.lr=3e-3",
@@ -51,12 +53,14 @@ def _items(root, objective: str, extra: list[str]) -> list[str]:
             "parallel.sequence_parallel=false", "train.eval_batches=1", *extra]
 
 
-def _worker(rank, world, recipe_yaml, prepared, steps):
+def _worker(rank, world, recipe_yaml, prepared, steps, fit):
     from plait.config import validate_recipe
     from plait.train.trainer import Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    if fit:
+        return {"fit": trainer.fit()}
     batches, losses, pairs = iter(trainer.loader), [], []
     for _ in range(steps):
         trainer.run_step(next(batches))
@@ -70,7 +74,7 @@ def _worker(rank, world, recipe_yaml, prepared, steps):
             "pairs_per_row": sorted({int(n) for n in rows}) if rows is not None else []}
 
 
-def _run(task, tmp_path, objective: str, extra: list[str], world: int) -> list[dict]:
+def _run(task, tmp_path, objective: str, extra: list[str], world: int, fit: bool = False) -> list[dict]:
     from plait.config import load_recipe, recipe_data
     from plait.config.load import DEFAULT_RECIPE
     from plait.train.entry import prepare_data
@@ -79,7 +83,8 @@ def _run(task, tmp_path, objective: str, extra: list[str], world: int) -> list[d
     items = _items(root, objective, extra) + [f"data.source={paths['preference_train']}",
                                               f"run.output_dir={tmp_path}"]
     prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
-    return run_distributed(_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared, STEPS)
+    return run_distributed(_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared, STEPS,
+                           fit)
 
 
 SINGLE = ["data.micro_batch_size=2", "parallel.microbatches=2"]
@@ -122,13 +127,30 @@ def test_reference_free_objectives_are_the_same_under_pp_dp(task, tmp_path, obje
         assert pp_dp["pairs"][-1]["loss/nll"] == pytest.approx(single["pairs"][-1]["loss/nll"], rel=1e-5)
 
 
-def test_lora_dpo_reference_adapters_off_equals_a_frozen_copy(task, tmp_path):
-    lora = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,down_proj]", *SINGLE]
-    off = _run(task, tmp_path / "off", "dpo", lora + ["preference.reference=adapters_off"], 1)[0]
-    frozen = _run(task, tmp_path / "frozen", "dpo", lora + ["preference.reference=frozen"], 1)[0]
+@pytest.mark.parametrize("layout, world", [(SINGLE, 1), pytest.param(PP_DP, 4, marks=pytest.mark.slow)],
+                         ids=["one-process", "pp2-dp2"])
+def test_lora_dpo_reference_adapters_off_equals_a_frozen_copy(task, tmp_path, layout, world):
+    lora = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,down_proj]"]
+    frozen = _run(task, tmp_path / "frozen", "dpo", lora + SINGLE + ["preference.reference=frozen"], 1)[0]
+    off = _last_stage(_run(task, tmp_path / "off", "dpo", lora + layout + ["preference.reference=adapters_off"],
+                           world))
     assert off["losses"][0] == pytest.approx(math.log(2), rel=1e-6)
     assert off["losses"][-1] < off["losses"][0]
-    assert max_relative(off["losses"], frozen["losses"]) < 1e-6, (off["losses"], frozen["losses"])
+    assert max_relative(off["losses"], frozen["losses"]) < 1e-5, (off["losses"], frozen["losses"])
+
+
+def test_ipo_run_writes_pair_metrics_to_metrics_jsonl(task, tmp_path):
+    """The whole loop (fit): pair metrics and validation metrics reach metrics.jsonl."""
+    import json
+
+    results = _run(task, tmp_path, "ipo", SINGLE + ["train.log_every=3", "train.eval_every=6"], 1, fit=True)
+    assert results[0]["fit"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 6]
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
+                "logps/rejected"):
+        assert all(math.isfinite(r[key]) for r in records), key
+    assert math.isfinite(records[-1]["val_loss"]) and 0 <= records[-1]["val_rewards/accuracy"] <= 1
 
 
 @pytest.mark.parametrize("items, field", [
