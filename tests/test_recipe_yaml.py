@@ -57,12 +57,15 @@ def test_the_generated_cases_cover_the_schema():
 
 @pytest.mark.parametrize("section,name,value", ENUM_CASES, ids=[f"{s}.{n}={v}" for s, n, v in ENUM_CASES])
 def test_every_enum_value_is_itself_in_a_file_and_as_an_override(tmp_path, section, name, value):
-    path = _write(tmp_path, f"{section}:\n  {name}: {value}\n")  # written literally, unquoted
+    listed = typing.get_origin(SECTIONS[section].model_fields[name].annotation) is list  # e.g. lora.target_modules
+    text = f"[{value}]" if listed else str(value)  # written literally, unquoted
+    expected = [value] if listed else value
+    path = _write(tmp_path, f"{section}:\n  {name}: {text}\n")
     from_file = recipe_data(path)[section][name]
-    from_override = recipe_data(None, [f"{section}.{name}={value}"])[section][name]
-    assert from_file == value and type(from_file) is type(value)
-    assert from_override == value and type(from_override) is type(value)
-    assert getattr(getattr(load_recipe(path), section), name) == value
+    from_override = recipe_data(None, [f"{section}.{name}={text}"])[section][name]
+    assert from_file == expected and type(from_file) is type(expected)
+    assert from_override == expected and type(from_override) is type(expected)
+    assert getattr(getattr(load_recipe(path), section), name) == expected
 
 
 @pytest.mark.parametrize("word", YAML_11_BOOLEANS)

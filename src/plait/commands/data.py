@@ -42,9 +42,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     task.add_argument("--train", type=int, default=2000, metavar="N", help="training problems (default 2000)")
     task.add_argument("--heldout", type=int, default=200, metavar="N", help="held-out problems (default 200)")
     sft = prep.add_argument_group("fine-tuning rows (--format sft; see docs/post_training.md)")
-    sft.add_argument("--format", choices=("text", "sft"), default="text",
+    sft.add_argument("--format", choices=("text", "sft", "preference"), default="text",
                      help="'text' (default): documents to token shards; 'sft': a .jsonl of conversations or "
-                          "prompt/completion rows, rendered with the tokenizer's chat template")
+                          "prompt/completion rows, rendered with the tokenizer's chat template; 'preference': "
+                          "rows with a prompt (or messages) and chosen/rejected answers")
     sft.add_argument("--seq-len", type=int, default=None, metavar="N", help="row length in tokens (required for sft)")
     sft.add_argument("--no-packing", action="store_true", help="one sample per row (default: packed)")
     sft.add_argument("--truncation", choices=("drop", "truncate_left", "truncate_right"), default="drop",
@@ -82,14 +83,14 @@ def _prepare_rows(args: argparse.Namespace) -> int:
     from plait.data.sft_prepare import RowsSettings, prepare_rows
 
     if args.seq_len is None or args.seq_len < 2:
-        print("plait data prepare: --format sft needs --seq-len N (N >= 2), the row length of the recipe's "
+        print(f"plait data prepare: --format {args.format} needs --seq-len N (N >= 2), the row length of the recipe's "
               "data.seq_len", file=sys.stderr)
         return 2
     if args.tokenizer == "bpe":
-        print("plait data prepare: --format sft needs --tokenizer PATH (the model's tokenizer.json; its "
+        print(f"plait data prepare: --format {args.format} needs --tokenizer PATH (the model's tokenizer.json; its "
               "tokenizer_config.json gives the chat template)", file=sys.stderr)
         return 2
-    settings = RowsSettings(kind="sft", seq_len=args.seq_len, packing=not args.no_packing, truncation=args.truncation,
+    settings = RowsSettings(kind=args.format, seq_len=args.seq_len, packing=not args.no_packing, truncation=args.truncation,
                             train_on_prompt=args.train_on_prompt, skip_bad_rows=args.skip_bad_rows,
                             val_fraction=args.val_fraction, seed=args.seed)
     try:
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data_command != "prepare":
         print(f"plait data: unknown subcommand {args.data_command!r}; expected prepare or task", file=sys.stderr)
         return 2
-    if args.format == "sft":
+    if args.format in ("sft", "preference"):
         return _prepare_rows(args)
     from plait.data.checks import verify_prepared
     from plait.data.prepare import prepare_dataset_ex

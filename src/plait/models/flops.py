@@ -29,13 +29,17 @@ def matmul_params(config: LlamaConfig) -> int:
     return non_embedding + head
 
 
-def model_flops_per_token(config: LlamaConfig, seq_len: int) -> int:
-    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``."""
+def model_flops_per_token(config: LlamaConfig, seq_len: int, *, weight_gradients: bool = True) -> int:
+    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
+
+    ``weight_gradients=False`` is a frozen base (LoRA): the backward pass computes the input
+    gradients of every matmul but no weight gradients, 4N instead of 6N (the adapters' own few
+    FLOPs are not counted)."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
     span = config.attention_span(seq_len)
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * span
-    return int(6 * matmul_params(config) + attention)
+    return int((6 if weight_gradients else 4) * matmul_params(config) + attention)
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float) -> float:

@@ -194,7 +194,8 @@ class Trainer:
         tokens = steps * self.resolved.tokens_per_step
         tps = tokens / max(seconds, 1e-9)
         per_device = tps / self.world
-        fpt = model_flops_per_token(self.state.config, self.recipe.data.seq_len)
+        fpt = model_flops_per_token(self.state.config, self.recipe.data.seq_len,
+                                    weight_gradients=self.recipe.lora.rank is None)  # a frozen base: 4N
         return {"tokens_per_s": tps, "tokens_per_s_per_device": per_device,
                 "mfu": mfu(per_device, fpt, self.peak_flops),
                 "peak_memory_gb": peak_memory_bytes(self.state.device) / 1e9,
