@@ -90,9 +90,9 @@ def _prepare_rows(args: argparse.Namespace) -> int:
         print(f"plait data prepare: --format {args.format} needs --tokenizer PATH (the model's tokenizer.json; its "
               "tokenizer_config.json gives the chat template)", file=sys.stderr)
         return 2
-    settings = RowsSettings(kind=args.format, seq_len=args.seq_len, packing=not args.no_packing, truncation=args.truncation,
-                            train_on_prompt=args.train_on_prompt, skip_bad_rows=args.skip_bad_rows,
-                            val_fraction=args.val_fraction, seed=args.seed)
+    settings = RowsSettings(kind=args.format, seq_len=args.seq_len, packing=not args.no_packing,
+                            truncation=args.truncation, train_on_prompt=args.train_on_prompt,
+                            skip_bad_rows=args.skip_bad_rows, val_fraction=args.val_fraction, seed=args.seed)
     try:
         report = prepare_rows(args.source, args.tokenizer, settings, out_dir=args.out, cache_dir=args.cache_dir)
     except ValueError as exc:
