@@ -42,10 +42,24 @@ def _items(root, extra: list[str]) -> list[str]:
             "parallel.sequence_parallel=false", *extra]
 
 
-def _losses(task, tmp_path, extra: list[str], world: int) -> list[list[float]]:
+def _run(task, tmp_path, extra: list[str], world: int) -> list[dict]:
     root, paths = task
-    results = run_recipe(paths["sft_train"], tmp_path, _items(root, extra), world, STEPS)
-    return [r["losses"] for r in results]
+    return run_recipe(paths["sft_train"], tmp_path, _items(root, extra), world, STEPS)
+
+
+def _losses(task, tmp_path, extra: list[str], world: int) -> list[list[float]]:
+    return [r["losses"] for r in _run(task, tmp_path, extra, world)]
+
+
+def _adapter_elements(hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int, rank: int,
+                      tp: int = 1) -> int:
+    """Adapter elements one rank holds for targets q, v (column-parallel: B split) and down
+    (row-parallel: A split): A is [rank, in], B is [out, rank]."""
+    head_dim = hidden // heads
+    q = rank * hidden + hidden * rank // tp
+    v = rank * hidden + kv_heads * head_dim * rank // tp
+    down = rank * intermediate // tp + hidden * rank
+    return layers * (q + v + down)
 
 
 def test_sft_loss_is_the_same_under_tp_dp_and_pp_dp(task, tmp_path):
@@ -62,11 +76,17 @@ def test_sft_loss_is_the_same_under_tp_dp_and_pp_dp(task, tmp_path):
 
 def test_lora_sft_trains_only_adapters_and_matches_under_tp_dp(task, tmp_path):
     lora = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,down_proj]"]
-    single = _losses(task, tmp_path / "one", lora + ["data.micro_batch_size=2", "parallel.microbatches=2"], 1)[0]
-    tp_dp = _losses(task, tmp_path / "tp", lora + ["parallel.tp=2", "parallel.dp=2", "data.micro_batch_size=1",
-                                                   "parallel.microbatches=2"], 4)
+    one = _run(task, tmp_path / "one", lora + ["data.micro_batch_size=2", "parallel.microbatches=2"], 1)[0]
+    tp_dp = _run(task, tmp_path / "tp", lora + ["parallel.tp=2", "parallel.dp=2", "data.micro_batch_size=1",
+                                                "parallel.microbatches=2"], 4)
+    single = one["losses"]
     assert single[-1] < single[0]
-    assert max_relative(tp_dp[0], single) < 1e-5, (tp_dp[0], single)
+    assert max_relative(tp_dp[0]["losses"], single) < 1e-5, (tp_dp[0]["losses"], single)
+    # the optimizer holds AdamW's two fp32 moments for the adapters only (measured on each rank)
+    full = _adapter_elements(64, 4, 2, 128, 4, rank=4)
+    assert one["memory"]["optimizer_state_bytes"] == 2 * 4 * full
+    for r in tp_dp:
+        assert r["memory"]["optimizer_state_bytes"] == 2 * 4 * _adapter_elements(64, 4, 2, 128, 4, rank=4, tp=2)
 
 
 @pytest.mark.parametrize("items, field", [
