@@ -96,3 +96,17 @@ def test_generate_chat_renders_the_template(setup):
     assert out.returncode == 0, out.stderr
     empty = plait("generate", "--hf", str(root / "base"), "--chat")
     assert empty.returncode == 2 and "--chat needs --prompt" in empty.stderr
+
+
+def test_lora_init_from_must_match_the_adapter(setup):
+    from plait.config import RecipeError, check_recipe
+
+    root, _, _ = setup
+    adapter = str(root / "adapter")
+    check_recipe(None, ["lora.rank=2", "lora.alpha=4.0", f"lora.init_from={adapter}"])  # the adapter's settings
+    with pytest.raises(RecipeError, match="was trained with rank 2"):
+        check_recipe(None, ["lora.rank=8", f"lora.init_from={adapter}"])
+    with pytest.raises(RecipeError, match="lora.rank is null"):
+        check_recipe(None, [f"lora.init_from={adapter}"])
+    with pytest.raises(RecipeError, match="not a readable PEFT adapter"):
+        check_recipe(None, ["lora.rank=2", f"lora.init_from={root / 'base'}"])

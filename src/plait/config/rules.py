@@ -21,6 +21,7 @@ from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
 from plait.data.sft_prepare import rows_directory
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
+from plait.lora import PeftAdapterError, read_peft_settings
 from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scaling_problems
 from plait.pipeline.layout import plan_partition
 from plait.pipeline.partition import PartitionError
@@ -459,6 +460,30 @@ def _check_data(c: _Checker, arch: LlamaConfig | None, check_paths: bool) -> Non
                                                 f"or null to use the tokenizer's size")
 
 
+def _check_lora(c: _Checker, check_paths: bool) -> None:
+    """``lora.init_from`` names a PEFT adapter made with this section's settings."""
+    lo = c.r.lora
+    if lo.init_from is None or not c.ok("lora"):
+        return
+    if lo.rank is None:
+        c.add("lora.init_from", lo.init_from, "starts LoRA adapters, but lora.rank is null (LoRA off); set lora.rank "
+                                              "to the adapter's rank")
+        return
+    if not check_paths:
+        return
+    try:
+        found = read_peft_settings(Path(lo.init_from).expanduser())
+    except (PeftAdapterError, OSError) as e:
+        c.add("lora.init_from", lo.init_from, f"is not a readable PEFT adapter directory ({e})")
+        return
+    mine = (lo.rank, float(lo.alpha), lo.rslora, sorted(lo.target_modules))
+    theirs = (found.rank, float(found.alpha), found.rslora, sorted(found.target_modules))
+    if mine != theirs:
+        c.add("lora.init_from", lo.init_from, f"was trained with rank {found.rank}, alpha {found.alpha:g}, rslora "
+                                              f"{str(found.rslora).lower()}, targets {list(found.target_modules)}; "
+                                              f"set the lora section to the same")
+
+
 def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | None = None, *,
                      check_paths: bool = True) -> tuple[list[Problem], list[str], LlamaConfig | None]:
     """``(problems, warnings, architecture)`` of the rules between fields, skipping rules that
@@ -477,4 +502,5 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_activation_checkpointing(c, arch)
     _check_paths(c)
     _check_data(c, arch, check_paths)
+    _check_lora(c, check_paths)
     return c.problems, c.warnings, arch

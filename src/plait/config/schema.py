@@ -327,6 +327,10 @@ class LoraSection(Section):
     target_modules: list[LoraTarget] = Field(default_factory=_attention_targets,
                                              description="Projections of each decoder block that get an adapter")
     rslora: Bool = Field(default=False, description="Rank-stabilised scale alpha / sqrt(rank)")
+    init_from: str | None = Field(default=None, description="A PEFT adapter directory (adapter_config.json + "
+                                                            "adapter_model.safetensors) to start the adapters from, "
+                                                            "e.g. an earlier LoRA run's final/; its rank, alpha, "
+                                                            "rslora and targets must match this section")
 
 
 class PreferenceSection(Section):

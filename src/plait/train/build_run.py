@@ -40,7 +40,7 @@ from plait.config.schema import Recipe
 from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
-from plait.lora import LoraSettings, apply_lora
+from plait.lora import LoraSettings, apply_lora, load_peft_adapter
 from plait.materialize import build_stages, rng_tracker_of
 from plait.mesh import ParallelMesh
 from plait.models.family import config_of
@@ -174,6 +174,8 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     if lo.rank is not None:  # after the weights are read: the base is frozen, only adapters train
         apply_lora(stages, LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
                                         target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
+        if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
+            load_peft_adapter(stages, Path(lo.init_from).expanduser())
     t = r.train
     if t.activation_checkpointing != "off":
         apply_activation_checkpointing(stages, t.activation_checkpointing, t.checkpoint_modules or None)
