@@ -106,3 +106,18 @@ def test_sft_source_must_be_a_jsonl_file(task):
     with pytest.raises(RecipeError, match="reads one .jsonl file"):
         check_recipe(None, ["data.format=sft", "train.objective=sft", f"data.source={root}",
                             f"data.tokenizer={root / 'tokenizer.json'}"])
+
+
+@pytest.mark.slow
+def test_lora_sft_20_steps_tp2_pp2_equals_one_process(task, tmp_path):
+    """20 steps of LoRA SFT at TP=2 x PP=2 follow one process (the adapters' own parallel layout
+    and the pipeline together)."""
+    lora = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,o_proj,down_proj]",
+            "train.steps=20", "data.micro_batch_size=2", "parallel.microbatches=2"]
+    root, paths = task
+    single = run_recipe(paths["sft_train"], tmp_path / "one", _items(root, lora), 1, 20)[0]["losses"]
+    both = run_recipe(paths["sft_train"], tmp_path / "tp", _items(root, lora + ["parallel.tp=2", "parallel.pp=2"]),
+                      4, 20)
+    losses = next(r["losses"] for r in both if any(r["losses"]))
+    assert single[-1] < single[0]
+    assert max_relative(losses, single) < 1e-5, (losses, single)
