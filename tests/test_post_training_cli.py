@@ -9,16 +9,14 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from chat_task import chat_tokenizer
 from plait.data.tasks import write_task_files
 from plait.lora import LoraSettings, apply_lora, save_peft_adapter
 from plait.materialize import build_model, load_from_hf
 from plait.mesh import single_process_mesh
 from plait.models.hf_io import save_hf_checkpoint
 from plait.models.llama.config import LlamaConfig
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def plait(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -31,12 +29,7 @@ def setup(tmp_path_factory):
     """A tiny random model with a ChatML tokenizer, an adapter on it, and the task files."""
     root = tmp_path_factory.mktemp("cli")
     paths = write_task_files(root / "task", seed=2, train=40, heldout=4)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([paths["sft_train"].read_text()], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = chat_tokenizer(paths["sft_train"].read_text(), 300)
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     mesh = single_process_mesh()

@@ -5,28 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from chat_task import task_with_tokenizer
 from plait.data.errors import DataError
 from plait.data.packing import IGNORE_INDEX
 from plait.data.sft_prepare import RowDataset, RowsSettings, prepare_rows, rows_directory
 from plait.data.tasks import write_task_files
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("task")
-    paths = write_task_files(root, seed=1, train=60, heldout=10)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([paths["sft_train"].read_text()], trainer)
-    tok.save(str(root / "tokenizer.json"))
-    return root, paths
+    return task_with_tokenizer(tmp_path_factory.mktemp("task"), seed=1, train=60, heldout=10, vocab_size=300)
 
 
 def test_task_files_are_deterministic_and_heldout_is_disjoint(tmp_path, task):

@@ -9,28 +9,17 @@ Bad combinations of format, objective and tokenizer are refused before anything 
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from chat_task import task_with_tokenizer
 from plait.config import RecipeError, check_recipe
-from plait.data.tasks import write_task_files
 from trainer_runs import max_relative, run_recipe
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
-    paths = write_task_files(root, seed=3, train=120, heldout=10)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([paths["sft_train"].read_text()], trainer)
-    tok.save(str(root / "tokenizer.json"))
-    return root, paths
+    return task_with_tokenizer(tmp_path_factory.mktemp("sft"), seed=3, train=120, heldout=10)
 
 
 def _items(root, extra: list[str]) -> list[str]:

@@ -134,16 +134,21 @@ def _read_rows(source: Path, settings: RowsSettings) -> tuple[list[SFTRow] | lis
     return read_preference_rows(source, skip_bad_rows=settings.skip_bad_rows)
 
 
-def _existing(out: Path, key: str) -> dict | None:
-    index = out / INDEX_FILE
+def _rows_index(directory: Path) -> dict | None:
+    """The ``index.json`` of a prepared fine-tuning directory, else None (absent, unreadable, another kind)."""
+    index = directory / INDEX_FILE
     if not index.is_file():
         return None
     try:
         found = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return found if isinstance(found, dict) and found.get("format") == ROWS_FORMAT and found.get("key") == key \
-        else None
+    return found if isinstance(found, dict) and found.get("format") == ROWS_FORMAT else None
+
+
+def _existing(out: Path, key: str) -> dict | None:
+    found = _rows_index(out)
+    return found if found is not None and found.get("key") == key else None
 
 
 def _report(out: Path, index: dict, reused: bool) -> RowsReport:
@@ -229,14 +234,7 @@ def _umask() -> int:
 def rows_directory(path: str | os.PathLike) -> Path | None:
     """``path`` as a prepared fine-tuning directory, else None."""
     p = Path(path).expanduser()
-    index = p / INDEX_FILE
-    if not index.is_file():
-        return None
-    try:
-        found = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return p if isinstance(found, dict) and found.get("format") == ROWS_FORMAT else None
+    return p if _rows_index(p) is not None else None
 
 
 class RowDataset:
