@@ -29,7 +29,8 @@ def _full_weights(rank, world, cfg_kw):
     return full_state_dict(model, mesh.info("tp"))
 
 
-@pytest.mark.parametrize("cfg_kw", [{}, {"tie_word_embeddings": True}], ids=["untied", "tied"])
+@pytest.mark.parametrize("cfg_kw", [{}, pytest.param({"tie_word_embeddings": True}, marks=pytest.mark.slow)],
+                         ids=["untied", "tied"])  # tied: also by tests/test_materialize.py at TP=2 x PP=2
 def test_initial_weights_identical_for_tp_1_2_4(cfg_kw):
     from plait.materialize import build_llama
     from plait.mesh import single_process_mesh

@@ -32,8 +32,9 @@ LAYOUTS = {
     "pp2": (["parallel.pp=2", "model.num_hidden_layers=4"], 2),
     # the deeper and uneven splits and the GPipe order run in `make test-slow` (pp2 covers the runtime)
     "pp4": pytest.param((["parallel.pp=4", "model.num_hidden_layers=4"], 4), marks=pytest.mark.slow),
-    "pp2-vpp2": (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
-                  "model.num_hidden_layers=4"], 2),
+    # interleaving also runs by default in tests/test_dp_parity.py (pp2xdp2-vpp2)
+    "pp2-vpp2": pytest.param((["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
+                               "model.num_hidden_layers=4"], 2), marks=pytest.mark.slow),
     "pp2xtp2": (["parallel.pp=2", "parallel.tp=2", "model.num_hidden_layers=4"], 4),
     "pp2xtp2-sp": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                     "model.num_hidden_layers=4"], 4),
