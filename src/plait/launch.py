@@ -182,8 +182,13 @@ def init_worker(threads: int = 1) -> tuple[int, int]:
     torch.set_num_threads(threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, **_attempt_store())
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        # naming the device binds the communicator to it (NCCL otherwise guesses it from the global
+        # rank, which hangs when ranks and GPUs are not numbered alike)
+        dist.init_process_group(backend, device_id=device, **_attempt_store())
+    else:
+        dist.init_process_group(backend, **_attempt_store())
     return dist.get_rank(), dist.get_world_size()
 
 
