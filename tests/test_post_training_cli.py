@@ -103,3 +103,24 @@ def test_lora_init_from_must_match_the_adapter(setup):
         check_recipe(None, [f"lora.init_from={adapter}"])
     with pytest.raises(RecipeError, match="not a readable PEFT adapter"):
         check_recipe(None, ["lora.rank=2", f"lora.init_from={root / 'base'}"])
+
+
+def test_adapter_export_is_marked_and_never_replaces_foreign_files(setup, tmp_path):
+    """A LoRA run's final adapter can be written again over itself (a rerun), never over a
+    directory of someone else's files, and never half-written."""
+    from plait.outputs.ownership import OutputDirError
+
+    root, _, adapted = setup
+    tp = single_process_mesh().info("tp")
+    out = tmp_path / "final"
+    save_peft_adapter([adapted], out, tp, str(root / "base"))
+    assert (out / ".plait-output.json").is_file()
+    with pytest.raises(OutputDirError, match="allow replacing it"):
+        save_peft_adapter([adapted], out, tp, str(root / "base"))
+    save_peft_adapter([adapted], out, tp, str(root / "base"), replace=True)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(OutputDirError):
+        save_peft_adapter([adapted], foreign, tp, str(root / "base"), replace=True)
+    assert (foreign / "notes.txt").read_text() == "keep" and sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]

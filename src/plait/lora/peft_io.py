@@ -14,6 +14,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ from torch import nn
 from plait.comm.primitives import GroupInfo
 from plait.lora.apply import adapted
 from plait.lora.settings import TARGETS, LoraSettings, LoraSettingsError
+from plait.outputs.ownership import require_target, write_marker
+from plait.outputs.permissions import apply_umask
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
 CONFIG_FILE = "adapter_config.json"
@@ -73,7 +77,7 @@ def settings_of(modules: list[nn.Module]) -> LoraSettings:
 
 def save_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str], tp_group_info: GroupInfo,
                       base_model_name_or_path: str | None, *, settings: LoraSettings | None = None,
-                      pp: GroupInfo | None = None) -> None:
+                      pp: GroupInfo | None = None, replace: bool = False) -> None:
     """Write the adapters of ``modules`` as a PEFT adapter directory.
 
     Every rank of the TP group must call this (full tensors are gathered over it); global rank 0
@@ -97,7 +101,7 @@ def save_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str
     error: BaseException | None = None
     if is_writer:
         try:
-            _write(Path(directory), peft_config(settings, base_model_name_or_path), tensors)
+            _write(Path(directory), peft_config(settings, base_model_name_or_path), tensors, replace)
         except Exception as e:  # reported to every rank below, so none waits forever
             error = e
     if dist.is_initialized():  # doubles as the barrier: nobody returns before the files exist
@@ -153,15 +157,28 @@ def _full_adapter_tensors(modules: list[nn.Module], tp: GroupInfo) -> dict[str, 
     return out
 
 
-def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Both files, each written to a temporary name and renamed, so a reader never sees half a file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    weights_tmp = directory / f".{WEIGHTS_FILE}.tmp"
-    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-    os.replace(weights_tmp, directory / WEIGHTS_FILE)
-    config_tmp = directory / f".{CONFIG_FILE}.tmp"
-    config_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(config_tmp, directory / CONFIG_FILE)
+def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], replace: bool) -> None:
+    """The adapter directory, written whole under a temporary name and swapped in, carrying plait's
+    marker: only an absent or empty directory, or (with ``replace``) a model directory plait wrote,
+    is ever replaced, and a reader never sees half an adapter."""
+    hint = "allow replacing it (--overwrite, checkpoint.overwrite=true)"
+    require_target(directory, "hf-model", what="the adapter directory", replace=replace, replace_hint=hint)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_marker(tmp, "hf-model")
+        apply_umask(tmp)
+        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        if directory.exists():
+            require_target(directory, "hf-model", what="the adapter directory", replace=replace, replace_hint=hint)
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 # ------------------------------------------------------------------------------ read

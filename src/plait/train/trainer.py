@@ -361,7 +361,8 @@ class Trainer:
         did not change. Gathered over TP and the pipeline; global rank 0 writes."""
         st = self.state
         self.finish_checkpoints()
-        save_peft_adapter(st.stages, self.resolved.checkpoint_dir, st.tp, self.recipe.model.hf_path, pp=st.pp)
+        save_peft_adapter(st.stages, self.resolved.checkpoint_dir, st.tp, self.recipe.model.hf_path, pp=st.pp,
+                          replace=True)  # checked before launch, as for the full model
 
     def _export_final(self, step: int) -> None:
         """Write the final Hugging Face model through the sharded checkpoint of ``step``.
