@@ -63,16 +63,17 @@ def _worker(rank, world, recipe_yaml, prepared, steps, fit):
             "pairs_per_row": sorted({int(n) for n in rows}) if rows is not None else []}
 
 
-def _run(task, tmp_path, objective: str, extra: list[str], world: int, fit: bool = False) -> list[dict]:
+def _run(task, tmp_path, objective: str, extra: list[str], world: int, fit: bool = False,
+         steps: int = STEPS) -> list[dict]:
     from plait.config import load_recipe, recipe_data
     from plait.config.load import DEFAULT_RECIPE
     from plait.train.entry import prepare_data
 
     root, paths = task
     items = _items(root, objective, extra) + [f"data.source={paths['preference_train']}",
-                                              f"run.output_dir={tmp_path}"]
+                                              f"run.output_dir={tmp_path}", f"train.steps={steps}"]
     prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
-    return run_distributed(_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared, STEPS,
+    return run_distributed(_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared, steps,
                            fit)
 
 
@@ -87,7 +88,7 @@ def _last_stage(results: list[dict]) -> dict:
 
 
 def test_dpo_with_a_frozen_reference_is_the_same_under_tp_dp(task, tmp_path):
-    single = _run(task, tmp_path / "one", "dpo", SINGLE, 1)[0]
+    single = _run(task, tmp_path / "one", "dpo", SINGLE, 1, steps=10)[0]
     assert len(single["pairs_per_row"]) > 1, single["pairs_per_row"]  # a per-micro-batch mean would differ
     assert single["losses"][0] == pytest.approx(math.log(2), rel=1e-6)  # policy = reference at step 0
     assert single["losses"][-1] < single["losses"][0]  # it learns
@@ -95,7 +96,7 @@ def test_dpo_with_a_frozen_reference_is_the_same_under_tp_dp(task, tmp_path):
         assert key in single["pairs"][-1]
     assert single["pairs"][0]["rewards/margin"] == pytest.approx(0.0, abs=1e-6)
     assert {"val_loss", "val_rewards/accuracy"} <= set(single["eval"])
-    tp_dp = _run(task, tmp_path / "tp", "dpo", TP_DP, 4)
+    tp_dp = _run(task, tmp_path / "tp", "dpo", TP_DP, 4, steps=10)
     assert max_relative(tp_dp[0]["losses"], single["losses"]) < 1e-5, (tp_dp[0]["losses"], single["losses"])
     assert tp_dp[0]["eval"]["val_loss"] == pytest.approx(single["eval"]["val_loss"], rel=1e-5)
     assert tp_dp[0]["pairs"][-1]["rewards/margin"] == pytest.approx(single["pairs"][-1]["rewards/margin"],
