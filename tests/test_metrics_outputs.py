@@ -302,3 +302,20 @@ def test_summary_of_trainer_style_records(tmp_path):
     assert s["median_tokens_per_s"] == pytest.approx(1000.0) and s["median_mfu"] == pytest.approx(0.2)
     assert s["final_val_loss"] == 2.5
     assert "1.86 GiB" in summary_table(metrics)
+
+
+def test_summary_shows_reward_accuracy_and_margin_of_a_preference_run(tmp_path):
+    import json
+
+    from plait.train.report import summary_table
+
+    records = [{"step": 10, "loss": 0.6, "rewards/accuracy": 0.5, "rewards/margin": 0.1},
+               {"step": 20, "loss": 0.4, "rewards/accuracy": 0.75, "rewards/margin": 1.25,
+                "val_loss": 0.5, "val_rewards/accuracy": 0.8, "val_rewards/margin": 2.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = summary_table(path)
+    assert "reward accuracy      75.00%" in table and "val reward margin    +2.0000" in table
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"step": 10, "loss": 1.0}) + "\n")
+    assert "reward" not in summary_table(plain)

@@ -185,6 +185,21 @@ def _steps_trained(s: dict[str, Any]) -> str:
     return f"{s['steps_trained']}" + (f" (resumed at step {s['start_step']})" if s["start_step"] else "")
 
 
+#: (label, metric) of a preference run's last logged values, shown when the run logged them
+PREFERENCE_ROWS = (("reward accuracy", "rewards/accuracy"), ("reward margin", "rewards/margin"),
+                   ("val reward accuracy", "val_rewards/accuracy"), ("val reward margin", "val_rewards/margin"))
+
+
+def _preference_rows(metrics_jsonl: PathLike) -> list[tuple[str, str]]:
+    """The last logged reward accuracy and margin (train and validation) of a preference run."""
+    last: dict[str, float] = {}
+    for record in read_metrics(metrics_jsonl):
+        last.update({k: v for k, v in record.items() if isinstance(v, (int, float)) and k.startswith(
+            ("rewards/", "val_rewards/"))})
+    return [(label, f"{last[key]:.2%}" if "accuracy" in key else f"{last[key]:+.4f}")
+            for label, key in PREFERENCE_ROWS if key in last]
+
+
 def summary_table(metrics_jsonl: PathLike, start_step: int = 0) -> str:
     """A plain-text two-column table of a run's headline numbers (``start_step``: see :func:`summarize`)."""
     s = summarize(metrics_jsonl, start_step)
@@ -209,6 +224,7 @@ def summary_table(metrics_jsonl: PathLike, start_step: int = 0) -> str:
         ("data-wait share", na if s["data_wait_share"] is None else f"{s['data_wait_share']:.1%}"),
         ("wall time", na if s["wall_time_s"] is None else _human_seconds(s["wall_time_s"])),
     ]
+    rows += _preference_rows(metrics_jsonl)
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 2 + max(len(v) for _, v in rows))
     body = [f"{'metric'.ljust(width)}  value", line] + [f"{k.ljust(width)}  {v}" for k, v in rows]
