@@ -14,8 +14,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +26,7 @@ from torch import nn
 from plait.comm.primitives import GroupInfo
 from plait.lora.apply import adapted
 from plait.lora.settings import TARGETS, LoraSettings, LoraSettingsError
-from plait.outputs.ownership import require_target, write_marker
-from plait.outputs.permissions import apply_umask
+from plait.outputs.whole import written_whole
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
 CONFIG_FILE = "adapter_config.json"
@@ -161,24 +158,10 @@ def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Ten
     """The adapter directory, written whole under a temporary name and swapped in, carrying plait's
     marker: only an absent or empty directory, or (with ``replace``) a model directory plait wrote,
     is ever replaced, and a reader never sees half an adapter."""
-    hint = "allow replacing it (--overwrite, checkpoint.overwrite=true)"
-    require_target(directory, "hf-model", what="the adapter directory", replace=replace, replace_hint=hint)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
+    with written_whole(directory, "hf-model", what="the adapter directory", replace=replace,
+                       replace_hint="allow replacing it (--overwrite, checkpoint.overwrite=true)") as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        write_marker(tmp, "hf-model")
-        apply_umask(tmp)
-        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-        if directory.exists():
-            require_target(directory, "hf-model", what="the adapter directory", replace=replace, replace_hint=hint)
-            os.rename(directory, old)
-        os.rename(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ------------------------------------------------------------------------------ read

@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -44,8 +42,7 @@ from torch import nn
 from plait.comm.primitives import GroupInfo
 from plait.models.family import config_of
 from plait.models.registry import family_of, read_hf_config_file
-from plait.outputs.ownership import require_target, write_marker
-from plait.outputs.permissions import apply_umask
+from plait.outputs.whole import written_whole
 from plait.parallel_state import shard_specs
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
@@ -264,12 +261,8 @@ def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tupl
     anything else raises :class:`~plait.outputs.OutputDirError` before a byte is written. The
     new directory carries plait's marker, so a later write can tell it from the user's files.
     """
-    path = Path(path)
-    require_target(path, "hf-model", what="the output directory", replace=replace,
-                   replace_hint="allow replacing it (--overwrite, checkpoint.overwrite=true)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with written_whole(path, "hf-model", what="the output directory", replace=replace,
+                       replace_hint="allow replacing it (--overwrite, checkpoint.overwrite=true)") as tmp:
         shards = _plan_shards(entries, max_shard_bytes)
         files = [SINGLE_FILE] if len(shards) == 1 else \
             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -289,18 +282,6 @@ def write_hf_dir(path: PathLike, config_dict: dict[str, Any], entries: list[tupl
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
         for _, writer in extra_files:
             writer(tmp)
-        write_marker(tmp, "hf-model")
-        apply_umask(tmp)  # mkdtemp and safetensors make owner-only files
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        if path.exists():
-            # checked again just before the swap: only a model plait wrote (or nothing) is replaced
-            require_target(path, "hf-model", what="the output directory", replace=replace)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _gathered(model: nn.Module, names: list[str], tp: GroupInfo,
