@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from distributed import run_distributed
 from plait.context_parallel import SequenceSplit, causal_work, pieces, ring_plan
 from plait.context_parallel.piecewise import backward_block, empty_accumulator, forward_block
 from plait.context_parallel.ring import group_queries
 from plait.nn.attention import document_causal_mask
-from distributed import run_distributed
 
 TOL = 1e-5
 
