@@ -22,7 +22,7 @@ from plait.context_parallel.split import SequenceSplit
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit,  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit,
                 info: GroupInfo, segments: torch.Tensor | None) -> torch.Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
         qg = group_queries(q, k.shape[1])
@@ -36,7 +36,7 @@ class AllGatherAttention(torch.autograd.Function):
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse, segments = ctx.saved_tensors
         split, info, scale = ctx.split, ctx.info, ctx.scale
         qg = group_queries(q, k.shape[1])

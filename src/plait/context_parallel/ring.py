@@ -35,7 +35,7 @@ def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit,  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit,
                 exchange: RingExchange, segments: torch.Tensor | None) -> torch.Tensor:
         rank, kvh = exchange.info.rank, k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -54,7 +54,7 @@ class RingAttention(torch.autograd.Function):
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse, segments = ctx.saved_tensors
         split, exchange, scale = ctx.split, ctx.exchange, ctx.scale
         qg = group_queries(q, k.shape[1])
