@@ -81,6 +81,7 @@ SINGLE = ["data.micro_batch_size=2", "parallel.microbatches=2"]
 TP_DP = ["parallel.tp=2", "parallel.dp=2", "data.micro_batch_size=1", "parallel.microbatches=2",
          "parallel.sequence_parallel=true"]
 PP_DP = ["parallel.pp=2", "parallel.dp=2", "data.micro_batch_size=1", "parallel.microbatches=2"]
+LORA = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,down_proj]"]
 
 
 def _last_stage(results: list[dict]) -> dict:
@@ -117,16 +118,60 @@ def test_reference_free_objectives_are_the_same_under_pp_dp(task, tmp_path, obje
         assert pp_dp["pairs"][-1]["loss/nll"] == pytest.approx(single["pairs"][-1]["loss/nll"], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout, world", [(SINGLE, 1), pytest.param(PP_DP, 4, marks=pytest.mark.slow)],
-                         ids=["one-process", "pp2-dp2"])
-def test_lora_dpo_reference_adapters_off_equals_a_frozen_copy(task, tmp_path, layout, world):
-    lora = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,down_proj]"]
-    frozen = _run(task, tmp_path / "frozen", "dpo", lora + SINGLE + ["preference.reference=frozen"], 1)[0]
-    off = _last_stage(_run(task, tmp_path / "off", "dpo", lora + layout + ["preference.reference=adapters_off"],
-                           world))
+@pytest.mark.slow
+def test_lora_dpo_reference_adapters_off_under_pp_dp_equals_a_frozen_copy(task, tmp_path):
+    """(The one-process case is part of the precompute test below.)"""
+    frozen = _run(task, tmp_path / "frozen", "dpo", LORA + SINGLE + ["preference.reference=frozen"], 1)[0]
+    off = _last_stage(_run(task, tmp_path / "off", "dpo", LORA + PP_DP + ["preference.reference=adapters_off"], 4))
     assert off["losses"][0] == pytest.approx(math.log(2), rel=1e-6)
     assert off["losses"][-1] < off["losses"][0]
     assert max_relative(off["losses"], frozen["losses"]) < 1e-5, (off["losses"], frozen["losses"])
+
+
+def _tables(task) -> list:
+    root, _ = task
+    return sorted((root / "cache").rglob("reference/*/*.npy"))
+
+
+def test_lora_dpo_references_adapters_off_frozen_and_precompute_give_the_same_losses(task, tmp_path):
+    """On a LoRA run the three reference modes are the same initial model: adapters_off (no second
+    copy), frozen (a second copy) and precompute (scored once, stored with the prepared rows and
+    reused by a second run in another layout) give the same losses."""
+    for table in _tables(task):  # another test of this module may have left one: start without
+        table.unlink()
+    frozen = _run(task, tmp_path / "frozen", "dpo", LORA + SINGLE + ["preference.reference=frozen"], 1)[0]
+    off = _run(task, tmp_path / "off", "dpo", LORA + SINGLE + ["preference.reference=adapters_off"], 1)[0]
+    assert off["losses"][-1] < off["losses"][0]
+    assert max_relative(off["losses"], frozen["losses"]) < 1e-5, (off["losses"], frozen["losses"])
+    first = _run(task, tmp_path / "pre", "dpo", LORA + SINGLE + ["preference.reference=precompute"], 1)[0]
+    tables = _tables(task)
+    assert [t.name for t in tables] == ["train.npy", "val.npy"], tables
+    assert first["losses"][0] == pytest.approx(math.log(2), rel=1e-6)
+    assert max_relative(first["losses"], frozen["losses"]) < 1e-6, (first["losses"], frozen["losses"])
+    assert first["eval"]["val_loss"] == pytest.approx(frozen["eval"]["val_loss"], rel=1e-6)
+    written = [t.stat().st_mtime_ns for t in tables]
+    again = _last_stage(_run(task, tmp_path / "again", "dpo", LORA + TP_DP + ["preference.reference=precompute"], 4))
+    assert [t.stat().st_mtime_ns for t in _tables(task)] == written, "the stored table is reused, not rewritten"
+    assert max_relative(again["losses"], frozen["losses"]) < 1e-5, (again["losses"], frozen["losses"])
+
+
+@pytest.mark.slow
+def test_dpo_precompute_under_pp_dp_scores_the_same_table(task, tmp_path):
+    """Computed by a PP=2 x DP=2 layout (last stage fills its DP share, padded last batch) the table
+    equals the one-process table to float32 round-off."""
+    import numpy as np
+
+    for table in _tables(task):
+        table.unlink()
+    _run(task, tmp_path / "one", "dpo", SINGLE + ["preference.reference=precompute"], 1, steps=1)
+    one = {t.name: np.load(t) for t in _tables(task)}
+    for table in _tables(task):
+        table.unlink()
+    _run(task, tmp_path / "pp", "dpo", PP_DP + ["preference.reference=precompute"], 4, steps=1)
+    pp = {t.name: np.load(t) for t in _tables(task)}
+    assert one.keys() == pp.keys() == {"train.npy", "val.npy"}
+    for name in one:
+        np.testing.assert_allclose(pp[name], one[name], rtol=1e-5, atol=1e-4)
 
 
 def test_ipo_run_writes_pair_metrics_to_metrics_jsonl(task, tmp_path):

@@ -428,9 +428,6 @@ def _check_preference(c: _Checker) -> None:
     if pr.reference == "adapters_off" and c.ok("lora.rank") and c.r.lora.rank is None:
         c.add("preference.reference", pr.reference, "the policy without its adapters is the reference only with "
                                                     "LoRA; set lora.rank, or use reference frozen")
-    if pr.reference == "precompute":
-        c.add("preference.reference", pr.reference, "precomputed reference log-probabilities are not available "
-                                                    "yet; use frozen (or adapters_off with lora.rank)")
 
 
 def _check_data(c: _Checker, arch: LlamaConfig | None, check_paths: bool) -> None:

@@ -345,7 +345,8 @@ class PreferenceSection(Section):
     reference: Literal["frozen", "adapters_off", "precompute"] | None = Field(
         default=None, description="dpo/ipo: the reference model: 'frozen' (a frozen copy of the initial model), "
                                   "'adapters_off' (the policy with its LoRA adapters disabled; needs lora.rank), "
-                                  "'precompute' (not available yet); null = adapters_off with lora.rank, else "
+                                  "'precompute' (the initial model scores every pair once; stored with the "
+                                  "prepared data and reused by later runs); null = adapters_off with lora.rank, else "
                                   "frozen. orpo/simpo use none: leave it null")
 
     def reference_mode(self, objective: str, lora_rank: int | None) -> str | None:
@@ -365,6 +366,16 @@ class LoggingSection(Section):
     plot: Bool = Field(default=True, description="Plot the loss curves to loss.png at the end")
 
 
+class LaunchSection(Section):
+    iface: str | None = Field(default=None, min_length=1, description="Network interface gloo and NCCL use between "
+                                                                      "hosts (sets GLOO_SOCKET_IFNAME and "
+                                                                      "NCCL_SOCKET_IFNAME, e.g. ib0); null = the "
+                                                                      "backends' own choice")
+    rdzv_timeout_s: Float = Field(default=600.0, gt=0, description="Seconds the hosts of a multi-host run have to "
+                                                                   "join the rendezvous before it fails naming the "
+                                                                   "endpoint and the hosts missing")
+
+
 class Recipe(Section):
     """A whole training recipe. ``Recipe()`` is the built-in default."""
 
@@ -382,6 +393,8 @@ class Recipe(Section):
     lora: LoraSection = Field(default_factory=LoraSection, description="Low-rank adapters (off unless rank is set)")
     preference: PreferenceSection = Field(default_factory=PreferenceSection,
                                           description="Preference objectives (data.format preference)")
+    launch: LaunchSection = Field(default_factory=LaunchSection,
+                                  description="Multi-host networking and rendezvous (plait train, plait launch)")
 
 
 SECTIONS: dict[str, type[Section]] = {

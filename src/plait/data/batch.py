@@ -50,6 +50,10 @@ class TokenBatch:
     loss_tokens: int | None = None
     #: preference rows: the pair counts of this rank's micro-batches and of the global batch
     pairs: PairCounts | None = None
+    #: precomputed reference log-probabilities (``preference.reference: precompute``):
+    #: ``[microbatches, max pairs of a micro-batch, 2]`` (chosen, rejected) sums, in the order of the
+    #: micro-batch's pairs; rows past a micro-batch's pair count are padding
+    reference_logps: torch.Tensor | None = None
 
     def to(self, device: torch.device, non_blocking: bool = True) -> TokenBatch:
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)

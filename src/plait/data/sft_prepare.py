@@ -34,6 +34,7 @@ from plait.data.batch import PairCounts, TokenBatch
 from plait.data.chat_template import load_chat_template
 from plait.data.errors import DataError
 from plait.data.packing import IGNORE_INDEX, PackedRows, pack
+from plait.data.reference_table import batch_reference, pair_offsets
 from plait.data.sft_rows import PreferenceRow, SFTRow, describe_skipped, read_preference_rows, read_sft_rows
 from plait.data.sft_tokenize import describe_counts, tokenize_preference, tokenize_sft
 from plait.data.token_shards import TOKENIZER_FILE
@@ -256,6 +257,22 @@ class RowDataset:
         if self.kind == "preference":
             self.row_pairs = np.load(self.directory / f"{split}_pairs.npy")
             self.row_chosen_targets = np.load(self.directory / f"{split}_chosen_targets.npy")
+        self.reference: np.ndarray | None = None
+
+    @property
+    def total_pairs(self) -> int:
+        """Pairs of the split (0 for SFT rows)."""
+        return int(self.row_pairs.sum()) if self.row_pairs is not None else 0
+
+    def attach_reference(self, table: np.ndarray) -> None:
+        """Serve ``table`` (``[total_pairs, 2]`` reference sums, see
+        :mod:`plait.data.reference_table`) with every batch from now on."""
+        if self.row_pairs is None:
+            raise ValueError(f"{self.directory}: reference log-probabilities need preference rows")
+        if table.shape != (self.total_pairs, 2):
+            raise ValueError(f"{self.directory} {self.split}: a reference table of shape {table.shape} does not "
+                             f"fit {self.total_pairs} pairs")
+        self.reference = table
 
     def __len__(self) -> int:
         return int(self.arrays["input_ids"].shape[0])
@@ -290,7 +307,11 @@ class RowDataset:
         of the whole global batch ``global_indices`` (every DP rank computes the same number) and,
         for preference rows, its pair counts."""
         fields = {k: v.reshape(microbatches, len(indices) // microbatches, -1) for k, v in self.batch(indices).items()}
+        reference = None
+        if self.reference is not None and self.row_pairs is not None:
+            reference = batch_reference(self.reference, pair_offsets(self.row_pairs), self.row_pairs, indices,
+                                        microbatches)
         return TokenBatch(input_ids=fields["input_ids"], labels=fields["labels"],
                           position_ids=fields["position_ids"], segment_ids=fields["segment_ids"],
                           loss_tokens=self.targets(global_indices),
-                          pairs=self.pair_counts(indices, global_indices, microbatches))
+                          pairs=self.pair_counts(indices, global_indices, microbatches), reference_logps=reference)

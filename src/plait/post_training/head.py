@@ -15,6 +15,8 @@ were prepared), so no rank communicates to learn them.
 Reference log-probabilities (DPO, IPO): a forward-only pass over the same batch runs first with
 the head in reference mode (:meth:`PreferenceHead.collecting_reference`); the last stage then
 keeps each micro-batch's reference sums on the device until that micro-batch's policy loss.
+With ``preference.reference: precompute`` the batch carries them instead
+(:attr:`TokenBatch.reference_logps`, read from the prepared data's table).
 
 Metrics stay on the device: each micro-batch adds pair-weighted sums to an accumulator (one for
 training, one for evaluation) that :meth:`PreferenceHead.read` reduces and reads once per
@@ -98,6 +100,11 @@ class PreferenceHead:
         finally:
             self._collecting_reference = False
 
+    def take_reference(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (chosen, rejected) reference sums stored for ``microbatch`` by the last pass in
+        :meth:`collecting_reference` (``None`` on ranks without the last stage); removed."""
+        return self._reference.pop(microbatch, None)
+
     # ------------------------------------------------------------------ the loss
     def bind(self, tokens: TokenBatch, microbatch: int, train: bool):
         """The loss the last stage computes from ``(logits, labels)`` for ``microbatch`` of ``tokens``."""
@@ -136,10 +143,14 @@ class PreferenceHead:
         chosen, rejected, chosen_counts, rejected_counts = self.pair_logprobs(logits, labels, segment_ids, pairs)
         ref_chosen = ref_rejected = None
         if self.needs_reference:
-            if microbatch not in self._reference:
+            if microbatch in self._reference:
+                ref_chosen, ref_rejected = self._reference.pop(microbatch)
+            elif tokens.reference_logps is not None:  # preference.reference: precompute
+                stored = tokens.reference_logps[microbatch, :pairs]
+                ref_chosen, ref_rejected = stored[:, 0], stored[:, 1]
+            else:
                 raise RuntimeError(f"objective {self.objective!r}: no reference log-probabilities for micro-batch "
                                    f"{microbatch}; the reference pass must run before the policy pass")
-            ref_chosen, ref_rejected = self._reference.pop(microbatch)
         mean, metrics = preference_loss(self.objective, chosen, rejected, ref_chosen, ref_rejected, chosen_counts,
                                         rejected_counts, self.pair_settings)
         scale = self.shards / max(tokens.pairs.total, 1)

@@ -49,6 +49,7 @@ from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy, policy_for
 from plait.train.preference import attach_preference, freeze
+from plait.train.reference_precompute import attach_precomputed_reference
 from plait.train.run_state import Dataset, RunState
 from plait.train.schedules import build_scheduler
 
@@ -194,6 +195,8 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                      scheduler=scheduler_at(optimizer.inner, r, 0), train_data=train_data, val_data=val_data,
                      dropout_seed=seed, control=_control_group(world), preference=head,
                      reference_stages=reference_stages)
+    if r.preference.reference_mode(t.objective, lo.rank) == "precompute":  # scored by the initial model
+        attach_precomputed_reference(state, prepared_dir)
     state.start_step = _resume(state)  # the checkpoint is restored into this state
     state.scheduler = scheduler_at(optimizer.inner, r, state.start_step)
     return state

@@ -12,6 +12,9 @@ every schedule, training and evaluation alike, over the same batch and through t
   to the policy's parameter dtype, with no gradients and no optimizer, driven by its own
   forward-only runtime over the same layout.
 
+* ``precompute``: no pass in the step; the batches carry the initial model's sums, scored once
+  and stored with the prepared data (:mod:`plait.train.reference_precompute`).
+
 Both passes run in eval mode (no dropout), so the reference is deterministic and draws nothing
 from the generators the policy's dropout uses.
 """
@@ -103,6 +106,7 @@ def attach_preference(resolved: ResolvedRecipe, runtime: PipelineRuntime, mesh: 
                                     dtype=policy.param_dtype, precision_context=runtime.precision_context)
         reference.loss_head = head
         runtime.reference_pass = _frozen_pass(reference, head)
-    elif mode is not None:
-        raise ValueError(f"preference.reference={mode!r} is not available; use frozen or adapters_off")
+    elif mode not in (None, "precompute"):  # precompute: the batches carry the table's sums
+        raise ValueError(f"preference.reference={mode!r} is not a reference mode; use frozen, adapters_off or "
+                         f"precompute")
     return head
