@@ -1,0 +1,50 @@
+"""Grouped matrix multiply: one matmul per expert over that expert's contiguous run of rows, in one call.
+
+``torch._grouped_mm(x [N, K], w [E, K, M], offs=ends)`` multiplies rows ``ends[e-1]:ends[e]`` of
+``x`` by ``w[e]`` without reading ``ends`` on the host. Its forward works on CPU and on CUDA
+(bf16, compute capability 9.0 and up), but its built-in backward fails on CPU, so
+:class:`GroupedMatmul` supplies the backward from the same primitive: ``dx = gmm(dy, w^T)`` and
+``dw = gmm(x^T, dy)`` (the 2-D x 2-D form, one ``[K, M]`` block per group; an empty group gets a
+zero block). Where it is not available (other devices or dtypes, or sizes whose rows are not
+multiples of 16 bytes) the caller loops over experts instead (:func:`grouped_mm_usable`).
+Rows past ``ends[-1]`` are left undefined; callers mask them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_mm_usable(x: torch.Tensor, *dims: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs here for inputs like ``x`` and inner sizes ``dims``."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any((d * x.element_size()) % 16 for d in dims):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+class GroupedMatmul(torch.autograd.Function):
+    """``y[ends[e-1]:ends[e]] = x[ends[e-1]:ends[e]] @ w[e]`` with an explicit backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w, ends)
+        return torch._grouped_mm(x, w, offs=ends)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, w, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=ends) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(x.t(), grad, offs=ends) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Grouped ``x @ w[e]`` (``x`` ``[N, K]``, ``w`` ``[E, K, M]``, ``ends`` int32 ``[E]``)."""
+    return GroupedMatmul.apply(x, w, ends)
