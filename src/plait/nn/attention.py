@@ -9,11 +9,16 @@ attends to another, and with positions restarting at 0 in each sample (the rotar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from plait.nn.rotary import apply_rotary
+
+#: attribute of a document mask holding the segment ids it was built from
+SEGMENT_IDS_ATTR = "plait_segment_ids"
 
 
 def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -31,7 +36,16 @@ def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     s = segment_ids.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
     same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
-    return (same & causal).unsqueeze(1)
+    mask = (same & causal).unsqueeze(1)
+    # Context-parallel attention needs the ids themselves: a rank's mask of its own tokens cannot tell
+    # whether a document continues on another rank (see plait.context_parallel.attention).
+    setattr(mask, SEGMENT_IDS_ATTR, segment_ids)
+    return mask
+
+
+def segment_ids_of(mask: torch.Tensor) -> torch.Tensor | None:
+    """The ``segment_ids`` a :func:`document_causal_mask` was built from (``None`` for another mask)."""
+    return getattr(mask, SEGMENT_IDS_ATTR, None)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin,
@@ -75,13 +89,20 @@ class AttentionCore(nn.Module):
     ``window`` is the sliding window (``None``: full causal attention).
     """
 
+    #: set by :func:`plait.context_parallel.apply.apply_context_parallel`: attention over the cp group
+    #: (same signature as :func:`causal_attention`); ``None``: this rank holds the whole sequence
+    context_parallel: Callable[..., torch.Tensor] | None
+
     def __init__(self, dropout: float = 0.0, window: int | None = None) -> None:
         super().__init__()
         self.dropout = dropout
         self.window = window
+        self.context_parallel = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.context_parallel is not None:
+            return self.context_parallel(q, k, v, cos, sin, mask=mask)
         return causal_attention(q, k, v, cos, sin, dropout_p=self.dropout if self.training else 0.0,
                                 window=self.window, mask=mask)
 

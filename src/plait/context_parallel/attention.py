@@ -1,0 +1,95 @@
+"""The attention function a model's attention core calls under context parallelism.
+
+It has the signature of :func:`plait.nn.attention.causal_attention` (``[batch, seq, heads*head_dim]``
+projections of this rank's local tokens, rotary tables of their positions, an optional packed-row
+mask) so it slots into the same places: the tensor-parallel core's ``attention_fn`` and the plain
+core's ``context_parallel`` hook (see :mod:`plait.context_parallel.apply`). Rotary is applied here,
+on the local tokens with the positions the batch split gave them, before K/V leave the rank.
+
+Packed rows: the model builds its document mask from this rank's segment ids, which cannot tell
+whether a document continues on another rank; the ids themselves travel with the mask
+(:func:`plait.nn.attention.segment_ids_of`) and are all-gathered over the cp group here (a few bytes
+per token) into the whole row's ids, which the ring masks every piece with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from plait.comm.primitives import GroupInfo, all_gather_dim
+from plait.context_parallel.allgather import allgather_attention
+from plait.context_parallel.exchange import RingExchange
+from plait.context_parallel.ring import ring_attention
+from plait.context_parallel.split import SequenceSplit
+from plait.nn.attention import segment_ids_of
+from plait.nn.rotary import apply_rotary
+
+CPMode = Literal["ring", "allgather"]
+CP_MODES: tuple[str, ...] = ("ring", "allgather")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's cp group and how attention crosses it.
+
+    ``ranks``: the group's global ranks in ring order (``mesh.my_group_ranks("cp")``); ``mode``:
+    ``ring`` (K/V blocks passed around, transfers overlapped with compute unless ``overlap`` is
+    false) or ``allgather``; ``zigzag``: the sequence split (must match the batch split).
+    """
+
+    info: GroupInfo
+    ranks: tuple[int, ...]
+    mode: CPMode = "ring"
+    zigzag: bool = True
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in CP_MODES:
+            raise ValueError(f"cp_mode={self.mode!r} is not valid; choose one of {CP_MODES}")
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    def split(self, seq_len: int) -> SequenceSplit:
+        return SequenceSplit(seq_len, self.size, self.zigzag)
+
+
+class ContextParallelAttention:
+    """``fn(q, k, v, cos, sin, mask=None)`` over the cp group (an ``AttentionFn``)."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        self.cp = cp
+        self.exchange = RingExchange(cp.info, list(cp.ranks), overlap=cp.overlap)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+        if dropout_p:
+            raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism; "
+                             f"set model.attention_dropout to 0")
+        b, s, _ = q.shape
+        hd = cos.shape[-1]
+        q = q.view(b, s, -1, hd).transpose(1, 2)
+        k = k.view(b, s, -1, hd).transpose(1, 2)
+        v = v.view(b, s, -1, hd).transpose(1, 2)
+        q, k = apply_rotary(q, k, cos, sin)
+        split = self.cp.split(s * self.cp.size)
+        segments = None
+        if mask is not None:
+            local = segment_ids_of(mask)
+            if local is None:
+                raise ValueError("context-parallel attention got a mask without its segment ids; build it with "
+                                 "plait.nn.attention.document_causal_mask")
+            parts = all_gather_dim(local.unsqueeze(0), 0, self.cp.info.group)
+            segments = split.unsplit(list(parts.unbind(0)), dim=-1)
+        if self.cp.mode == "ring":
+            out = ring_attention(q, k.contiguous(), v.contiguous(), split, self.exchange, segments)
+        else:
+            out = allgather_attention(q, k.contiguous(), v.contiguous(), split, self.cp.info, segments)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+    def __repr__(self) -> str:
+        return f"ContextParallelAttention(cp={self.cp.size}, mode={self.cp.mode}, zigzag={self.cp.zigzag})"

@@ -1,0 +1,130 @@
+"""Context parallelism on a whole model: a Llama model whose attention cores and loss were switched
+by :func:`plait.context_parallel.apply.apply_context_parallel`, fed this rank's zigzag share of the
+batch (:func:`plait.context_parallel.batch.split_token_batch`), gives one process's loss and, with
+the parameter gradients averaged over cp as the data-parallel reduction over dp x cp does, its
+gradients; plain and packed rows (documents never attend across each other), ring and all-gather,
+alone and with TP=2 + sequence parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from plait.context_parallel import SequenceSplit
+from plait.context_parallel.batch import shifted_targets, split_token_batch
+from plait.data.batch import TokenBatch
+
+SEQ = 24
+TOL = 2e-5
+
+
+def _config():
+    from plait.models.llama import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _batch(packed: bool) -> TokenBatch:
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 64, (2, SEQ), generator=g)
+    if not packed:
+        return TokenBatch(input_ids=ids[None])
+    starts = [[0, 5, 6, 17], [0, 9, 20]]  # documents across chunk and rank boundaries, one of a token
+    seg = torch.zeros(2, SEQ, dtype=torch.long)
+    pos = torch.zeros(2, SEQ, dtype=torch.long)
+    labels = ids.clone()
+    for row, st in enumerate(starts):
+        bounds = st + [SEQ]
+        for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            seg[row, a:b] = d
+            pos[row, a:b] = torch.arange(b - a)
+            labels[row, a] = -100  # nothing predicts a document's first token
+    return TokenBatch(input_ids=ids[None], labels=labels[None], position_ids=pos[None], segment_ids=seg[None])
+
+
+def _forward(model, tb: TokenBatch):
+    return model(tb.input_ids[0], (tb.input_ids if tb.labels is None else tb.labels)[0],
+                 position_ids=None if tb.position_ids is None else tb.position_ids[0],
+                 segment_ids=None if tb.segment_ids is None else tb.segment_ids[0])
+
+
+def _reference(packed: bool):
+    from plait.materialize import build_model
+    from plait.mesh import single_process_mesh
+
+    model = build_model(_config(), single_process_mesh(), seed=3)
+    loss = _forward(model, _batch(packed))
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank, world, tp, cases):
+    from tp_gather import full_grads
+
+    from plait.context_parallel.apply import apply_context_parallel
+    from plait.context_parallel.attention import ContextParallel
+    from plait.materialize import build_model
+    from plait.mesh import ParallelMesh
+    from plait.models.llama.parallelize import kv_replication_for
+
+    cfg = _config()
+    mesh = ParallelMesh(world, rank, tp=tp, cp=world // tp, kv_replication=kv_replication_for(cfg, tp))
+    cp = mesh.info("cp")
+    out = []
+    for mode, packed, zigzag in cases:
+        model = build_model(cfg, mesh, seed=3, sequence_parallel=tp > 1)
+        settings = ContextParallel(cp, tuple(mesh.my_group_ranks("cp")), mode=mode, zigzag=zigzag)
+        apply_context_parallel([model], settings, SEQ)
+        tb = split_token_batch(_batch(packed), settings.split(SEQ), cp.rank)
+        loss = _forward(model, tb)
+        loss.backward()
+        grads = full_grads(model, mesh.info("tp")) if tp > 1 else {
+            n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        for g in grads.values():  # what the data-parallel reduction over dp x cp does: the mean over cp
+            dist.all_reduce(g, group=cp.group)
+            g.div_(cp.size)
+        out.append((loss.detach(), grads))
+    return out
+
+
+def _check(world, tp, cases):
+    results = run_distributed(_worker, world, tp, cases)
+    for i, (mode, packed, zigzag) in enumerate(cases):
+        ref_loss, ref_grads = _reference(packed)
+        for rank, per_case in enumerate(results):
+            loss, grads = per_case[i]
+            where = f"{mode} packed={packed} zigzag={zigzag} rank {rank}"
+            torch.testing.assert_close(loss, ref_loss, rtol=TOL, atol=TOL, msg=where)
+            assert grads.keys() == ref_grads.keys()
+            for name, g in grads.items():
+                torch.testing.assert_close(g, ref_grads[name], rtol=TOL, atol=TOL, msg=f"{where}: {name}")
+
+
+def test_split_batch_shifts_labels_on_the_whole_row_first():
+    tb = _batch(packed=True)
+    split = SequenceSplit(SEQ, 2)
+    parts = [split_token_batch(tb, split, r) for r in range(2)]
+    targets = split.unsplit([p.labels for p in parts])
+    assert tb.labels is not None
+    assert torch.equal(targets, shifted_targets(tb.labels))
+    assert targets[0, 0, 4].item() == -100  # the token before document 1 predicts nothing
+    assert torch.equal(split.unsplit([p.position_ids for p in parts]), tb.position_ids)
+    plain = split_token_batch(_batch(packed=False), split, 1)
+    assert plain.position_ids is not None and plain.position_ids[0, 0].tolist() == list(range(6, 18))
+
+
+def test_model_on_two_cp_ranks_equals_one_process():
+    _check(2, 1, [("ring", False, True), ("ring", True, True)])
+
+
+@pytest.mark.slow
+def test_model_on_two_cp_ranks_allgather_and_contiguous_equal_one_process():
+    _check(2, 1, [("allgather", True, True), ("ring", True, False)])
+
+
+@pytest.mark.slow
+def test_model_at_cp2_tp2_with_sequence_parallelism_equals_one_process():
+    _check(4, 2, [("ring", False, True), ("ring", True, True)])
