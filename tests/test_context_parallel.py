@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
 
+from distributed import run_distributed
 from plait.context_parallel import SequenceSplit
 from plait.context_parallel.batch import shifted_targets, split_token_batch
 from plait.data.batch import TokenBatch
@@ -62,13 +62,12 @@ def _reference(packed: bool):
 
 
 def _worker(rank, world, tp, cases):
-    from tp_gather import full_grads
-
     from plait.context_parallel.apply import apply_context_parallel
     from plait.context_parallel.attention import ContextParallel
     from plait.materialize import build_model
     from plait.mesh import ParallelMesh
     from plait.models.llama.parallelize import kv_replication_for
+    from tp_gather import full_grads
 
     cfg = _config()
     mesh = ParallelMesh(world, rank, tp=tp, cp=world // tp, kv_replication=kv_replication_for(cfg, tp))
