@@ -34,6 +34,7 @@ from plait.generate import generate
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
 from plait.materialize import load_from_hf
 from plait.mesh import single_process_mesh
+from plait.models.packaged import model_directory
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -63,7 +64,7 @@ class PreferenceAccuracy:
 def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[nn.Module, Path]:
     """``(model, tokenizer directory)``: a Hugging Face model directory, or a PEFT adapter directory
     (``adapter_config.json``) loaded onto ``base`` (default: the adapter's ``base_model_name_or_path``)."""
-    path = Path(directory).expanduser()
+    path = model_directory(directory)
     if not (path / ADAPTER_CONFIG).is_file():
         return load_from_hf(path, single_process_mesh()), path
     if base is None:
@@ -71,7 +72,7 @@ def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | N
         if not found:
             raise DataError(f"{path / ADAPTER_CONFIG} names no base model; give it with --base DIR")
         base = found
-    base_path = Path(base).expanduser()
+    base_path = model_directory(base)
     if not (base_path / "config.json").is_file():
         raise DataError(f"the adapter's base model {str(base_path)!r} is not a Hugging Face directory (no "
                         f"config.json); give the base with --base DIR")

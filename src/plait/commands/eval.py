@@ -16,7 +16,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "of held-out rows: SFT rows by exact match of the greedy answer to the last assistant turn, "
                     "preference rows by how often the chosen answer is more likely than the rejected one. "
                     "See docs/post_training.md.")
-    p.add_argument("model", metavar="MODEL", help="Hugging Face model directory, or a PEFT adapter directory")
+    p.add_argument("model", metavar="MODEL", help="Hugging Face model directory, a packaged model's name "
+                   "(smollm2-135m-instruct), or a PEFT adapter directory")
     p.add_argument("--data", required=True, metavar="FILE", help="held-out rows (.jsonl), e.g. from `plait data task`")
     p.add_argument("--kind", choices=("auto", "sft", "preference"), default="auto",
                    help="row kind (default: preference when the first row has 'chosen', else sft)")

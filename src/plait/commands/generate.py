@@ -42,8 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "model directory (--hf), in one process.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="RUN_DIR", help="run directory with final/ and tokenizer.json")
-    src.add_argument("--hf", metavar="HF_DIR", help="Hugging Face directory: config.json, *.safetensors, "
-                                                     "tokenizer.json")
+    src.add_argument("--hf", metavar="HF_DIR", help="Hugging Face directory (config.json, *.safetensors, "
+                                                     "tokenizer.json) or a packaged model's name, e.g. "
+                                                     "smollm2-135m-instruct")
     p.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: start of a new document)")
     p.add_argument("--chat", action="store_true",
                    help="treat --prompt as a user message: render it with the model's chat template (its "
@@ -178,7 +179,12 @@ def resolve_paths(args: argparse.Namespace) -> tuple[Path, Path]:
             if tok.is_file():
                 return model_dir, tok
         raise _UsageError(f"run directory {run_dir} has no tokenizer.json")
-    model_dir = Path(args.hf)
+    from plait.models.packaged import PackagedModelError, model_directory  # commands import lazily (fast --help)
+
+    try:
+        model_dir = model_directory(args.hf)  # a packaged model's name (smollm2-135m-instruct) or a directory
+    except PackagedModelError as e:
+        raise _UsageError(str(e)) from None
     if not model_dir.is_dir():
         raise _UsageError(f"Hugging Face directory {model_dir} does not exist")
     _check_model_dir(model_dir, "Hugging Face directory")

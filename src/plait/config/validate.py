@@ -22,6 +22,7 @@ from plait.config.problems import Problem, RecipeError
 from plait.config.resolve import ResolvedRecipe, resolve
 from plait.config.rules import collect_problems
 from plait.config.schema import Recipe
+from plait.models.packaged import PackagedModelError, is_packaged_name, packaged_model_dir
 
 
 def validate_recipe(recipe: Recipe | Mapping[str, Any], world_size: int | None = None, *,
@@ -44,6 +45,8 @@ def validate_recipe(recipe: Recipe | Mapping[str, Any], world_size: int | None =
         if parsed is None:
             raise RecipeError(problems)
         recipe = parsed
+    recipe, packaged_problems = _with_packaged_model(recipe)
+    problems += packaged_problems
     rule_problems, warnings, arch = collect_problems(recipe, world_size, broken, check_paths=check_paths)
     problems += rule_problems
     if problems:
@@ -55,6 +58,25 @@ def validate_recipe(recipe: Recipe | Mapping[str, Any], world_size: int | None =
         if problem is not None:
             raise RecipeError([problem])
     return resolved
+
+
+def _with_packaged_model(recipe: Recipe) -> tuple[Recipe, list[Problem]]:
+    """``model.hf_path`` naming a packaged model (e.g. ``smollm2-135m-instruct``) replaced by its
+    converted directory in the cache (converted on first use: :mod:`plait.models.packaged`), and
+    ``data.tokenizer`` naming the same model by that directory's tokenizer.json."""
+    name = recipe.model.hf_path
+    if not is_packaged_name(name):
+        return recipe, []
+    assert name is not None
+    try:
+        path = packaged_model_dir(name, recipe.data.cache_dir)
+    except PackagedModelError as e:
+        return recipe, [Problem("model.hf_path", name, str(e))]
+    model = recipe.model.model_copy(update={"hf_path": str(path)})
+    data = recipe.data
+    if data.tokenizer in (name, f"{name}/tokenizer.json"):
+        data = data.model_copy(update={"tokenizer": str(path / "tokenizer.json")})
+    return recipe.model_copy(update={"model": model, "data": data}), []
 
 
 def check_recipe(path: str | None, overrides: Iterable[str] = (), world_size: int | None = None, *,
