@@ -243,6 +243,30 @@ def test_plot_run_writes_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_plot_of_a_preference_run_has_a_reward_panel(tmp_path):
+    """A preference run's plot has three panels (loss, rewards, tokens/s); a plain run two."""
+    import json
+
+    from matplotlib.image import imread
+
+    from plait.train.report import plot_run
+
+    plain = tmp_path / "plain" / "metrics.jsonl"
+    _write_run(plain)
+    pref = tmp_path / "pref" / "metrics.jsonl"
+    pref.parent.mkdir()
+    lines = [json.loads(line) for line in plain.read_text().splitlines()]
+    for i, rec in enumerate(lines):
+        if "loss" in rec:
+            rec.update({"rewards/accuracy": min(1.0, 0.5 + 0.02 * i), "rewards/margin": 0.1 * i})
+        if "val_loss" in rec:
+            rec.update({"val_rewards/accuracy": 0.6, "val_rewards/margin": 0.05 * i})
+    pref.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    tall = imread(plot_run(pref, tmp_path / "pref.png"))
+    short = imread(plot_run(plain, tmp_path / "plain.png"))
+    assert tall.shape[0] > short.shape[0] * 1.3, (tall.shape, short.shape)
+
+
 def test_summary_table_content(tmp_path):
     from plait.train.report import summarize, summary_table
 

@@ -54,15 +54,21 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 
 def plot_run(metrics_jsonl: PathLike, out_png: PathLike, *, title: str | None = None) -> Path:
-    """Write a two-panel PNG: training / validation loss vs step, and tokens/s vs step."""
+    """Write a PNG: training / validation loss vs step, tokens/s vs step and, for a preference run,
+    a middle panel with the reward accuracy (left axis) and reward margin (right axis), train and
+    validation."""
     # lazy: matplotlib takes about half a second to import and only this plot (logging.plot) needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     records = read_metrics(metrics_jsonl)
-    fig = Figure(figsize=(8, 6.5), dpi=100)
+    preference = any("rewards/accuracy" in r or "val_rewards/accuracy" in r for r in records)
+    fig = Figure(figsize=(8, 9.0 if preference else 6.5), dpi=100)
     FigureCanvasAgg(fig)
-    ax_loss, ax_tps = fig.subplots(2, 1, sharex=True)
+    axes = fig.subplots(3 if preference else 2, 1, sharex=True)
+    ax_loss, ax_tps = axes[0], axes[-1]
+    if preference:
+        _plot_rewards(axes[1], records)
 
     steps, loss = _series(records, "loss")
     if steps:
@@ -88,6 +94,26 @@ def plot_run(metrics_jsonl: PathLike, out_png: PathLike, *, title: str | None = 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
+
+
+def _plot_rewards(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Reward accuracy (left axis, 0-1) and reward margin (right axis) of a preference run."""
+    margin_ax = ax.twinx()
+    for key, axis, style, label in (("rewards/accuracy", ax, "-", "train accuracy"),
+                                    ("val_rewards/accuracy", ax, "o-", "val accuracy"),
+                                    ("rewards/margin", margin_ax, "--", "train margin"),
+                                    ("val_rewards/margin", margin_ax, "s--", "val margin")):
+        xs, ys = _series(records, key)
+        if xs:
+            axis.plot(xs, ys, style, label=label, markersize=3, linewidth=1.0,
+                      color="tab:blue" if axis is ax else "tab:orange")
+    ax.set_ylabel("reward accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    margin_ax.set_ylabel("reward margin")
+    ax.grid(alpha=0.3)
+    handles = ax.get_legend_handles_labels()[0] + margin_ax.get_legend_handles_labels()[0]
+    if handles:
+        ax.legend(handles=handles, loc="lower right", fontsize="small")
 
 
 def _human_bytes(n: float) -> str:
