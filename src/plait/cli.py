@@ -8,7 +8,7 @@ import importlib
 import sys
 
 #: subcommand modules, each with ``add_parser(subparsers)`` and ``run(args) -> int``
-COMMANDS = ("train", "data", "generate", "eval", "config", "plan", "convert", "import_nxdt")
+COMMANDS = ("train", "data", "generate", "eval", "config", "plan", "convert", "import_nxdt", "launch")
 
 
 def build_parser() -> argparse.ArgumentParser:

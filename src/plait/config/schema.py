@@ -376,6 +376,16 @@ class LaunchSection(Section):
                                                                    "endpoint and the hosts missing")
 
 
+class LaunchSection(Section):
+    iface: str | None = Field(default=None, min_length=1, description="Network interface gloo and NCCL use between "
+                                                                      "hosts (sets GLOO_SOCKET_IFNAME and "
+                                                                      "NCCL_SOCKET_IFNAME, e.g. ib0); null = the "
+                                                                      "backends' own choice")
+    rdzv_timeout_s: Float = Field(default=600.0, gt=0, description="Seconds the hosts of a multi-host run have to "
+                                                                   "join the rendezvous before it fails naming the "
+                                                                   "endpoint and the hosts missing")
+
+
 class Recipe(Section):
     """A whole training recipe. ``Recipe()`` is the built-in default."""
 
@@ -393,6 +403,8 @@ class Recipe(Section):
     lora: LoraSection = Field(default_factory=LoraSection, description="Low-rank adapters (off unless rank is set)")
     preference: PreferenceSection = Field(default_factory=PreferenceSection,
                                           description="Preference objectives (data.format preference)")
+    launch: LaunchSection = Field(default_factory=LaunchSection,
+                                  description="Multi-host networking and rendezvous (plait train, plait launch)")
     launch: LaunchSection = Field(default_factory=LaunchSection,
                                   description="Multi-host networking and rendezvous (plait train, plait launch)")
 
