@@ -69,7 +69,7 @@ class Trainer:
         r = self.recipe
         self.rank, self.world = rank, world
         self.out = Path(resolved.output_dir)
-        self.watchdog = Watchdog(r.train.stall_timeout_s, rank)
+        self.watchdog = Watchdog(r.train.stall_timeout_s, rank, dump_dir=self.out)  # hang/rank-N.txt on a stall
         c = r.checkpoint
         self.checkpoints = CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
                                             keep_every=c.keep_every)
