@@ -16,6 +16,7 @@ from plait.activation_checkpointing import checkpointable_names
 from plait.config.problems import Problem, Verbatim, divisors, format_value, suggest
 from plait.config.resolve import derive_world_and_dp
 from plait.config.schema import ARCH_FIELDS, PREFERENCE_OBJECTIVES, REFERENCE_OBJECTIVES, Recipe, read_hf_config
+from plait.context_parallel.recipe_rules import check_context_parallel, cp_layout_problem
 from plait.data.corpora import CORPORA
 from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
 from plait.data.sft_prepare import rows_directory
@@ -23,6 +24,7 @@ from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
 from plait.lora import PeftAdapterError, read_peft_settings
 from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scaling_problems
+from plait.moe import moe_problems
 from plait.pipeline.layout import plan_partition
 from plait.pipeline.partition import PartitionError
 from plait.pipeline.schedules import ScheduleError, validate_schedule
@@ -123,14 +125,18 @@ def _check_layout(c: _Checker, world_size: int | None) -> int | None:
     if not c.ok("parallel.tp", "parallel.pp", "parallel.dp"):
         return None
     tp, pp = p.tp, p.pp
-    world, dp = derive_world_and_dp(tp, pp, p.dp, world_size)
+    cp = p.cp if c.ok("parallel.cp") else 1
+    world, dp = derive_world_and_dp(tp, pp, p.dp, world_size, cp)
     if world % (tp * pp):
         valid = divisors(world // pp) if world % pp == 0 else []
         hint = f"tp values that do with pp={pp}: {valid}" if valid else f"pp={pp} does not divide it either"
         c.add("parallel.tp", tp, f"tp*pp = {tp}*{pp} = {tp * pp} must divide the world size {world}; {hint}")
         return None
-    if p.dp is not None and p.dp * tp * pp != world:
-        c.add("parallel.dp", p.dp, f"must equal world size / (tp*pp) = {world}/{tp * pp} = {world // (tp * pp)}; "
+    if cp_layout_problem(c, world, tp, pp, cp):
+        return None
+    if p.dp is not None and p.dp * tp * pp * cp != world:
+        names, denom = ("tp*pp", tp * pp) if cp == 1 else ("tp*pp*cp", tp * pp * cp)
+        c.add("parallel.dp", p.dp, f"must equal world size / ({names}) = {world}/{denom} = {world // denom}; "
                                    f"or null to derive it")
         return None
     return dp
@@ -481,6 +487,19 @@ def _check_lora(c: _Checker, check_paths: bool) -> None:
                                               f"set the lora section to the same")
 
 
+def _check_moe(c: _Checker, arch: LlamaConfig | None) -> None:
+    """Mixture-of-Experts rules (:mod:`plait.moe.recipe_rules`)."""
+    if c.ok("moe", "parallel.tp"):
+        for field, value, valid in moe_problems(c.r.moe, arch, type(arch).family if arch else c.r.model.family,
+                                                tp=c.r.parallel.tp):
+            c.add(field, value, valid)
+
+
+def _check_context_parallel(c: _Checker, arch: LlamaConfig | None) -> None:
+    """Context-parallel rules (:mod:`plait.context_parallel.recipe_rules`)."""
+    check_context_parallel(c, arch)
+
+
 def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | None = None, *,
                      check_paths: bool = True) -> tuple[list[Problem], list[str], LlamaConfig | None]:
     """``(problems, warnings, architecture)`` of the rules between fields, skipping rules that
@@ -500,4 +519,6 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_paths(c)
     _check_data(c, arch, check_paths)
     _check_lora(c, check_paths)
+    _check_context_parallel(c, arch)
+    _check_moe(c, arch)
     return c.problems, c.warnings, arch

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from plait.models.llama.config import LlamaConfig, ModelConfigError
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
+from plait.moe.section import MoeSection
 from plait.precision import KNOBS
 
 Int = Annotated[int, Strict()]
@@ -32,7 +33,10 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 #: ``model`` fields that describe the architecture; with ``model.hf_path`` they come from config.json
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-               "rope_scaling", "attention_bias", "tie_word_embeddings", "sliding_window")
+               "rope_scaling", "attention_bias", "tie_word_embeddings", "sliding_window",
+               # Mixture-of-Experts families (mixtral, qwen3_moe); null = the family's default
+               "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+               "decoder_sparse_step", "mlp_only_layers")
 #: ``train.objective`` values that train on preference pairs, and those of them measured against a reference
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
@@ -86,6 +90,18 @@ class ModelSection(Section):
     hidden_dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the attention and MLP outputs "
                                                                        "before each residual add")
     initializer_range: Float = Field(default=0.02, gt=0, description="Standard deviation of the initial weights")
+    num_local_experts: Int | None = Field(default=None, ge=1, description="mixtral: experts per MoE layer")
+    num_experts: Int | None = Field(default=None, ge=1, description="qwen3_moe: experts per MoE layer")
+    num_experts_per_tok: Int | None = Field(default=None, ge=1, description="MoE families: experts each token uses "
+                                                                           "(top-k)")
+    moe_intermediate_size: Int | None = Field(default=None, ge=1, description="qwen3_moe: width of one "
+                                                                             "expert (mixtral: intermediate_size)")
+    norm_topk_prob: Bool | None = Field(default=None, description="qwen3_moe: renormalise the top-k router weights "
+                                                                  "to sum to one (mixtral always does)")
+    decoder_sparse_step: Int | None = Field(default=None, ge=1, description="qwen3_moe: every this many layers is "
+                                                                           "sparse")
+    mlp_only_layers: list[Int] | None = Field(default=None, description="qwen3_moe: layers with a dense MLP "
+                                                                         "(e.g. [0, 1]: the first two)")
 
     def arch_values(self) -> dict[str, Any]:
         """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""
@@ -156,7 +172,12 @@ def read_hf_config(hf_path: str) -> LlamaConfig:
 class ParallelSection(Section):
     tp: Int = Field(default=1, ge=1, description="Tensor-parallel degree")
     pp: Int = Field(default=1, ge=1, description="Pipeline-parallel degree (pipeline stages across ranks)")
-    dp: Int | None = Field(default=None, ge=1, description="Data-parallel degree; null = world size / (tp * pp)")
+    dp: Int | None = Field(default=None, ge=1, description="Data-parallel degree; null = world size / (tp * pp * cp)")
+    cp: Int = Field(default=1, ge=1, description="Context-parallel degree: each sequence split over this many ranks "
+                                                 "(zigzag chunks, ring attention; needs seq_len % (2 * cp) == 0)")
+    cp_mode: Literal["ring", "allgather"] = Field(
+        default="ring", description="How attention crosses the cp ranks: 'ring' (K/V blocks passed around, "
+                                    "overlapped with compute) or 'allgather' (all K/V gathered; short rings)")
     vpp: Int = Field(default=1, ge=1, description="Virtual pipeline stages per pipeline rank (needs pp > 1)")
     sequence_parallel: Bool = Field(default=False, description="Split the activations outside attention "
                                                                "and MLP over the sequence within the TP "
@@ -174,8 +195,9 @@ class ParallelSection(Section):
                                                                 "backward (false: all after backward, for comparison)")
     microbatches: Int = Field(default=1, ge=1, description="Micro-batches per step (gradient accumulation; "
                                                            "pipeline micro-batches when pp > 1)")
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
-        default="1f1b", description="Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b' (used when pp > 1)")
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"] = Field(
+        default="1f1b", description="Pipeline schedule: 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1' (zero "
+                                    "bubble: weight gradients deferred into the bubbles) (used when pp > 1)")
     partition: Literal["balanced", "even", "manual"] = Field(
         default="balanced", description="Pipeline split: 'balanced' by cost, 'even' "
                                         "by layer count, 'manual' at pipeline_cuts")
@@ -376,16 +398,6 @@ class LaunchSection(Section):
                                                                    "endpoint and the hosts missing")
 
 
-class LaunchSection(Section):
-    iface: str | None = Field(default=None, min_length=1, description="Network interface gloo and NCCL use between "
-                                                                      "hosts (sets GLOO_SOCKET_IFNAME and "
-                                                                      "NCCL_SOCKET_IFNAME, e.g. ib0); null = the "
-                                                                      "backends' own choice")
-    rdzv_timeout_s: Float = Field(default=600.0, gt=0, description="Seconds the hosts of a multi-host run have to "
-                                                                   "join the rendezvous before it fails naming the "
-                                                                   "endpoint and the hosts missing")
-
-
 class Recipe(Section):
     """A whole training recipe. ``Recipe()`` is the built-in default."""
 
@@ -403,8 +415,7 @@ class Recipe(Section):
     lora: LoraSection = Field(default_factory=LoraSection, description="Low-rank adapters (off unless rank is set)")
     preference: PreferenceSection = Field(default_factory=PreferenceSection,
                                           description="Preference objectives (data.format preference)")
-    launch: LaunchSection = Field(default_factory=LaunchSection,
-                                  description="Multi-host networking and rendezvous (plait train, plait launch)")
+    moe: MoeSection = Field(default_factory=MoeSection, description="Mixture-of-Experts training (MoE families)")
     launch: LaunchSection = Field(default_factory=LaunchSection,
                                   description="Multi-host networking and rendezvous (plait train, plait launch)")
 

@@ -18,12 +18,16 @@ from plait.models.family import ModelFamily
 from plait.models.llama.config import ModelConfigError
 from plait.models.llama.family import FAMILY as LLAMA
 from plait.models.mistral.family import FAMILY as MISTRAL
+from plait.models.mixtral.family import FAMILY as MIXTRAL
 from plait.models.qwen3.family import FAMILY as QWEN3
+from plait.models.qwen3_moe.family import FAMILY as QWEN3_MOE
 
 _FAMILIES = (
     LLAMA,
     QWEN3,
     MISTRAL,
+    MIXTRAL,
+    QWEN3_MOE,
 )
 
 #: ``{family name: ModelFamily}``, read-only

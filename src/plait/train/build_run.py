@@ -25,6 +25,7 @@ Order of construction (fixed, commented where it matters):
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ from plait.checkpoint.store import latest_checkpoint, remove_incomplete
 from plait.checkpoint.training import restore
 from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
+from plait.context_parallel.apply import apply_context_parallel
+from plait.context_parallel.attention import ContextParallel
+from plait.context_parallel.batch import split_token_batch
 from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
@@ -45,6 +49,7 @@ from plait.materialize import build_stages, rng_tracker_of
 from plait.mesh import ParallelMesh
 from plait.models.family import config_of
 from plait.models.llama.config import LlamaConfig
+from plait.moe import configure_moe
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy, policy_for
@@ -56,7 +61,7 @@ from plait.train.schedules import build_scheduler
 
 def build_mesh(resolved: ResolvedRecipe, rank: int, world: int) -> ParallelMesh:
     p = resolved.recipe.parallel
-    return ParallelMesh(world, rank, tp=p.tp, pp=p.pp, dp=resolved.dp,
+    return ParallelMesh(world, rank, tp=p.tp, pp=p.pp, dp=resolved.dp, cp=p.cp,
                         kv_replication=resolved.kv_replication, kv_placement=p.kv_placement)
 
 
@@ -86,7 +91,9 @@ def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: Pa
     r = resolved.recipe
     o, p = r.optimizer, r.parallel
     hyper = OptimizerHyper(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, seed=r.run.seed)
-    return DistributedOptimizer(modules, policy, hyper, dp=mesh.info("dp"), tp=mesh.info("tp"),
+    # parameter gradients are averaged over dp x cp (the dp group when cp=1): cp ranks hold the same
+    # parameters and different parts of the sequences
+    return DistributedOptimizer(modules, policy, hyper, dp=mesh.info("dp_cp"), tp=mesh.info("tp"),
                                 pp=mesh.info("pp"), tied=mesh.info("tied") if mesh.pp > 1 else None,
                                 zero=p.zero1, bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce)
 
@@ -104,6 +111,11 @@ def build_runtime(stages: list[nn.Module], mesh: ParallelMesh, policy: Precision
     grads = optimizer.grads
     runtime.before_last_backward = lambda chunk: grads.mark_final([stages[chunk]])
     return runtime
+
+
+def context_parallel_for(recipe: Recipe, mesh: ParallelMesh) -> ContextParallel:
+    """This rank's cp group and the recipe's ``parallel.cp_mode``."""
+    return ContextParallel(mesh.info("cp"), tuple(mesh.my_group_ranks("cp")), mode=recipe.parallel.cp_mode)
 
 
 def dropout_seed_for(recipe: Recipe, mesh: ParallelMesh) -> int:
@@ -169,6 +181,8 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     torch.manual_seed(seed)
     config = r.model.to_model_config(train_data.vocab_size)  # of the recipe's family, or model.hf_path's
     stages = build_stages_for(resolved, mesh, config, train_data.vocab_size, device)
+    context = context_parallel_for(r, mesh)
+    apply_context_parallel(stages, context, r.data.seq_len)  # attention and loss over cp (no-op at cp=1)
     for stage in stages:  # the per-TP-rank dropout stream follows the same run seed
         rng_tracker_of(stage).reseed(seed)
     lo = r.lora
@@ -177,14 +191,18 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                                         target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
         if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
+    # MoE layers' aux/z-loss weights carry the step's normalisation (a no-op for dense models)
+    configure_moe(stages, r.moe, config, microbatches=r.parallel.microbatches)
     t = r.train
     if t.activation_checkpointing != "off":
         apply_activation_checkpointing(stages, t.activation_checkpointing, t.checkpoint_modules or None)
     optimizer = build_optimizer(resolved, stages, mesh, policy)
     p = r.parallel
     runtime = build_runtime(stages, mesh, policy, optimizer, schedule=p.schedule, microbatches=p.microbatches,
-                            micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
+                            micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len // p.cp,
                             sequence_parallel=p.sequence_parallel)
+    if p.cp > 1:  # every batch (training and evaluation) is cut to this rank's zigzag chunks
+        runtime.split_batch = partial(split_token_batch, split=context.split(r.data.seq_len), rank=context.info.rank)
     reference_stages = None
     if r.preference.reference_mode(t.objective, lo.rank) == "frozen":  # the initial model, built the same way
         reference_stages = freeze(build_stages_for(resolved, mesh, config, train_data.vocab_size, device),

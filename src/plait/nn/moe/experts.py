@@ -68,7 +68,7 @@ class Experts(nn.ModuleDict):
             if int(key) not in ids:
                 del self[key]
 
-    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """``x`` ``[N, H]`` sorted by local expert, ``ends`` ``[E_local]`` int32 run ends ->
         ``[N, H]``; rows past ``ends[-1]`` are undefined."""
         experts = [self[str(e)] for e in self.local_ids]

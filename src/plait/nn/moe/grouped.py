@@ -32,12 +32,12 @@ class GroupedMatmul(torch.autograd.Function):
     """``y[ends[e-1]:ends[e]] = x[ends[e-1]:ends[e]] @ w[e]`` with an explicit backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w, ends)
         return torch._grouped_mm(x, w, offs=ends)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         x, w, ends = ctx.saved_tensors
         grad = grad.contiguous()
         dx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=ends) if ctx.needs_input_grad[0] else None

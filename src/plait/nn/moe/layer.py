@@ -74,7 +74,9 @@ class MoELayer(nn.Module):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.hidden_size, self.num_experts = hidden_size, num_experts
-        self.top_k: int = router.top_k
+        top_k = router.top_k
+        assert isinstance(top_k, int), "a router has an int top_k"
+        self.top_k = top_k
         self.gate = router
         self.experts = Experts(num_experts, hidden_size, intermediate_size, expert_cls, **kw)
         if shared_intermediate_size:

@@ -47,13 +47,13 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 class _AddLossGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         shape, dtype, device = ctx.loss_meta
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 

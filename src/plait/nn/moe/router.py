@@ -92,6 +92,7 @@ class SigmoidTopKRouter(nn.Module):
         self.num_experts, self.top_k, self.renormalize, self.scale = num_experts, top_k, renormalize, scale
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.expert_bias: torch.Tensor
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:

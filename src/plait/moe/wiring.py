@@ -1,0 +1,67 @@
+"""Turns the recipe's ``moe`` section into the MoE layers' training settings.
+
+The layers' load-balancing and z-losses reach the gradients from inside each layer's backward
+(:func:`plait.nn.moe.add_loss_gradient`), so their weights carry the trainer's normalisation:
+the runtime divides each micro-batch's loss by the micro-batch count and data parallelism averages
+the gradients, hence ``coef / (microbatches * moe_layers)`` per layer and micro-batch makes the
+step's objective ``loss + coef * mean over micro-batches, ranks and MoE layers of the per-layer
+loss``. Pipeline stages need nothing more: each adds its own layers' gradients, and a stage
+without MoE layers adds none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.moe.section import MoeSection
+from plait.nn.moe import MoELayer, MoEStats
+
+
+def moe_layers(modules: Iterable[nn.Module]) -> list[tuple[str, MoELayer]]:
+    """``(qualified name, layer)`` of every MoE layer in ``modules`` (stages), in order."""
+    return [(name, m) for module in modules for name, m in module.named_modules() if isinstance(m, MoELayer)]
+
+
+def configure_moe(stages: list[nn.Module], section: MoeSection, config: Any, *, microbatches: int,
+                  stats: bool = True) -> list[tuple[str, MoELayer]]:
+    """Set every MoE layer of ``stages`` from ``section`` (a no-op for a dense model); returns them."""
+    layers = moe_layers(stages)
+    if not layers:
+        return layers
+    count = len(config.moe_layer_ids())  # over the whole model, not this rank's stages
+    coef = section.aux_loss_coef if section.aux_loss_coef is not None else config.router_aux_loss_coef
+    for _, layer in layers:
+        layer.aux_loss_scale = coef / (microbatches * count)
+        layer.z_loss_scale = section.z_loss_coef / (microbatches * count)
+        layer.capacity_factor = section.capacity_factor
+        if stats:
+            device = next(layer.parameters()).device
+            layer.stats = MoEStats.zeros(layer.num_experts, device)
+    return layers
+
+
+@torch.no_grad()
+def read_moe_stats(layers: list[tuple[str, MoELayer]]) -> dict[str, float]:
+    """The interval's MoE metrics of this rank's layers, then the counters reset: per layer
+    (``moe/<layer>/...``) the load imbalance (max / mean assignments per expert), the dropped
+    share of assignments, and the mean aux and z-loss per forward. One host read for all layers."""
+    names, values = [], []
+    for name, layer in layers:
+        s = layer.stats
+        if s is None or s.forwards == 0:
+            continue
+        routed = s.routed.float()
+        total = routed.sum().clamp(min=1)
+        short = name.replace("model.layers.", "layer").split(".")[0]
+        names += [f"moe/{short}/imbalance", f"moe/{short}/dropped", f"moe/{short}/aux_loss", f"moe/{short}/z_loss"]
+        values += [routed.max() / routed.mean().clamp(min=1e-9), s.dropped / total, s.aux / s.forwards,
+                   s.z / s.forwards]
+        layer.stats = MoEStats.zeros(layer.num_experts, routed.device)
+    if not values:
+        return {}
+    read = torch.stack([v.float() for v in values]).tolist()
+    return dict(zip(names, read, strict=True))

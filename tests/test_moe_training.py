@@ -1,0 +1,209 @@
+"""MoE training through plait's one training path: the aux and z-losses under gradient
+accumulation and pipeline parallelism, the recipe rules, and a run through the trainer.
+
+The reference is written out by hand in one process: for each micro-batch, the next-token loss
+plus ``coef * mean over MoE layers`` of the layer's load-balancing loss (and z-loss), averaged
+over micro-batches, differentiated by autograd. The runtime instead never sees the MoE losses:
+each layer adds their gradients in its own backward with the weights :func:`configure_moe` set,
+so equal gradients prove the normalisation (micro-batches, layer count, a stage that holds only
+some of the layers) is right.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from plait.config import RecipeError, load_recipe_text, validate_recipe
+from plait.data.batch import TokenBatch
+from plait.materialize import build_model, build_stages
+from plait.mesh import ParallelMesh, single_process_mesh
+from plait.models.mixtral import MixtralConfig
+from plait.moe import MoeSection, configure_moe, moe_layers
+from plait.nn.moe import load_balancing_loss, router_z_loss
+from plait.pipeline.runtime import PipelineRuntime
+
+TOL = 1e-5
+AUX, Z = 0.3, 0.05  # large, so a mis-scaled loss gradient would show
+MB, SEQ = 2, 8
+
+
+def _config() -> MixtralConfig:
+    return MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=32, tie_word_embeddings=False)
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, 64, (3, MB, SEQ), generator=torch.Generator().manual_seed(7))  # 3 micro-batches
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    model = build_model(_config(), single_process_mesh(), seed=5)
+    routings = []
+    for _, layer in moe_layers([model]):
+        layer.gate.register_forward_hook(lambda m, a, out: routings.append(out))
+    batch = _batch()
+    for ids in batch:
+        routings.clear()
+        loss = model(ids, ids)
+        aux = torch.stack([load_balancing_loss(r.probs, r.experts) for r in routings]).mean()
+        z = torch.stack([router_z_loss(r.logits) for r in routings]).mean()
+        ((loss + AUX * aux + Z * z) / len(batch)).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _runtime(stages, mesh) -> PipelineRuntime:
+    configure_moe(stages, MoeSection(aux_loss_coef=AUX, z_loss_coef=Z), _config(), microbatches=3)
+    return PipelineRuntime(stages, mesh, schedule="1f1b", microbatches=3, micro_batch_size=MB, seq_len=SEQ,
+                           hidden_size=32, sequence_parallel=False, dtype=torch.float32)
+
+
+def _max_diff(grads: dict, ref: dict) -> float:
+    assert set(grads) == set(ref), set(grads) ^ set(ref)
+    return max((grads[n] - ref[n]).abs().max().item() for n in ref)
+
+
+def test_gradient_accumulation_adds_the_scaled_losses_once():
+    (stage,) = build_stages(_config(), single_process_mesh(), [[0, 1]], seed=5)
+    runtime = _runtime([stage], single_process_mesh())
+    runtime.run(TokenBatch(input_ids=_batch(), labels=_batch()), train=True)
+    grads = {n: p.grad for n, p in stage.named_parameters()}
+    ref = _reference()
+    assert _max_diff(grads, ref) <= TOL
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    for _, layer in moe_layers([stage]):  # negative control: without the losses the routers' gradients differ
+        layer.aux_loss_scale = layer.z_loss_scale = 0.0
+    stage.zero_grad()
+    runtime.run(TokenBatch(input_ids=_batch(), labels=_batch()), train=True)
+    assert (stage.get_parameter(router).grad - ref[router]).abs().max() > 1e-4
+
+
+def _pp_worker(rank: int, world: int) -> dict:
+    mesh = ParallelMesh(world, rank, pp=world)
+    stages = build_stages(_config(), mesh, [[0], [1]], seed=5)
+    _runtime(stages, mesh).run(TokenBatch(input_ids=_batch(), labels=_batch()), train=True)
+    return {n: p.grad.clone() for stage in stages for n, p in stage.named_parameters()}
+
+
+@pytest.mark.slow  # ~4 s: two processes
+def test_pipeline_stages_each_add_their_layers_losses():
+    results = run_distributed(_pp_worker, 2)
+    assert _max_diff({n: g for r in results for n, g in r.items()}, _reference()) <= TOL
+
+
+# ------------------------------------------------------------------------------------ recipe rules
+MIXTRAL = """
+model:
+  family: mixtral
+  hidden_size: 64
+  intermediate_size: 32
+  num_hidden_layers: 2
+  num_attention_heads: 4
+  num_key_value_heads: 2
+  num_local_experts: 4
+  num_experts_per_tok: 2
+"""
+
+
+def _problems(text: str, world: int = 1) -> dict[str, str]:
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(load_recipe_text(text), world, check_paths=False)
+    return {p.field: str(p) for p in e.value.problems}
+
+
+def test_a_valid_moe_recipe_and_the_shipped_one_pass():
+    validate_recipe(load_recipe_text(MIXTRAL + "moe:\n  capacity_factor: 1.25\n"), 1, check_paths=False)
+    from plait.config.load import DEFAULT_RECIPE
+    validate_recipe(load_recipe_text((DEFAULT_RECIPE.parent / "moe-tiny.yaml").read_text()), 1, check_paths=False)
+
+
+@pytest.mark.parametrize("text, field, words", [
+    (MIXTRAL.replace("num_experts_per_tok: 2", "num_experts_per_tok: 5"), "model.num_experts_per_tok",
+     "exceeds model.num_local_experts=4"),
+    (MIXTRAL + "moe:\n  capacity_factor: 0\n", "moe.capacity_factor", "must be > 0"),
+    (MIXTRAL + "parallel:\n  tp: 2\n", "parallel.tp", "not available for MoE"),
+    ("model:\n  num_local_experts: 8\n", "model.num_local_experts", "not a field of model.family='llama'"),
+    ("moe:\n  aux_loss_coef: 0.01\n", "moe", "has no experts"),
+    (MIXTRAL + "moe:\n  aux_loss_scope: global\n", "moe.aux_loss_scope", "micro_batch"),
+])
+def test_bad_moe_recipes_are_refused_naming_the_field(text, field, words):
+    problems = _problems(text, world=2 if "tp: 2" in text else 1)
+    assert field in problems, problems
+    assert words in problems[field], problems[field]
+
+
+def test_bad_moe_recipe_is_refused_before_any_process_starts(tmp_path):
+    cmd = [sys.executable, "-m", "plait.cli", "train", "model.family=mixtral", "model.num_local_experts=4",
+           "model.num_experts_per_tok=6", "moe.capacity_factor=-1", f"run.output_dir={tmp_path / 'never'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "model.num_experts_per_tok" in proc.stderr and "moe.capacity_factor" in proc.stderr
+    assert not (tmp_path / "never").exists()
+
+
+# ------------------------------------------------------------------------------------ the trainer
+TINY = ["model.family=mixtral", "model.hidden_size=64", "model.intermediate_size=32", "model.num_hidden_layers=2",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.num_local_experts=4",
+        "model.num_experts_per_tok=2", "moe.aux_loss_coef=0.01", "moe.z_loss_coef=0.001", "parallel.tp=1",
+        "parallel.sequence_parallel=false", "data.vocab_size=320", "data.seq_len=32", "data.micro_batch_size=4",
+        "parallel.microbatches=2", "scheduler.warmup_steps=1", "train.sample_tokens=4"]
+
+
+def _host_reads_worker(rank, world, recipe_yaml, prepared):
+    from plait.train.trainer import Trainer
+    from test_trainer import HostReadCounter
+
+    trainer = Trainer(validate_recipe(load_recipe_text(recipe_yaml), world), prepared, rank, world)
+    batches = iter(trainer.loader)
+    counts = []
+    for _ in range(3):
+        batch = next(batches)
+        with HostReadCounter() as counter:
+            trainer.run_step(batch)
+        counts.append(counter.count)
+    layers = moe_layers(trainer.state.stages)
+    trainer.loader.close()
+    return counts, [layer.stats.forwards for _, layer in layers]
+
+
+def test_moe_steps_make_no_host_reads(tmp_path):
+    from plait.config import load_recipe, recipe_to_yaml
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.data.corpora import shakespeare_files
+    from plait.train.entry import prepare_data
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text(shakespeare_files()[0].read_text(encoding="latin-1")[:40000], encoding="utf-8")
+    recipe = load_recipe(DEFAULT_RECIPE, TINY + [f"data.source={src}", f"run.output_dir={tmp_path / 'run'}"])
+    prepared = str(prepare_data(recipe))
+    ((counts, forwards),) = run_distributed(_host_reads_worker, 1, recipe_to_yaml(recipe), prepared)
+    assert counts == [0, 0, 0], f"host reads per step {counts}"
+    assert forwards == [6, 6], "each layer ran 2 micro-batches x 3 steps with its statistics on"
+
+
+@pytest.mark.slow  # ~8 s: a whole run through the command line
+def test_plait_train_runs_an_moe_recipe_and_logs_expert_load(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    from plait.data.corpora import shakespeare_files
+    (src / "a.txt").write_text(shakespeare_files()[0].read_text(encoding="latin-1")[:40000], encoding="utf-8")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, f"data.source={src}", f"run.output_dir={out}",
+           "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1", "--nproc", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        for layer in ("layer0", "layer1"):
+            assert r[f"moe/{layer}/imbalance"] >= 1.0 and r[f"moe/{layer}/dropped"] == 0.0
+            assert r[f"moe/{layer}/aux_loss"] >= 1.0  # >= 1 for any routing with k=2 of 4 (balanced: 2)
+    saved = json.loads((out / "final" / "config.json").read_text())
+    assert saved["model_type"] == "mixtral" and saved["num_local_experts"] == 4
