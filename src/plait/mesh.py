@@ -178,8 +178,10 @@ class ParallelMesh:
             return self._kv_group_ranks()
         if axis == "tied":
             return self._tied_group_ranks()
+        if axis == "dp_cp":
+            return self._dp_cp_group_ranks()
         if axis not in AXES:
-            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv', 'tied')}")
+            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv', 'tied', 'dp_cp')}")
         others = [a for a in AXES if a != axis]
         groups = []
         for fixed in itertools.product(*(range(self.degrees[a]) for a in others)):
@@ -192,6 +194,15 @@ class ParallelMesh:
     def _tied_group_ranks(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline group (tied embedding / output head)."""
         return sorted(sorted({g[0], g[-1]}) for g in self.group_ranks("pp"))
+
+    def _dp_cp_group_ranks(self) -> list[list[int]]:
+        """Ranks holding the same parameters and different data: the same pp and tp coordinates, any
+        dp and cp. Parameter gradients are averaged over this group (it is the dp group when cp=1)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for coord, r in sorted(self._rank_at.items()):
+            c = dict(zip(AXES, coord, strict=True))
+            groups.setdefault((c["pp"], c["tp"]), []).append(r)
+        return sorted(sorted(g) for g in groups.values())
 
     def _kv_group_ranks(self) -> list[list[int]]:
         groups: list[list[int]] = []
@@ -222,7 +233,8 @@ class ParallelMesh:
                 f"({dist.get_world_size()} ranks)"
             )
         # Every rank must create every group in the same order (a torch.distributed rule).
-        for axis in AXES + ("kv", "tied"):
+        # dp_cp is built only when cp > 1; otherwise it is the dp group (see group())
+        for axis in AXES + ("kv", "tied") + (("dp_cp",) if self.cp > 1 else ()):
             mine = None
             for ranks in self.group_ranks(axis):
                 group = dist.new_group(ranks)
@@ -231,16 +243,19 @@ class ParallelMesh:
             self._groups[axis] = mine
 
     def group(self, axis: str):
-        """This rank's group along ``axis``: ``"tp"``, ``"dp"``, ``"pp"``, ``"cp"``, ``"kv"`` (KV-shared)
-        or ``"tied"`` (first and last pipeline stage, for tied embeddings)."""
+        """This rank's group along ``axis``: ``"tp"``, ``"dp"``, ``"pp"``, ``"cp"``, ``"kv"`` (KV-shared),
+        ``"tied"`` (first and last pipeline stage, for tied embeddings) or ``"dp_cp"`` (dp x cp:
+        the ranks that average parameter gradients)."""
         if not self._groups:
             raise MeshError("this mesh was built with create_groups=False; it has no process groups")
+        if axis == "dp_cp" and self.cp == 1:
+            axis = "dp"
         return self._groups[axis]
 
     def info(self, axis: str) -> GroupInfo:
         """This rank's group along ``axis`` with its rank and size in it (group may be ``None``)."""
         ranks = self.my_group_ranks(axis)
-        group = self._groups.get(axis) if len(ranks) > 1 else None
+        group = self._groups.get("dp" if axis == "dp_cp" and self.cp == 1 else axis) if len(ranks) > 1 else None
         return GroupInfo(group, ranks.index(self.rank), len(ranks))
 
     @property

@@ -91,7 +91,7 @@ class CheckpointWriter:
         snap = Snapshot(step, meta=dict(meta) if self.rank == 0 else {},
                         attachments=dict(attachments or {}) if self.rank == 0 else {})
         fname = rank_file(self.rank)
-        dp = mesh.info("dp")
+        dp = mesh.info("dp_cp")  # replicas of the parameters: dp x cp ranks (the dp group when cp=1)
         holders = {name: (module, spec) for module, name, _, spec in named_parameters_with_specs(modules)}
         order = {e.name: i for i, e in enumerate(optimizer.layout.entries)}
         for entry, states in optimizer.param_states():  # collective under ZeRO-1: every rank iterates

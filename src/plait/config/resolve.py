@@ -139,18 +139,18 @@ class ResolvedRecipe:
         return Recipe.model_validate(data)
 
 
-def derive_world_and_dp(tp: int, pp: int, dp: int | None, world_size: int | None) -> tuple[int, int]:
-    """``(world_size, dp)``: without a world size, ``tp * pp * (dp or 1)`` processes are assumed."""
+def derive_world_and_dp(tp: int, pp: int, dp: int | None, world_size: int | None, cp: int = 1) -> tuple[int, int]:
+    """``(world_size, dp)``: without a world size, ``tp * pp * cp * (dp or 1)`` processes are assumed."""
     if world_size is None:
-        return tp * pp * (dp or 1), dp or 1
-    return world_size, dp if dp is not None else world_size // (tp * pp)
+        return tp * pp * cp * (dp or 1), dp or 1
+    return world_size, dp if dp is not None else world_size // (tp * pp * cp)
 
 
 def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | None = None,
             warnings: list[str] | tuple[str, ...] = ()) -> ResolvedRecipe:
     """Derive the values of a recipe that :func:`~plait.config.rules.collect_problems` accepted."""
     r, p = recipe, recipe.parallel
-    world, dp = derive_world_and_dp(p.tp, p.pp, p.dp, world_size)
+    world, dp = derive_world_and_dp(p.tp, p.pp, p.dp, world_size, p.cp)
     arch = hf_config or r.model.to_model_config(r.model.vocab_size or r.data.vocab_size)
     kv = HeadLayout.plan(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, p.tp,
                          p.kv_replication, p.kv_placement).kv_replication

@@ -85,6 +85,9 @@ class PipelineRuntime:
         self.loss_head: LossHead | None = None
         #: run over each batch (already on the device) before the schedule: a reference model's pass
         self.reference_pass: Callable[[TokenBatch], None] | None = None
+        #: cuts each batch (on the device) to this rank's share of the sequence: context parallelism
+        #: (:func:`plait.context_parallel.batch.split_token_batch`); ``None``: whole sequences
+        self.split_batch: Callable[[TokenBatch], TokenBatch] | None = None
 
     # ------------------------------------------------------------------ topology
     def _global_stage(self, chunk: int) -> int:
@@ -119,6 +122,8 @@ class PipelineRuntime:
         ``reference_pass`` it runs over the batch first (training and evaluation alike).
         """
         tokens = as_token_batch(batch).to(self.device)
+        if self.split_batch is not None:
+            tokens = self.split_batch(tokens)
         if self.reference_pass is not None:
             self.reference_pass(tokens)
         return self.execute(tokens, train=train)
