@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, SupportsInt
 
@@ -23,7 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from plait.cluster.network import is_local_address
 
 
 def _adopt_slurm_environment() -> None:
@@ -73,18 +77,57 @@ class WorkersFailed(RuntimeError):
         super().__init__(f"{ranks} failed; the reason is printed above")
 
 
-def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None:
-    """Run ``entrypoint(*args)`` on ``nproc`` local ranks with a c10d rendezvous on localhost.
+@dataclass(frozen=True)
+class Hosts:
+    """A multi-host run started by ``plait train --nnodes N --rdzv-endpoint HOST:PORT`` on every host."""
+
+    nnodes: int
+    endpoint: str
+    run_id: str
+    timeout_s: float
+    #: the address the other hosts reach this one at (``None``: its host name)
+    local_addr: str | None = None
+
+
+class RendezvousFailed(RuntimeError):
+    """The hosts of a multi-host run did not all join its rendezvous in time (or could not reach it)."""
+
+
+def _rendezvous_message(hosts: Hosts, error: Exception) -> str:
+    here = socket.gethostname()
+    if isinstance(error, RendezvousConnectionError):
+        return (f"cannot reach the rendezvous at {hosts.endpoint} (run id {hosts.run_id!r}) from {here}: {error}; "
+                f"check that HOST:PORT is the first host's address and that the port is open between the hosts")
+    missing = hosts.nnodes - 1
+    return (f"the rendezvous at {hosts.endpoint} (run id {hosts.run_id!r}) did not complete within "
+            f"{hosts.timeout_s:g} s (launch.rdzv_timeout_s): {missing} of {hosts.nnodes} hosts never joined "
+            f"(joined: this host, {here}). Start `plait train` with the same --nnodes, --rdzv-endpoint and "
+            f"--rdzv-id on every host, and check that {hosts.endpoint} is reachable from each (launch.iface)")
+
+
+def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any, hosts: Hosts | None = None) -> None:
+    """Run ``entrypoint(*args)`` on ``nproc`` local ranks with a c10d rendezvous on localhost, or
+    with ``hosts``, as this host's share of a multi-host run (the same call on every host).
 
     Raises :class:`WorkersFailed` when a worker fails: the elastic launcher's own report (a
-    traceback of the launcher per failed rank) says nothing the worker did not print.
+    traceback of the launcher per failed rank) says nothing the worker did not print; and
+    :class:`RendezvousFailed` when the hosts do not all join within ``hosts.timeout_s``.
     """
     if in_launched_world():
         entrypoint(*args)
         return
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                          monitor_interval=0.5, start_method="spawn")
+    if hosts is None:
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                              monitor_interval=0.5, start_method="spawn")
+    else:
+        timeout = max(1, round(hosts.timeout_s))
+        config = LaunchConfig(min_nodes=hosts.nnodes, max_nodes=hosts.nnodes, nproc_per_node=nproc,
+                              run_id=hosts.run_id, rdzv_backend="c10d", rdzv_endpoint=hosts.endpoint,
+                              rdzv_configs={"join_timeout": timeout, "timeout": timeout,
+                                            "is_host": is_local_address(hosts.endpoint.rsplit(":", 1)[0])},
+                              max_restarts=0, local_addr=hosts.local_addr,
+                              monitor_interval=0.5, start_method="spawn")
     quiet = CleanStopFilter()
     loggers = [logging.getLogger(name) for name in CleanStopFilter.LOGGERS]
     for logger in loggers:
@@ -93,6 +136,10 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         raise WorkersFailed({rank: int(f.exitcode) for rank, f in e.failures.items()}) from None
+    except (RendezvousTimeoutError, RendezvousConnectionError) as e:
+        if hosts is None:
+            raise
+        raise RendezvousFailed(_rendezvous_message(hosts, e)) from None
     except SignalException as e:
         # SIGTERM/SIGINT reached the launcher as well as the workers; the workers have written a
         # checkpoint and exited cleanly (see Trainer.fit), so preemption is a normal end here.

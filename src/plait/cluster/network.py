@@ -9,8 +9,10 @@ exported is left alone only when no knob is set.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
 from collections.abc import MutableMapping
 
 #: the environment variables each backend reads to choose its interface
@@ -62,3 +64,22 @@ def is_local_address(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+#: ioctl request that reads an interface's IPv4 address (Linux)
+_SIOCGIFADDR = 0x8915
+
+
+def iface_address(iface: str) -> str | None:
+    """The IPv4 address of interface ``iface`` (``None``: it has none, or this is not Linux).
+
+    A multi-host run advertises it to the other hosts as this host's address: a host name may
+    resolve to a loopback address (``127.0.1.1`` in many ``/etc/hosts``), where no other host can
+    reach it.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", iface.encode()[:15]))
+    except OSError:
+        return None
+    return socket.inet_ntoa(packed[20:24])

@@ -27,7 +27,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes to launch (default: tp*pp*dp of the recipe, dp=1 when unset); "
                         "ignored under torchrun/SLURM, where the world size comes from the launcher")
+    net = p.add_argument_group("several hosts (see docs/launching.md)")
+    net.add_argument("--nnodes", type=int, default=1,
+                     help="hosts of the run; run the same command on each, with --nproc ranks per host")
+    net.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="c10d rendezvous of a multi-host run: the first host's address and a free port")
+    net.add_argument("--rdzv-id", default="plait", help="rendezvous id, the same on every host (default: plait)")
+    net.add_argument("--iface", default=None, help="network interface gloo and NCCL use (launch.iface)")
+    net.add_argument("--rdzv-timeout", type=float, default=None, metavar="SECONDS",
+                     help="seconds the hosts have to join the rendezvous (launch.rdzv_timeout_s)")
     return p
+
+
+def network_overrides(args) -> list[str]:
+    """The recipe overrides the network options stand for (``--iface``, ``--rdzv-timeout``)."""
+    out = []
+    if getattr(args, "iface", None) is not None:
+        out.append(f"launch.iface={args.iface}")
+    if getattr(args, "rdzv_timeout", None) is not None:
+        out.append(f"launch.rdzv_timeout_s={args.rdzv_timeout}")
+    return out
 
 
 def split_items(items: list[str]) -> tuple[str | None, list[str]]:
@@ -58,9 +77,23 @@ def run(args) -> int:
 
     try:
         recipe_path, overrides = split_items(args.items)
+        overrides += network_overrides(args)
         data = recipe_data(recipe_path or DEFAULT_RECIPE, overrides)
+        nnodes = getattr(args, "nnodes", 1)
+        if nnodes < 1 or (nnodes > 1 and not getattr(args, "rdzv_endpoint", None)):
+            raise ValueError(f"--nnodes={nnodes} needs a positive count and, above 1, --rdzv-endpoint HOST:PORT "
+                             f"(the first host's address)")
         if in_launched_world():
             world = launched_world_size()
+            from plait.cluster.elastic import fit_to_world
+
+            data, note = fit_to_world(data, world)  # an elastic restart: dp follows the world, the global batch stays
+            if note is not None and launched_rank() == 0:
+                print(f"plait train: {note}", flush=True)
+        elif nnodes > 1:
+            if args.nproc is None:
+                raise ValueError(f"--nnodes={nnodes} needs --nproc, the ranks per host")
+            world = nnodes * args.nproc
         else:
             world = args.nproc if args.nproc is not None else default_nproc(data)
             if world < 1:
@@ -77,32 +110,53 @@ def run(args) -> int:
         return 2
     for warning in resolved.warnings:
         print(f"plait train: warning: {warning}", file=sys.stderr)
+    from plait.cluster.network import apply_iface, check_local_iface
+
+    try:
+        check_local_iface(resolved.recipe.launch.iface)
+    except ValueError as e:
+        print(f"plait train: {e}", file=sys.stderr)
+        return 2
+    apply_iface(resolved.recipe.launch.iface)  # read by gloo/NCCL here (torchrun) or in the ranks started below
     from plait.outputs import OutputDirError
     from plait.outputs.preflight import claim_outputs
 
     try:
         # Held until this process ends: the launcher here, global rank 0 under torchrun/SLURM.
-        locks = claim_outputs(resolved, lock=not in_launched_world() or launched_rank() == 0)
+        # (several hosts started by plait train: no host knows it holds rank 0 before the rendezvous)
+        locks = claim_outputs(resolved, lock=(not in_launched_world() and nnodes == 1)
+                              or (in_launched_world() and launched_rank() == 0))
     except OutputDirError as e:
         print(f"plait train: {e}", file=sys.stderr)
         return 2
+    hosts = None
+    if nnodes > 1 and not in_launched_world():
+        from plait.cluster.network import iface_address
+        from plait.launch import Hosts
+
+        iface = resolved.recipe.launch.iface
+        hosts = Hosts(nnodes, args.rdzv_endpoint, args.rdzv_id, resolved.recipe.launch.rdzv_timeout_s,
+                      local_addr=iface_address(iface) if iface else None)
     try:
-        return _prepare_and_launch(resolved, data, world)
+        return _prepare_and_launch(resolved, data, world, hosts)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _prepare_and_launch(resolved, data: dict, world: int) -> int:
-    """Prepare the data once (in the parent) and start the ranks; exit status 2 for data errors."""
+def _prepare_and_launch(resolved, data: dict, world: int, hosts=None) -> int:
+    """Prepare the data once (in the parent) and start the ranks; exit status 2 for data errors.
+
+    With ``hosts`` (several hosts) the ranks prepare it, global rank 0 first, as under torchrun.
+    """
     from plait.config.load import dump_recipe_text
-    from plait.launch import WorkersFailed, in_launched_world, launch_local
+    from plait.launch import RendezvousFailed, WorkersFailed, in_launched_world, launch_local
     from plait.train.entry import prepare_data, train_worker
 
     # The ranks receive the recipe as the user wrote it (file + overrides) and validate it again
     # for their world; defaults are not frozen in, so fields that come from model.hf_path stay free.
     text = dump_recipe_text(data)  # read back by the ranks with the recipe loader's own YAML 1.2 rules
-    if not in_launched_world():
+    if not in_launched_world() and hosts is None:
         try:
             prepare_data(resolved.recipe, progress=True)  # once, in the parent, before any rank starts
         except ValueError as e:  # DataError (source, prepared data, seq_len, vocabulary) or ModelConfigError
@@ -112,9 +166,16 @@ def _prepare_and_launch(resolved, data: dict, world: int) -> int:
             print(f"plait train: {e}", file=sys.stderr)
             return 1
         print(f"launching {world} process(es): {resolved.summary_line()}", flush=True)
+    if hosts is not None:
+        print(f"joining the rendezvous at {hosts.endpoint} (run id {hosts.run_id!r}) with {world // hosts.nnodes} "
+              f"of {world} process(es), {hosts.nnodes} hosts: {resolved.summary_line()}", flush=True)
+    nproc = world if hosts is None else world // hosts.nnodes
     try:
-        launch_local(train_worker, world, text)
+        launch_local(train_worker, nproc, text, hosts=hosts)
     except WorkersFailed as e:
         print(f"plait train: {e}", file=sys.stderr)
         return e.status
+    except RendezvousFailed as e:
+        print(f"plait train: {e}", file=sys.stderr)
+        return 1
     return 0
