@@ -3,7 +3,8 @@
 No processes and no torch: schedules are plain Python, so the checks run over a grid of sizes in
 well under a second. Expected lists are written in the short notation of ``task_label``
 (``F3`` forward of microbatch 3, ``rA``/``sA`` receive/send activation, ``rG``/``sG`` receive/send
-gradient, a trailing letter = chunk with vpp > 1, ``R`` = ReduceGradients); ``_parse`` maps each
+gradient, ``W3`` the deferred weight gradients of microbatch 3 (zero-bubble schedules), a trailing
+letter = chunk with vpp > 1, ``R`` = ReduceGradients); ``_parse`` maps each
 token to exactly one task, and ``test_notation_is_the_dataclasses`` pins that mapping.
 """
 
@@ -14,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from plait.pipeline.schedules import SCHEDULES, ScheduleError, compute_order, schedule_tasks, validate_schedule
+from plait.pipeline.schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    ScheduleError,
+    compute_order,
+    schedule_tasks,
+    validate_schedule,
+)
 from plait.pipeline.simulate import format_timeline, simulate, simulate_tasks, theoretical_bubble
 from plait.pipeline.tasks import (
     Backward,
@@ -24,9 +32,10 @@ from plait.pipeline.tasks import (
     ReduceGradients,
     SendActivation,
     SendGradient,
+    WeightGrad,
 )
 
-_KINDS = {"F": Forward, "B": Backward, "rA": RecvActivation, "sA": SendActivation,
+_KINDS = {"F": Forward, "B": Backward, "W": WeightGrad, "rA": RecvActivation, "sA": SendActivation,
           "rG": RecvGradient, "sG": SendGradient}
 
 
@@ -36,7 +45,7 @@ def _parse(text: str) -> list:
         if tok == "R":
             tasks.append(ReduceGradients())
             continue
-        kind, mb, chunk = re.fullmatch(r"(rA|sA|rG|sG|F|B)(\d+)([a-z]?)", tok).groups()
+        kind, mb, chunk = re.fullmatch(r"(rA|sA|rG|sG|F|B|W)(\d+)([a-z]?)", tok).groups()
         tasks.append(_KINDS[kind](int(mb), ord(chunk) - ord("a") if chunk else 0))
     return tasks
 
@@ -69,6 +78,19 @@ EXPECTED = {
     ("interleaved-1f1b", 2, 4, 2, 1): "rA0a F0a sA0a rA1a F1a sA1a rA0b F0b B0b sG0b rA1b F1b B1b sG1b "
                                       "rA2a F2a sA2a rG0a B0a sG0a rA3a F3a sA3a rG1a B1a sG1a "
                                       "rA2b F2b B2b sG2b rA3b F3b B3b sG3b rG2a B2a sG2a rG3a B3a sG3a R",
+    # ZB-H1, pp=4: 1F1B's warm-up, the W of microbatch i after the B of microbatch i + rank, one W after
+    # each cool-down B, the remaining Ws last.
+    ("zb-h1", 4, 8, 1, 0): "F0 sA0 F1 sA1 F2 sA2 F3 sA3 rG0 B0 W0 F4 sA4 rG1 B1 W1 F5 sA5 rG2 B2 W2 "
+                           "F6 sA6 rG3 B3 W3 F7 sA7 rG4 B4 W4 rG5 B5 W5 rG6 B6 W6 rG7 B7 W7 R",
+    ("zb-h1", 4, 8, 1, 1): "rA0 F0 sA0 rA1 F1 sA1 rA2 F2 sA2 rG0 B0 sG0 rA3 F3 sA3 rG1 B1 sG1 W0 "
+                           "rA4 F4 sA4 rG2 B2 sG2 W1 rA5 F5 sA5 rG3 B3 sG3 W2 rA6 F6 sA6 rG4 B4 sG4 W3 "
+                           "rA7 F7 sA7 rG5 B5 sG5 W4 rG6 B6 sG6 W5 rG7 B7 sG7 W6 W7 R",
+    ("zb-h1", 4, 8, 1, 3): "rA0 F0 B0 sG0 rA1 F1 B1 sG1 rA2 F2 B2 sG2 rA3 F3 B3 sG3 W0 rA4 F4 B4 sG4 W1 "
+                           "rA5 F5 B5 sG5 W2 rA6 F6 B6 sG6 W3 rA7 F7 B7 sG7 W4 W5 W6 W7 R",
+    ("zb-h1", 2, 4, 1, 0): "F0 sA0 F1 sA1 rG0 B0 W0 F2 sA2 rG1 B1 W1 F3 sA3 rG2 B2 W2 rG3 B3 W3 R",
+    ("zb-h1", 2, 4, 1, 1): "rA0 F0 B0 sG0 rA1 F1 B1 sG1 W0 rA2 F2 B2 sG2 W1 rA3 F3 B3 sG3 W2 W3 R",
+    # fewer microbatches than the lag: every W waits for the end
+    ("zb-h1", 4, 2, 1, 3): "rA0 F0 B0 sG0 rA1 F1 B1 sG1 W0 W1 R",
 }
 
 
@@ -122,6 +144,18 @@ def _in_flight_peak(tasks) -> int:
     return peak
 
 
+def _awaiting_w_peak(tasks) -> int:
+    """Most microbatches between their Forward and their WeightGrad (what a W-pending one keeps)."""
+    live = peak = 0
+    for t in tasks:
+        if isinstance(t, Forward):
+            live += 1
+            peak = max(peak, live)
+        elif isinstance(t, WeightGrad):
+            live -= 1
+    return peak
+
+
 def test_structure_over_grid():
     for name, pp, m, vpp in CONFIGS:
         where = f"{name} pp={pp} m={m} vpp={vpp}"
@@ -141,6 +175,14 @@ def test_structure_over_grid():
             # Every chunk's backwards run in microbatch order 0..m-1 (same gradient accumulation order).
             for c in range(vpp):
                 assert [mb for mb, cc in bwd if cc == c] == list(range(m)), where
+            wgt = [(t.microbatch, t.chunk) for t in tasks if isinstance(t, WeightGrad)]
+            if name in SPLIT_BACKWARD_SCHEDULES:
+                # one W per B, after it, in microbatch order (the weight gradients' accumulation order)
+                wpos = {(t.microbatch, t.chunk): i for i, t in enumerate(tasks) if isinstance(t, WeightGrad)}
+                assert wgt == bwd and all(pos[("B", mb, c)] < wpos[(mb, c)] for mb, c in every), where
+                assert max(_awaiting_w_peak(tasks), 1) <= pp, where
+            else:
+                assert wgt == [], where
             for i, t in enumerate(tasks[:-1]):
                 stage = t.chunk * pp + r
                 # Adjacency: recv right before its compute, send right after it.
@@ -166,7 +208,7 @@ def test_structure_over_grid():
             peak = _in_flight_peak(tasks)
             if name == "gpipe":
                 assert peak == m, where
-            elif name == "1f1b" or vpp == 1:
+            elif name in ("1f1b", "zb-h1") or vpp == 1:
                 assert peak <= pp - r and peak == min(pp - r, m), where
             else:  # Megatron's interleaved bound: warm-up + 1, in chunk-microbatches.
                 assert peak == min(2 * (pp - r - 1) + (vpp - 1) * pp + 1, vpp * m), where
@@ -178,6 +220,8 @@ def test_simulation_completes_and_bubble_matches_formula():
     # Uniform task times: every rank computes the same work, so all ranks' idle share must equal
     # (pp-1)/(vpp*m+pp-1). Tolerance 1e-9: times are sums of 1/vpp, 2/vpp, ... (not exact in binary).
     for name, pp, m, vpp in CONFIGS:
+        if name in SPLIT_BACKWARD_SCHEDULES:
+            continue  # test_zero_bubble_* below
         for f, b in ((1.0, 2.0), (1.0, 1.0), (2.0, 3.0)):
             res = simulate(pp, m, vpp, name, forward_time=f, backward_time=b)
             th = theoretical_bubble(pp, m, vpp)
@@ -186,6 +230,38 @@ def test_simulation_completes_and_bubble_matches_formula():
             assert res.busy == pytest.approx([m * (f + b)] * pp, abs=1e-9)
             tasks = [schedule_tasks(name, r, pp, m, vpp) for r in range(pp)]
             assert res.peak_in_flight == tuple(_in_flight_peak(t) for t in tasks)
+
+
+def test_zero_bubble_is_deadlock_free_and_never_slower_than_1f1b():
+    # pp 2..8, m >= pp (and a few m < pp), several B/W splits and link latencies: the simulator runs
+    # every list to the end (no deadlock, every message received, one W per B) and ZB-H1 never
+    # takes longer than 1F1B with the same total work, holds the same full activations (F to B),
+    # and at most pp microbatches between F and W on any rank.
+    checked = 0
+    for pp in range(2, 9):
+        for m in list(range(pp, 3 * pp + 1)) + [1, pp - 1]:
+            for f, b, w in ((1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (1.0, 3.0, 1.5), (2.0, 3.0, 1.0)):
+                for p2p in (0.0, 0.3):
+                    zb = simulate(pp, m, 1, "zb-h1", f, b, p2p, weight_time=w)
+                    ref = simulate(pp, m, 1, "1f1b", f, b, p2p)
+                    assert zb.busy == pytest.approx(ref.busy), (pp, m)
+                    assert zb.total_time <= ref.total_time + 1e-9, (pp, m, f, b, w, p2p)
+                    assert zb.peak_in_flight == ref.peak_in_flight, (pp, m)
+                    assert max(zb.peak_awaiting_w) <= pp, (pp, m)
+                    checked += 1
+    assert checked > 700
+
+
+def test_zero_bubble_bubble_formula():
+    # With F = B = W (1, 2 = 1 + 1, W = 1) every rank idles pp - 1 slots: (p-1)/(3m+p-1), a third
+    # of 1F1B's (p-1)/(m+p-1) in time units; at pp=4, m=8: 3/27 = 0.111 vs 9/33 = 0.273.
+    for pp in range(2, 9):
+        for m in range(pp, 3 * pp + 1):
+            res = simulate(pp, m, 1, "zb-h1", 1.0, 2.0, weight_time=1.0)
+            assert res.bubble == pytest.approx([(pp - 1) / (3 * m + pp - 1)] * pp, abs=1e-9), (pp, m)
+            assert res.total_time == pytest.approx(3 * m + pp - 1)
+    assert simulate(4, 8, 1, "zb-h1").mean_bubble == pytest.approx(3 / 27)
+    assert simulate(4, 8, 1, "1f1b").mean_bubble == pytest.approx(theoretical_bubble(4, 8))
 
 
 def test_interleaving_reduces_the_bubble():
@@ -218,6 +294,8 @@ def test_interleaved_with_vpp1_is_1f1b():
 
 def test_compute_order():
     assert compute_order("1f1b", 3, 4, 2) == [Forward(0, 0), Backward(0, 0), Forward(1, 0), Backward(1, 0)]
+    assert compute_order("zb-h1", 1, 2, 2) == [Forward(0, 0), Backward(0, 0), Forward(1, 0), Backward(1, 0),
+                                                WeightGrad(0, 0), WeightGrad(1, 0)]
 
 
 # ---- the simulator rejects broken lists --------------------------------------------------------
@@ -239,6 +317,9 @@ def test_deadlock_is_detected_and_names_ranks_and_tasks():
     ([_parse("F0 sA0 rG0 B0 R"), _parse("rA0 F0 R B0 sG0 R")], "ReduceGradients must be the last"),
     ([_parse("F0 sA0 F1 sA1 rG0 B0 R"), _parse("rA0 F0 B0 sG0 R")], "never received"),
     ([_parse("F0 sA0 R"), _parse("rA0 F0 R")], "forwards without a backward"),
+    ([_parse("F0 sA0 W0 rG0 B0 R"), _parse("rA0 F0 B0 sG0 W0 R")], "WeightGrad run twice or before its Backward"),
+    ([_parse("F0 sA0 rG0 B0 W0 W0 R"), _parse("rA0 F0 B0 sG0 W0 R")], "WeightGrad run twice"),
+    ([_parse("F0 sA0 rG0 B0 R"), _parse("rA0 F0 B0 sG0 W0 R")], "backwards without a WeightGrad"),
 ])
 def test_simulator_rejects_invalid_lists(lists, message):
     with pytest.raises(ScheduleError, match=message):

@@ -57,10 +57,23 @@ class GradSync:
         else:
             self._final |= {id(p) for m in modules for p in m.parameters() if id(p) in self._entry}
 
+    def mark_final_params(self, params: list[torch.Tensor]) -> None:
+        """The next gradient of each of ``params`` is its last of this step.
+
+        For a split backward (zero-bubble pipelines) the runtime marks a stage's parameters in two
+        groups: those whose gradients come in ``B`` before the stage's last ``B``, and the
+        column/row-parallel weights whose gradients come in ``W`` before its last ``W``, so each
+        bucket's reduction starts after its parameters' last ``W``, not after the last ``B``.
+        """
+        self._final |= {id(p) for p in params if id(p) in self._entry}
+
     def _on_grad(self, param: torch.Tensor) -> None:
         key = id(param)
         grad = param.grad
-        assert grad is not None, "a post-accumulate-grad hook runs with the gradient set"
+        if grad is None:
+            # autograd runs the hook also when the backward produced no gradient for the parameter:
+            # a weight whose gradient a split backward deferred to its W task (zero-bubble pipelines)
+            return
         param.grad = None
         if key in self._done:
             raise RuntimeError(f"a gradient of {self._entry[key].name} arrived after its bucket was reduced; "

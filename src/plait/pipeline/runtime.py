@@ -12,6 +12,15 @@ when the matching gradient comes back (the send is then known to be complete; gl
 complete only once it is waited on), so at most the schedule's in-flight microbatches are held.
 Sent input gradients are still kept until the end of the step.
 
+Zero-bubble schedules (``zb-h1``) split each backward: the runtime attaches a
+:class:`~plait.tensor_parallel.weight_grad.WeightGradQueue` to the stages' column/row-parallel
+layers, runs each ``Backward`` (B) inside ``queue.collect((microbatch, chunk))`` so those layers
+defer their weight-gradient products, and each ``WeightGrad`` (W) task runs them. The
+data-parallel "last gradient" marking follows: with ``mark_final_params`` set, a stage's other
+parameters are marked before its last B and the deferred weights before its last W; without it,
+``before_last_backward(chunk)`` is called before the stage's last W (correct, but buckets whose
+parameters all got their last gradient in B then start only in the final flush).
+
 Sequence-level objectives (preference training) plug in two ways, both optional: a ``loss_head``
 whose :meth:`LossHead.bind` gives the last stage, per micro-batch, the loss to compute from its
 logits; and a ``reference_pass`` run over the same batch before each run's schedule (a
@@ -34,7 +43,8 @@ from plait.data.batch import TokenBatch, as_token_batch
 from plait.mesh import ParallelMesh
 from plait.nn.output import SequenceLoss
 from plait.pipeline import tasks as T
-from plait.pipeline.schedules import schedule_tasks
+from plait.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_tasks
+from plait.tensor_parallel.weight_grad import WeightGradQueue, attach_weight_grad_queue
 
 
 @dataclass
@@ -81,6 +91,18 @@ class PipelineRuntime:
         #: optimizer then lets the data-parallel reduction of the chunk's buckets start)
         self.before_last_backward: Callable[[int], None] | None = None
         self._last_backward = {t.chunk: i for i, t in enumerate(self.tasks) if isinstance(t, T.Backward)}
+        self._last_weight_grad = {t.chunk: i for i, t in enumerate(self.tasks) if isinstance(t, T.WeightGrad)}
+        #: with a split-backward schedule: called with a list of parameters whose next gradient is
+        #: their last of the step (the data-parallel ``GradSync.mark_final_params``), before the
+        #: last B (parameters not deferred) and the last W (deferred weights) of each stage; takes
+        #: precedence over ``before_last_backward`` for such schedules
+        self.mark_final_params: Callable[[list[torch.Tensor]], None] | None = None
+        #: the deferred weight-gradient products of a split-backward schedule (``None`` otherwise)
+        self.weight_grads: WeightGradQueue | None = None
+        self._deferred: list[list[torch.Tensor]] = [[] for _ in stages]
+        if schedule in SPLIT_BACKWARD_SCHEDULES:
+            self.weight_grads = WeightGradQueue()
+            self._deferred = [attach_weight_grad_queue(stage, self.weight_grads) for stage in stages]
         #: the last stage's loss per micro-batch, when it is not the output module's next-token loss
         self.loss_head: LossHead | None = None
         #: run over each batch (already on the device) before the schedule: a reference model's pass
@@ -186,15 +208,21 @@ class PipelineRuntime:
             elif isinstance(task, T.Backward):
                 st = state[key]
                 assert st.output is not None, "a Backward follows its Forward and runs once"
-                if self.before_last_backward is not None and self._last_backward[task.chunk] == index:
-                    self.before_last_backward(task.chunk)
-                if self.stages[task.chunk].last:
-                    st.output.backward()
-                else:
-                    torch.autograd.backward(st.output, grad_tensors=st.output_grad)
+                if self._last_backward[task.chunk] == index:
+                    self._before_last(task.chunk, weights=False)
+                with self.weight_grads.collect(key) if self.weight_grads else contextlib.nullcontext():
+                    if self.stages[task.chunk].last:
+                        st.output.backward()
+                    else:
+                        torch.autograd.backward(st.output, grad_tensors=st.output_grad)
                 st.output, st.output_grad = None, None  # activations released after their backward
                 if st.inputs is None:
                     state.pop(key)
+            elif isinstance(task, T.WeightGrad):
+                assert self.weight_grads is not None, "WeightGrad tasks come only with a split-backward schedule"
+                if self._last_weight_grad[task.chunk] == index:
+                    self._before_last(task.chunk, weights=True)
+                self.weight_grads.run(key)
             elif isinstance(task, T.SendGradient):
                 st = state.pop(key)
                 assert st.inputs is not None, "a SendGradient is never on the first stage, whose input is ids"
@@ -204,12 +232,25 @@ class PipelineRuntime:
                 pending.append(dist.isend(grad, dst=self._peer(stage_id - 1), group=self.pp_group,
                                           tag=self._tag(1, task.microbatch, stage_id - 1)))
                 pending.append(grad)
+        if self.weight_grads is not None and (left := self.weight_grads.pending()):
+            raise RuntimeError(f"the schedule left deferred weight gradients unrun: {left}")
         for work, _ in act_sends.values():  # evaluation (no gradients come back) and the last sends
             work.wait()
         for work in pending:
             if hasattr(work, "wait"):
                 work.wait()
         return loss_sum
+
+    def _before_last(self, chunk: int, *, weights: bool) -> None:
+        """Tell the data-parallel side that ``chunk``'s last gradients come next: before the last
+        Backward (``weights=False``) or, with a split backward, before the last WeightGrad."""
+        split = self.weight_grads is not None
+        if split and self.mark_final_params is not None:
+            deferred = {id(p) for p in self._deferred[chunk]}
+            params = [p for p in self.stages[chunk].parameters() if (id(p) in deferred) == weights]
+            self.mark_final_params(params)
+        elif self.before_last_backward is not None and weights == split:
+            self.before_last_backward(chunk)
 
     def _forward_only_tasks(self) -> list[T.Task]:
         """Forward-only order for evaluation: microbatch by microbatch, chunk by chunk."""

@@ -1,6 +1,6 @@
 """Pipeline-parallel schedules as pure functions: ``schedule_tasks`` returns one rank's task list.
 
-Three schedules (see docs/pipeline_schedules.md for diagrams):
+Four schedules (see docs/pipeline_schedules.md for diagrams):
 
 * ``"gpipe"``: every forward (microbatches 0..m-1), then every backward in the *same* order
   0..m-1. Forward order for the backwards makes every schedule here accumulate each chunk's
@@ -14,6 +14,16 @@ Three schedules (see docs/pipeline_schedules.md for diagrams):
   ...; backwards follow the same table with the chunk order reversed. Warm-up is
   ``2 * (pp - r - 1) + (vpp - 1) * pp`` forwards (clamped to ``vpp * m``, in which case the rank runs
   all forwards, then all backwards), as in current Megatron-LM.
+* ``"zb-h1"`` (zero bubble, the memory-neutral "H1" variant of Qi et al. 2023): each backward is
+  split into ``B`` (:class:`~plait.pipeline.tasks.Backward`: input gradients, sent on at once) and
+  ``W`` (:class:`~plait.pipeline.tasks.WeightGrad`: the deferred weight-gradient products). Rank
+  ``r`` runs 1F1B's ``min(pp - r - 1, m)`` warm-up forwards, then forward/``B`` pairs, and runs the
+  ``W`` of microbatch ``i`` only after the ``B`` of microbatch ``i + r``: those ``r`` postponed ``W`` s
+  fill the cool-down, where 1F1B's rank ``r`` waits for gradients. In the cool-down every ``B`` is
+  followed by one ``W``, the rest close the step. At most ``pp`` microbatches are between their
+  forward and their ``W`` on any rank (``pp - r`` of them holding full activations, as in 1F1B, the
+  others only what ``W`` needs), so the peak over ranks is 1F1B's rank 0. With ``F = B = W`` the
+  idle time per rank is ``(pp - 1)`` units instead of 1F1B's ``3 (pp - 1)``.
 
 Every Forward is immediately preceded by its RecvActivation (if the stage is not 0) and
 followed by its SendActivation (if not the last stage); every Backward is preceded by its
@@ -34,18 +44,21 @@ from plait.pipeline.tasks import (
     SendActivation,
     SendGradient,
     Task,
+    WeightGrad,
     stage_of,
 )
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+#: schedules that split the backward into B and W (the runtime then defers weight gradients)
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1",)
 
 
 class ScheduleError(ValueError):
     """A schedule that cannot be built (bad name, sizes or rank) or a task list that cannot run."""
 
 
-# A compute step: (is_forward, microbatch, chunk).
-_Step = tuple[bool, int, int]
+# A compute step: (kind, microbatch, chunk), kind "F" (forward), "B" (backward) or "W" (weight grads).
+_Step = tuple[str, int, int]
 
 
 def _check_int(field: str, value: object) -> None:
@@ -95,15 +108,32 @@ def validate_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, pp_ra
 
 
 def _gpipe(pp_rank: int, pp: int, m: int) -> list[_Step]:
-    return [(True, mb, 0) for mb in range(m)] + [(False, mb, 0) for mb in range(m)]
+    return [("F", mb, 0) for mb in range(m)] + [("B", mb, 0) for mb in range(m)]
 
 
 def _one_f_one_b(pp_rank: int, pp: int, m: int) -> list[_Step]:
     warmup = min(pp - pp_rank - 1, m)
-    steps: list[_Step] = [(True, mb, 0) for mb in range(warmup)]
+    steps: list[_Step] = [("F", mb, 0) for mb in range(warmup)]
     for i in range(m - warmup):
-        steps += [(True, warmup + i, 0), (False, i, 0)]
-    steps += [(False, mb, 0) for mb in range(m - warmup, m)]
+        steps += [("F", warmup + i, 0), ("B", i, 0)]
+    steps += [("B", mb, 0) for mb in range(m - warmup, m)]
+    return steps
+
+
+def _zb_h1(pp_rank: int, pp: int, m: int) -> list[_Step]:
+    warmup = min(pp - pp_rank - 1, m)
+    steps: list[_Step] = [("F", mb, 0) for mb in range(warmup)]
+    next_w = 0
+    for i in range(m - warmup):
+        steps += [("F", warmup + i, 0), ("B", i, 0)]
+        if i >= pp_rank:  # W lags its B by pp_rank microbatches in the steady state
+            steps.append(("W", next_w, 0))
+            next_w += 1
+    for mb in range(m - warmup, m):  # cool-down: one W after each B, filling the wait for the next gradient
+        steps.append(("B", mb, 0))
+        steps.append(("W", next_w, 0))
+        next_w += 1
+    steps += [("W", mb, 0) for mb in range(next_w, m)]
     return steps
 
 
@@ -115,11 +145,11 @@ def _interleaved(pp_rank: int, pp: int, m: int, vpp: int) -> list[_Step]:
 
     def fwd(k: int) -> _Step:
         mb, chunk = table[k]
-        return True, mb, chunk
+        return "F", mb, chunk
 
     def bwd(k: int) -> _Step:
         mb, chunk = table[k]
-        return False, mb, vpp - 1 - chunk
+        return "B", mb, vpp - 1 - chunk
 
     steps = [fwd(k) for k in range(warmup)]
     for k in range(total - warmup):
@@ -128,9 +158,11 @@ def _interleaved(pp_rank: int, pp: int, m: int, vpp: int) -> list[_Step]:
     return steps
 
 
-def compute_order(name: str, pp_rank: int, pp: int, microbatches: int, vpp: int = 1) -> list[Forward | Backward]:
-    """Only the Forward/Backward tasks of ``schedule_tasks(...)``, in order (no communication)."""
-    return [t for t in schedule_tasks(name, pp_rank, pp, microbatches, vpp) if isinstance(t, (Forward, Backward))]
+def compute_order(name: str, pp_rank: int, pp: int, microbatches: int,
+                  vpp: int = 1) -> list[Forward | Backward | WeightGrad]:
+    """Only the Forward/Backward/WeightGrad tasks of ``schedule_tasks(...)``, in order (no communication)."""
+    return [t for t in schedule_tasks(name, pp_rank, pp, microbatches, vpp)
+            if isinstance(t, (Forward, Backward, WeightGrad))]
 
 
 def schedule_tasks(name: str, pp_rank: int, pp: int, microbatches: int, vpp: int = 1) -> list[Task]:
@@ -144,6 +176,8 @@ def schedule_tasks(name: str, pp_rank: int, pp: int, microbatches: int, vpp: int
     validate_schedule(name, pp, microbatches, vpp, pp_rank=pp_rank)
     if name == "gpipe":
         steps = _gpipe(pp_rank, pp, microbatches)
+    elif name == "zb-h1":
+        steps = _zb_h1(pp_rank, pp, microbatches)
     elif name == "1f1b" or vpp == 1:
         steps = _one_f_one_b(pp_rank, pp, microbatches)
     else:
@@ -151,9 +185,11 @@ def schedule_tasks(name: str, pp_rank: int, pp: int, microbatches: int, vpp: int
 
     last_stage = pp * vpp - 1
     tasks: list[Task] = []
-    for is_forward, mb, chunk in steps:
+    for kind, mb, chunk in steps:
         stage = stage_of(pp_rank, chunk, pp)
-        if is_forward:
+        if kind == "W":
+            tasks.append(WeightGrad(mb, chunk))
+        elif kind == "F":
             if stage > 0:
                 tasks.append(RecvActivation(mb, chunk))
             tasks.append(Forward(mb, chunk))

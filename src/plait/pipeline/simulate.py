@@ -3,16 +3,19 @@
 The semantics are the runtime's: each rank executes its list strictly in order; a send is
 non-blocking (it completes as soon as it is issued and costs the sender nothing); a receive
 blocks until the matching send has been issued, and completes ``p2p_time`` after that send at
-the earliest. ``Forward`` and ``Backward`` are the only tasks that take time. ``forward_time`` and
-``backward_time`` are per microbatch for *all the layers one rank holds*, so with ``vpp`` chunks one
-chunk's Forward takes ``forward_time / vpp`` (total times are comparable across ``vpp``).
+the earliest. ``Forward``, ``Backward`` and ``WeightGrad`` are the only tasks that take time.
+``forward_time`` and ``backward_time`` are per microbatch for *all the layers one rank holds*, so
+with ``vpp`` chunks one chunk's Forward takes ``forward_time / vpp`` (total times are comparable
+across ``vpp``). ``backward_time`` is the whole backward; in a list with ``WeightGrad`` tasks (a
+split backward, ``zb-h1``) ``weight_time`` of it (default half) is the ``W`` and the rest the ``B``.
 
 The simulator also checks that a task list can run at all, raising :class:`ScheduleError` for:
 a deadlock (naming each stuck rank and the receive it waits on), a send or receive that the
 stage convention forbids (activation out of the last stage, gradient into it, ...), a message
 sent twice, received twice or never received, a Forward without its received input, a
 Backward before its Forward or its received gradient, a Forward never followed by its Backward,
-and a list whose last task is not its only ``ReduceGradients``.
+a WeightGrad before its Backward or run twice, a Backward without its WeightGrad in a list that
+splits backwards, and a list whose last task is not its only ``ReduceGradients``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from plait.pipeline.tasks import (
     SendActivation,
     SendGradient,
     Task,
+    WeightGrad,
     rank_chunk_of,
     stage_of,
     task_label,
@@ -42,7 +46,7 @@ class TimedTask:
 
     start: float
     end: float
-    task: Forward | Backward
+    task: Forward | Backward | WeightGrad
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,9 @@ class SimResult:
     ``r``; ``bubble[r] = 1 - busy[r] / total_time`` its idle share; ``finish[r]`` when rank ``r``
     issued its ``ReduceGradients``; ``peak_in_flight[r]`` the largest number of (microbatch, chunk)
     forwards done whose backward was not yet done (the activation-memory high-water mark);
-    ``timeline[r]`` its compute tasks with start and end times.
+    ``timeline[r]`` its compute tasks with start and end times; ``peak_awaiting_w[r]`` the largest
+    number of forwards done whose WeightGrad was not yet done (equal to ``peak_in_flight`` for a
+    schedule without W: a microbatch between its B and its W keeps what W needs).
     """
 
     name: str
@@ -66,6 +72,7 @@ class SimResult:
     finish: tuple[float, ...]
     peak_in_flight: tuple[int, ...]
     timeline: tuple[tuple[TimedTask, ...], ...]
+    peak_awaiting_w: tuple[int, ...] = ()
 
     @property
     def mean_bubble(self) -> float:
@@ -105,7 +112,8 @@ def _message(task: SendActivation | RecvActivation | SendGradient | RecvGradient
 
 
 def simulate_tasks(task_lists: list[list[Task]], vpp: int = 1, forward_time: float = 1.0,
-                   backward_time: float = 2.0, p2p_time: float = 0.0, name: str = "custom") -> SimResult:
+                   backward_time: float = 2.0, p2p_time: float = 0.0, name: str = "custom",
+                   weight_time: float | None = None) -> SimResult:
     """Run ``task_lists[r]`` on rank ``r`` for every rank (``pp = len(task_lists)``); see module doc."""
     pp = len(task_lists)
     if pp < 1:
@@ -113,8 +121,13 @@ def simulate_tasks(task_lists: list[list[Task]], vpp: int = 1, forward_time: flo
     if min(forward_time, backward_time) <= 0 or p2p_time < 0:
         raise ScheduleError(f"need forward_time > 0, backward_time > 0, p2p_time >= 0; got "
                             f"{forward_time}, {backward_time}, {p2p_time}")
+    split = any(isinstance(t, WeightGrad) for tasks in task_lists for t in tasks)
+    w_total = backward_time / 2 if weight_time is None else weight_time
+    if split and not 0 < w_total < backward_time:
+        raise ScheduleError(f"need 0 < weight_time < backward_time, got {weight_time} and {backward_time}")
     last = pp * vpp - 1
-    f_cost, b_cost = forward_time / vpp, backward_time / vpp
+    f_cost, b_cost = forward_time / vpp, (backward_time - (w_total if split else 0.0)) / vpp
+    w_cost = w_total / vpp
     sent: dict[tuple[str, int, int], float] = {}
     received: set[tuple[str, int, int]] = set()
     pos = [0] * pp
@@ -127,6 +140,8 @@ def simulate_tasks(task_lists: list[list[Task]], vpp: int = 1, forward_time: flo
     have_grad: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
     forwarded: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
     backwarded: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
+    weighted: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
+    peak_w = [0] * pp
 
     def fail(rank: int, task: Task, why: str) -> ScheduleError:
         return ScheduleError(f"rank {rank}, task {pos[rank]} {task}: {why}")
@@ -170,6 +185,7 @@ def simulate_tasks(task_lists: list[list[Task]], vpp: int = 1, forward_time: flo
                 busy[r] += f_cost
                 forwarded[r].add(mc)
                 peak[r] = max(peak[r], len(forwarded[r]) - len(backwarded[r]))
+                peak_w[r] = max(peak_w[r], len(forwarded[r]) - len(weighted[r] if split else backwarded[r]))
             elif isinstance(task, Backward):
                 if mc in backwarded[r] or mc not in forwarded[r]:
                     raise fail(r, task, "Backward run twice or before its Forward")
@@ -179,6 +195,13 @@ def simulate_tasks(task_lists: list[list[Task]], vpp: int = 1, forward_time: flo
                 clock[r] += b_cost
                 busy[r] += b_cost
                 backwarded[r].add(mc)
+            elif isinstance(task, WeightGrad):
+                if mc in weighted[r] or mc not in backwarded[r]:
+                    raise fail(r, task, "WeightGrad run twice or before its Backward")
+                timeline[r].append(TimedTask(clock[r], clock[r] + w_cost, task))
+                clock[r] += w_cost
+                busy[r] += w_cost
+                weighted[r].add(mc)
             else:
                 raise fail(r, task, f"unknown task type {type(task).__name__}")
         pos[r] += 1
@@ -206,6 +229,8 @@ def simulate_tasks(task_lists: list[list[Task]], vpp: int = 1, forward_time: flo
             raise ScheduleError(f"rank {r}: task list must end with ReduceGradients()")
         if forwarded[r] != backwarded[r]:
             raise ScheduleError(f"rank {r}: forwards without a backward: {sorted(forwarded[r] - backwarded[r])}")
+        if split and weighted[r] != backwarded[r]:
+            raise ScheduleError(f"rank {r}: backwards without a WeightGrad: {sorted(backwarded[r] - weighted[r])}")
 
     total = max(clock)
     return SimResult(
@@ -213,26 +238,28 @@ def simulate_tasks(task_lists: list[list[Task]], vpp: int = 1, forward_time: flo
         total_time=total, busy=tuple(busy),
         bubble=tuple(1.0 - b / total if total > 0 else 0.0 for b in busy),
         finish=tuple(finish), peak_in_flight=tuple(peak), timeline=tuple(tuple(t) for t in timeline),
+        peak_awaiting_w=tuple(peak_w),
     )
 
 
 def simulate(pp: int, microbatches: int, vpp: int, name: str, forward_time: float = 1.0,
-             backward_time: float = 2.0, p2p_time: float = 0.0) -> SimResult:
+             backward_time: float = 2.0, p2p_time: float = 0.0, weight_time: float | None = None) -> SimResult:
     """Simulate schedule ``name`` on all ``pp`` ranks (built with :func:`schedule_tasks`)."""
     lists = [schedule_tasks(name, r, pp, microbatches, vpp) for r in range(pp)]
-    return simulate_tasks(lists, vpp, forward_time, backward_time, p2p_time, name=name)
+    return simulate_tasks(lists, vpp, forward_time, backward_time, p2p_time, name=name, weight_time=weight_time)
 
 
 def format_timeline(result: SimResult) -> str:
     """Text diagram of ``result``: one row per rank, one column per time slot.
 
-    The slot is one chunk-forward (``forward_time / vpp``); a backward fills as many slots as it
-    lasts, ``.`` is idle. Times must be whole multiples of the slot (e.g. 1.0 and 2.0).
+    The slot is the shortest compute task (one chunk-forward, or a B/W of a split backward); a
+    longer task fills as many slots as it lasts, ``.`` is idle. Times must be whole multiples of
+    the slot (e.g. 1.0 and 2.0).
     """
     tasks = [t for row in result.timeline for t in row]
     if not tasks:
         return ""
-    slot = min(t.end - t.start for t in tasks if isinstance(t.task, Forward))
+    slot = min(t.end - t.start for t in tasks)
     n = round(result.total_time / slot)
     width = max(len(task_label(t.task, result.vpp)) for t in tasks)
     lines = []

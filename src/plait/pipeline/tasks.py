@@ -32,7 +32,17 @@ class Forward(MicrobatchTask):
 
 @dataclass(frozen=True)
 class Backward(MicrobatchTask):
-    """Backward of ``microbatch`` through ``chunk`` (weight gradients accumulate, input gradient kept)."""
+    """Backward of ``microbatch`` through ``chunk`` (weight gradients accumulate, input gradient kept).
+
+    In a zero-bubble schedule this is ``B``: the column/row-parallel layers' weight-gradient
+    products are deferred to the matching :class:`WeightGrad`; every other gradient is computed here.
+    """
+
+
+@dataclass(frozen=True)
+class WeightGrad(MicrobatchTask):
+    """``W`` of a zero-bubble schedule: the weight-gradient products deferred by ``Backward(microbatch,
+    chunk)``, accumulated into the parameters (no communication; placed in the pipeline's bubbles)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +70,9 @@ class ReduceGradients:
     """Last task of every rank's list: synchronise tied-weight and data-parallel gradients."""
 
 
-Task = Forward | Backward | RecvActivation | SendActivation | RecvGradient | SendGradient | ReduceGradients
+Task = Forward | Backward | WeightGrad | RecvActivation | SendActivation | RecvGradient | SendGradient | ReduceGradients
 
-COMPUTE_TASKS = (Forward, Backward)
+COMPUTE_TASKS = (Forward, Backward, WeightGrad)
 SEND_TASKS = (SendActivation, SendGradient)
 RECV_TASKS = (RecvActivation, RecvGradient)
 
@@ -77,7 +87,7 @@ def rank_chunk_of(stage: int, pp: int) -> tuple[int, int]:
     return stage % pp, stage // pp
 
 
-_LETTERS = {Forward: "F", Backward: "B", RecvActivation: "rA", SendActivation: "sA",
+_LETTERS = {Forward: "F", Backward: "B", WeightGrad: "W", RecvActivation: "rA", SendActivation: "sA",
             RecvGradient: "rG", SendGradient: "sG"}
 
 

@@ -109,7 +109,8 @@ class ParallelSelfAttention(nn.Module):
         p = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = column_parallel_matmul(
             x, [m.weight for m in p], [m.bias for m in p], self.tp.group,
-            sequence_parallel=self.sequence_parallel, input_grad_scales=(1.0, self._kv_scale, self._kv_scale))
+            sequence_parallel=self.sequence_parallel, input_grad_scales=(1.0, self._kv_scale, self._kv_scale),
+            weight_grad_queue=self.q_proj.weight_grad_queue)
         if self.layout.kv_replication > 1:
             k = C.all_reduce_grad(k, self.kv.group)
             v = C.all_reduce_grad(v, self.kv.group)

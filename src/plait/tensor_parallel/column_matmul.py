@@ -10,6 +10,10 @@ while it is in flight. Under sequence parallelism the input is re-gathered in ba
 being kept, which keeps the activation memory at the sequence shard (the gather overlaps with the
 input-gradient matmul). ``s_i`` are per-weight input-gradient scales (KV replication uses ``1/m``).
 
+With a :class:`~plait.tensor_parallel.weight_grad.WeightGradQueue` (zero-bubble pipeline schedules)
+the weight-gradient products can be deferred: while the queue collects, backward returns ``None``
+for each weight that needs a gradient and queues ``(weight, dy_i, x)`` for the schedule's ``W`` task.
+
 Autocast is honoured: under an active autocast the matmuls run in the autocast dtype and the
 gradients are returned in the parameters' own dtype.
 """
@@ -17,10 +21,14 @@ gradients are returned in the parameters' own dtype.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.comm import primitives as P
+
+if TYPE_CHECKING:
+    from plait.tensor_parallel.weight_grad import WeightGradQueue
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -38,9 +46,13 @@ def _gather_async(x: torch.Tensor, dim: int, group):
     return out, work
 
 
+#: position of the first weight among ``_ColumnParallelMatmul.forward``'s inputs (for needs_input_grad)
+_PARAMS_AT = 6
+
+
 class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, sequence_parallel, seq_dim, grad_scales, *params):
+    def forward(ctx, x, group, sequence_parallel, seq_dim, grad_scales, weight_grad_queue, *params):
         cdtype = _compute_dtype(x)
         n = len(params) // 2
         weights = [params[2 * i].to(cdtype) for i in range(n)]
@@ -54,6 +66,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         ctx.has_bias = [b is not None for b in biases]
         ctx.param_dtypes = [p.dtype if p is not None else None for p in params]
         ctx.x_dtype = x.dtype
+        ctx.queue = weight_grad_queue
+        ctx.weight_params = [params[2 * i] for i in range(n)] if weight_grad_queue is not None else None
         return outs
 
     @staticmethod
@@ -91,14 +105,18 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                 param_grads += [None, None]
                 continue
             g2d = g.reshape(-1, g.shape[-1]).to(w.dtype)
-            dw = g2d.t().matmul(x2d).to(ctx.param_dtypes[2 * i])
+            needs_dw = ctx.needs_input_grad[_PARAMS_AT + 2 * i]
+            if needs_dw and ctx.queue is not None and ctx.queue.defer(ctx.weight_params[i], g2d, x2d):
+                dw = None
+            else:
+                dw = g2d.t().matmul(x2d).to(ctx.param_dtypes[2 * i])
             db = g2d.sum(0).to(ctx.param_dtypes[2 * i + 1]) if ctx.has_bias[i] else None
             param_grads += [dw, db]
         if reduce_work is not None:
             reduce_work.wait()
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
-        return (dx, None, None, None, None, *param_grads)
+        return (dx, None, None, None, None, None, *param_grads)
 
 
 def column_parallel_matmul(
@@ -110,10 +128,14 @@ def column_parallel_matmul(
     sequence_parallel: bool = False,
     seq_dim: int = 1,
     input_grad_scales: Sequence[float] | None = None,
+    weight_grad_queue: WeightGradQueue | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``[x W_i^T + b_i for i]`` on the full (gathered) input, with a single input-gradient reduce."""
+    """``[x W_i^T + b_i for i]`` on the full (gathered) input, with a single input-gradient reduce.
+
+    ``weight_grad_queue``: where backward may defer the weight-gradient products (see module doc).
+    """
     scales = tuple(input_grad_scales or [1.0] * len(weights))
     params: list[torch.Tensor | None] = []
     for w, b in zip(weights, biases, strict=True):
         params += [w, b]
-    return _ColumnParallelMatmul.apply(x, group, sequence_parallel, seq_dim, scales, *params)
+    return _ColumnParallelMatmul.apply(x, group, sequence_parallel, seq_dim, scales, weight_grad_queue, *params)

@@ -7,9 +7,15 @@ needs one collective in forward and one in backward (Megatron's f/g).
 
 With ``sequence_parallel`` the activations outside the pair are sharded along the sequence:
 the column layer all-gathers its input and the row layer reduce-scatters its output.
+
+Both layers carry ``weight_grad_queue`` (``None`` by default): a zero-bubble pipeline schedule sets
+it (:func:`plait.tensor_parallel.weight_grad.attach_weight_grad_queue`) so their weight-gradient
+products can be deferred from the input-gradient backward to a later ``W`` task.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +24,9 @@ from plait.comm import collectives as C
 from plait.comm.primitives import GroupInfo
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.sharding import ShardSpec
+
+if TYPE_CHECKING:
+    from plait.tensor_parallel.weight_grad import WeightGradQueue
 
 
 def even_rows(full: int, tp: GroupInfo, pad_to_multiple: bool = False) -> tuple[int, ...]:
@@ -54,6 +63,8 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(len(rows), device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        #: where backward may defer the weight gradient (zero-bubble schedules); ``None``: never
+        self.weight_grad_queue: WeightGradQueue | None = None
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         specs = {"weight": self.weight_spec}
@@ -63,7 +74,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (y,) = column_parallel_matmul(x, [self.weight], [self.bias], self.tp.group,
-                                      sequence_parallel=self.sequence_parallel)
+                                      sequence_parallel=self.sequence_parallel,
+                                      weight_grad_queue=self.weight_grad_queue)
         if self.gather_output:
             y = C.gather_from_tp(y, -1, self.tp.group)
         return y
@@ -94,12 +106,17 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        #: where backward may defer the weight gradient (zero-bubble schedules); ``None``: never
+        self.weight_grad_queue: WeightGradQueue | None = None
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         return {"weight": self.weight_spec}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x, self.weight)
+        if self.weight_grad_queue is None:
+            y = torch.nn.functional.linear(x, self.weight)
+        else:
+            y = _DeferrableLinear.apply(x, self.weight, self.weight_grad_queue)
         if self.sequence_parallel:
             y = C.reduce_scatter_to_sp(y, self.seq_dim, self.tp.group)
         else:
@@ -112,3 +129,35 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}, "
                 f"tp={self.tp.size}, sp={self.sequence_parallel}")
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """``x W^T`` (the row layer's local product) whose weight gradient a queue may defer.
+
+    The same products as ``torch.nn.functional.linear`` under the same autocast: both operands in
+    the autocast dtype, the input gradient returned in the input's dtype and the weight gradient
+    in the parameter's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, queue):
+        dev = x.device.type
+        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        x_c, w_c = x.to(cdtype), weight.to(cdtype)
+        with torch.autocast(dev, enabled=False):
+            y = torch.nn.functional.linear(x_c, w_c)
+        ctx.save_for_backward(x_c, w_c)
+        ctx.queue, ctx.weight, ctx.x_dtype = queue, weight, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_c, w_c = ctx.saved_tensors
+        grad = grad.to(w_c.dtype)
+        dx = grad.matmul(w_c).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            g2d, x2d = grad.reshape(-1, grad.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
+            if not ctx.queue.defer(ctx.weight, g2d, x2d):
+                dw = g2d.t().matmul(x2d).to(ctx.weight.dtype)
+        return dx, dw, None

@@ -31,5 +31,6 @@ class ParallelGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_parallel_matmul(
             x, [self.gate_proj.weight, self.up_proj.weight], [self.gate_proj.bias, self.up_proj.bias],
-            self.tp.group, sequence_parallel=self.sequence_parallel)
+            self.tp.group, sequence_parallel=self.sequence_parallel,
+            weight_grad_queue=self.gate_proj.weight_grad_queue)
         return self.down_proj(self.act(gate, up))
