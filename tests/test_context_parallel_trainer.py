@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from distributed import run_distributed
-from trainer_runs import corpus_dir, max_relative, merged_weights, run_recipe, weight_errors
+from trainer_runs import corpus_dir, max_relative, merged_weights, run_checkpointed, run_recipe, weight_errors
 
 STEPS = 20
 BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
@@ -33,6 +33,7 @@ LAYOUTS = {
     "cp4": (["parallel.cp=4"], 4, 2, 1),
     "cp2xtp2-sp": (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4, 2, 1),
     "cp2xdp2": (["parallel.cp=2", "parallel.dp=2"], 4, 1, 2),
+    "cp2xdp2-zero1": (["parallel.cp=2", "parallel.dp=2", "parallel.zero1=true"], 4, 1, 2),
     "cp2xpp2": (["parallel.cp=2", "parallel.pp=2"], 4, 2, 1),
 }
 WEIGHT_TOL = {"cp2xtp2-sp": 5e-5}
@@ -111,3 +112,27 @@ def test_context_parallel_layout_matches_single_process(corpus, tmp_path, name):
         assert rel <= 5e-5, f"rank {rank}: relative grad-norm difference {rel:.2e}\n{r['norms']}\n{ref['norms']}"
     for key, err in weight_errors(merged_weights(results), ref["weights"]).items():
         assert err <= WEIGHT_TOL.get(name, 1e-5), f"{key}: relative weight difference {err:.2e}"
+
+
+N, AFTER = 3, 6
+CP_ZERO = ["parallel.cp=2", "parallel.dp=2", "parallel.zero1=true", "parallel.microbatches=1"]
+
+
+@pytest.mark.slow
+def test_cp_checkpoint_resumes_bitwise_and_loads_without_cp(corpus, tmp_path):
+    """cp does not change parameter shapes: a cp=2 x dp=2 ZeRO-1 checkpoint (optimizer state sharded
+    over the four dp x cp ranks) resumes bit for bit, and loads at cp=1 on one process with the losses
+    of the run that never stopped (the data position and RNG resume exactly)."""
+    items = BASE + ["checkpoint.async_save=false", f"train.steps={N + AFTER}"]
+    straight = run_checkpointed(corpus, tmp_path / "a", items + CP_ZERO, 4, N + AFTER, save_at=N)
+    resumed = run_checkpointed(corpus, tmp_path / "a", items + CP_ZERO + ["checkpoint.resume=auto"], 4, AFTER)
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["start"] == N and b["losses"] == a["losses"][N:]
+    ref, got = merged_weights(straight), merged_weights(resumed)
+    assert set(ref) == set(got) and all(torch.equal(ref[k], got[k]) for k in ref)
+    ckpt = tmp_path / "a" / "checkpoints" / f"step-{N:08d}"
+    single = run_checkpointed(corpus, tmp_path / "b", items + ["parallel.microbatches=2", f"checkpoint.resume={ckpt}"],
+                              1, AFTER)[0]
+    assert single["start"] == N
+    rel = max_relative(single["losses"], straight[0]["losses"][N:])
+    assert rel <= 1e-5, f"relative loss difference {rel:.2e}"

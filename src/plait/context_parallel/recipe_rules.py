@@ -3,9 +3,8 @@
 
 What cp cannot do yet is refused here rather than failing inside a run: attention dropout and a
 sliding window shorter than the sequence (the ring computes plain causal / document-causal
-attention), preference objectives (their loss needs whole sequences on one rank), ZeRO-1 (its
-optimizer shards would span dp x cp ranks, which the checkpoint format does not describe yet) and
-the end-of-run sample (generation would need the prompt split as well).
+attention), preference objectives (their loss needs whole sequences on one rank) and the end-of-run
+sample (generation would need the prompt split as well). ZeRO-1 shards over the dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -62,8 +61,6 @@ def check_context_parallel(c: Checker, arch: LlamaConfig | None) -> None:
     if c.ok("train.objective") and r.train.objective in ("dpo", "ipo", "orpo", "simpo"):
         c.add("train.objective", r.train.objective, f"preference objectives need whole sequences on one rank; "
                                                     f"use parallel.cp: 1 (cp={cp} given)")
-    if c.ok("parallel.zero1") and p.zero1:
-        c.add("parallel.zero1", True, f"is not supported with parallel.cp={cp} yet; set parallel.zero1: false")
     if c.ok("train.sample_tokens") and r.train.sample_tokens > 0:
         c.add("train.sample_tokens", r.train.sample_tokens, f"the end-of-run sample is not generated with "
                                                             f"parallel.cp={cp}; set train.sample_tokens: 0")
