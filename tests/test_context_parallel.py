@@ -116,14 +116,56 @@ def test_split_batch_shifts_labels_on_the_whole_row_first():
 
 
 def test_model_on_two_cp_ranks_equals_one_process():
-    _check(2, 1, [("ring", False, True), ("ring", True, True)])
+    _check(2, 1, [("ring", True, True)])  # packed rows: causal, document masks and the loss over cp
 
 
 @pytest.mark.slow
-def test_model_on_two_cp_ranks_allgather_and_contiguous_equal_one_process():
-    _check(2, 1, [("allgather", True, True), ("ring", True, False)])
+def test_model_on_two_cp_ranks_plain_allgather_and_contiguous_equal_one_process():
+    _check(2, 1, [("ring", False, True), ("allgather", True, True), ("ring", True, False)])
 
 
 @pytest.mark.slow
 def test_model_at_cp2_tp2_with_sequence_parallelism_equals_one_process():
     _check(4, 2, [("ring", False, True), ("ring", True, True)])
+
+
+# ------------------------------------------------------------------ recipes refused before start
+def _problems(overrides: list[str], world: int) -> dict[str, str]:
+    from plait.config import RecipeError, check_recipe
+
+    with pytest.raises(RecipeError) as info:
+        check_recipe(None, overrides, world)
+    return {p.field: f"{p.value} — {p.valid}" for p in info.value.problems}
+
+
+def test_bad_context_parallel_recipes_name_the_field_value_and_fix():
+    ok = ["train.sample_tokens=0"]
+    got = _problems(ok + ["parallel.cp=2", "data.seq_len=30"], 2)
+    assert "data.seq_len" in got and "2*parallel.cp = 4" in got["data.seq_len"]
+    assert "use 28 or 32" in got["data.seq_len"]
+    got = _problems(ok + ["parallel.cp=3", "data.seq_len=48"], 4)
+    assert "parallel.cp" in got and "cp values that do: [1, 2, 4]" in got["parallel.cp"]
+    got = _problems(ok + ["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "data.seq_len=44"], 8)
+    assert "parallel.sequence_parallel" in got and "multiple of 16" in got["parallel.sequence_parallel"]
+    got = _problems(["parallel.cp=2", "model.attention_dropout=0.1", "train.objective=dpo", "data.format=preference",
+                     "data.seq_len=64"], 2)
+    assert {"model.attention_dropout", "train.objective", "train.sample_tokens"} <= set(got)
+    assert "set train.sample_tokens: 0" in got["train.sample_tokens"]
+    got = _problems(ok + ["parallel.cp=2", "model.family=mistral", "model.sliding_window=16", "data.seq_len=64"], 2)
+    assert "model.sliding_window" in got
+
+
+def test_a_good_context_parallel_recipe_derives_dp_over_tp_pp_cp():
+    from plait.config import check_recipe
+
+    resolved = check_recipe(None, ["train.sample_tokens=0", "parallel.cp=2", "parallel.tp=2", "data.seq_len=64"], 8)
+    assert resolved.dp == 2
+
+
+def test_dp_cp_group_holds_the_parameter_replicas():
+    from plait.mesh import ParallelMesh
+
+    mesh = ParallelMesh(8, 0, tp=2, cp=2, create_groups=False)
+    assert mesh.group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.group_ranks("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert ParallelMesh(4, 0, tp=2, create_groups=False).group_ranks("dp_cp") == [[0, 2], [1, 3]]
