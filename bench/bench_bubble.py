@@ -2,13 +2,15 @@
 
 **Part 1, bubble.** For each pipeline size ``p`` in ``--pps`` the script starts ``p`` gloo ranks on the
 CPU (one intra-op thread each) and runs plait's :class:`~plait.pipeline.runtime.PipelineRuntime`
-with ``1f1b`` and with ``interleaved-1f1b`` (``vpp=2``) for every ``m`` in ``--microbatches``, on a
+with each schedule of ``--schedules`` (default ``1f1b``, ``interleaved-1f1b`` with ``vpp=2``, and
+the zero-bubble ``zb-h1``) for every ``m`` in ``--microbatches``, on a
 Llama whose blocks dominate (small vocabulary, decoder layers split evenly over the ``p * vpp``
 stages). Training schedule only: no optimizer step (gradients are set to ``None`` between steps).
 
 The runtime is not modified: :class:`TimedRuntime` replaces its task list by an iterable that
 timestamps each task (a task ends when the runtime's loop asks for the next one). Per step and
-rank: ``compute`` = wall time inside ``Forward`` and ``Backward`` tasks; the step's makespan ``T`` =
+rank: ``compute`` = wall time inside ``Forward``, ``Backward`` and ``WeightGrad`` tasks (zb-h1's B
+and W); the step's makespan ``T`` =
 the slowest rank's ``run()`` time (all ranks leave a barrier together). Measured bubble of rank
 ``r`` = ``1 - compute_r / T`` (the definition of ``plait.pipeline.simulate``); the table gives each
 rank's median over ``--rounds`` steps, averaged over ranks, and the range of those per-rank medians.
@@ -32,6 +34,12 @@ Columns to compare with:
   (``p`` ranks on fewer cores: a descheduled rank's task takes longer in wall time, not in CPU
   time); ``F wall/CPU`` (median forward wall time / CPU time) > 1 shows the same contention.
 
+**Peak memory** per schedule: each rank resets its peak resident set (``/proc/self/clear_refs``)
+before every timed step and reads ``VmHWM`` after it; ``peak MiB`` is that peak minus the RSS at
+the step's start (gradients, activations, deferred W inputs and communication buffers), the
+maximum over ranks (rank 0 for 1F1B) and the per-rank values. glibc's allocator is pinned as in
+``bench/measure_memory.py`` (``MALLOC_MMAP_THRESHOLD_=65536``) so freed tensors leave the RSS.
+
 **Part 2, stage balance** (one process, one thread). A model with a large vocabulary relative to
 its blocks (default vocab 32000, hidden 256, 8 layers, seq 128) is split into ``--balance-stages``
 stages by ``plan_partition`` with ``balanced``/``flops`` (plait's default), ``balanced``/``params``
@@ -45,6 +53,7 @@ Run (from the repository root, venv active)::
 
     python bench/bench_bubble.py            # both parts
     python bench/bench_bubble.py --smoke    # tiny end-to-end check
+    python bench/bench_bubble.py --skip-balance --pps 4 --microbatches 8 --schedules 1f1b,zb-h1
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -70,19 +80,19 @@ from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.pipeline import tasks as T  # noqa: E402
 from plait.pipeline.layout import plan_partition  # noqa: E402
 from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
-from plait.pipeline.schedules import schedule_tasks  # noqa: E402
+from plait.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_tasks  # noqa: E402
 from plait.pipeline.simulate import simulate, theoretical_bubble  # noqa: E402
 
 DEFAULTS = dict(
     # part 1: blocks dominate, one chunk forward (1 layer, 1 x 256 tokens) ~16 ms on one thread
     vocab=512, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, seq=256, micro_batch_size=1,
-    pps="2,4", microbatches="4,8", vpp=2, rounds=4, warmup=1,
+    pps="2,4", microbatches="4,8", vpp=2, rounds=4, warmup=1, schedules="1f1b,interleaved-1f1b,zb-h1",
     # part 2
     bal_vocab=32000, bal_hidden=256, bal_intermediate=688, bal_layers=8, bal_heads=4, bal_kv_heads=2,
     bal_seq=128, balance_stages=4, bal_iters=7,
 )
 SMOKE = dict(vocab=256, hidden=64, intermediate=128, layers=8, heads=4, kv_heads=2, seq=32, micro_batch_size=1,
-             pps="2,4", microbatches="4", vpp=2, rounds=2, warmup=1,
+             pps="2,4", microbatches="4", vpp=2, rounds=2, warmup=1, schedules="1f1b,interleaved-1f1b,zb-h1",
              bal_vocab=2048, bal_hidden=64, bal_intermediate=128, bal_layers=8, bal_heads=4, bal_kv_heads=2,
              bal_seq=32, balance_stages=4, bal_iters=2)
 
@@ -118,6 +128,19 @@ class _TimedTasks:
         return len(self.tasks)
 
 
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1))
+
+
+def _reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS counter (VmHWM) of this process (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+COMPUTE = (T.Forward, T.Backward, T.WeightGrad)
+
+
 class TimedRuntime(PipelineRuntime):
     """``PipelineRuntime`` that records the wall and CPU time of every task of the last ``run``."""
 
@@ -129,16 +152,21 @@ class TimedRuntime(PipelineRuntime):
         for stage in self.stages:
             stage.zero_grad(set_to_none=True)
         dist.barrier()
+        _reset_peak_rss()
+        rss0 = _status_kib("VmRSS")
         t0 = time.perf_counter()
         self.run(batch, train=True)
         wall = time.perf_counter() - t0
+        peak_mib = (_status_kib("VmHWM") - rss0) / 1024
         rec = self.tasks.records
-        compute = [(t, w, c) for t, w, c in rec if isinstance(t, (T.Forward, T.Backward))]
+        compute = [(t, w, c) for t, w, c in rec if isinstance(t, COMPUTE)]
         fwd: dict[str, list[float]] = {}
         bwd: dict[str, list[float]] = {}
+        wgt: dict[str, list[float]] = {}
         for t, w, _ in compute:  # per global stage (JSON keys are strings)
-            (fwd if isinstance(t, T.Forward) else bwd).setdefault(str(self._global_stage(t.chunk)), []).append(w)
-        return dict(
+            kind = fwd if isinstance(t, T.Forward) else bwd if isinstance(t, T.Backward) else wgt
+            kind.setdefault(str(self._global_stage(t.chunk)), []).append(w)
+        return dict(peak_mib=peak_mib, wgt=wgt,
             wall=wall,
             tasks_wall=sum(w for _, w, _ in rec),
             compute_wall=sum(w for _, w, _ in compute),
@@ -178,14 +206,15 @@ def bubble_worker(rank: int, world: int, args: argparse.Namespace, out_path: str
     mesh = ParallelMesh(world, rank, pp=world)
     pp_group = mesh.group("pp")
     configs = []  # (label, vpp, m, runtime)
-    for vpp in (1, args.vpp):
+    for name in args.schedules.split(","):
+        vpp = args.vpp if name == "interleaved-1f1b" else 1
         num = world * vpp
         if config.num_hidden_layers < num:
             raise SystemExit(f"{config.num_hidden_layers} layers cannot fill {num} stages")
         layers = plan_partition(config, num, seq, method="even").stage_layers()
+        # own stages per schedule: zb-h1 attaches its weight-gradient queue to the layers
         stages = [s.train() for s in build_llama_stages(config, mesh, layers, seed=0)]
         for m in ms:
-            name = "1f1b" if vpp == 1 else "interleaved-1f1b"
             rt = TimedRuntime(stages, mesh, schedule=name, microbatches=m, micro_batch_size=mbs, seq_len=seq,
                               hidden_size=config.hidden_size, sequence_parallel=False, dtype=torch.float32)
             configs.append((name, vpp, m, rt, ids[: m * mbs].view(m, mbs, seq)))
@@ -211,11 +240,13 @@ def bubble_worker(rank: int, world: int, args: argparse.Namespace, out_path: str
             json.dump(rows, f)
 
 
-def simulate_stages(pp: int, m: int, vpp: int, name: str, f: list[float], b: list[float], p2p: float) -> float:
+def simulate_stages(pp: int, m: int, vpp: int, name: str, f: list[float], b: list[float], p2p: float,
+                    w: list[float] | None = None) -> float:
     """Mean bubble of ``schedule_tasks(name, ...)`` on all ranks with per-*stage* forward/backward
     times ``f[s]``/``b[s]`` and a fixed one-way p2p time (``plait.pipeline.simulate`` semantics:
     sends are free and non-blocking, a receive waits for its send + ``p2p``). Unlike
-    ``simulate``, stages may differ (embedding on stage 0, head and loss on the last)."""
+    ``simulate``, stages may differ (embedding on stage 0, head and loss on the last). ``w[s]``: the
+    WeightGrad time of a split-backward schedule (``b[s]`` is then its B)."""
     lists = [schedule_tasks(name, r, pp, m, vpp) for r in range(pp)]
     sent: dict[tuple[str, int, int], float] = {}
     pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
@@ -237,7 +268,7 @@ def simulate_stages(pp: int, m: int, vpp: int, name: str, f: list[float], b: lis
                             break
                         clock[r] = max(clock[r], sent[key] + p2p)
                     else:
-                        d = f[s] if isinstance(t, T.Forward) else b[s]
+                        d = f[s] if isinstance(t, T.Forward) else b[s] if isinstance(t, T.Backward) else w[s]
                         clock[r] += d
                         busy[r] += d
                 pos[r] += 1
@@ -266,17 +297,24 @@ def summarize(row: dict) -> dict:
     def stage_median(kind: str, s: int) -> float:
         return statistics.median(x for step in row["steps"] for r in step for x in r[kind].get(str(s), []))
 
+    split = name in SPLIT_BACKWARD_SCHEDULES
     f = [stage_median("fwd", s) for s in stages]
     b = [stage_median("bwd", s) for s in stages]
-    fb = [x + y for x, y in zip(f, b, strict=True)]
+    w = [stage_median("wgt", s) for s in stages] if split else [0.0] * len(b)
+    fb = [x + y + z for x, y, z in zip(f, b, w, strict=True)]
     fwd_all = statistics.median(x for step in row["steps"] for r in step for v in r["fwd"].values() for x in v)
     bwd_all = statistics.median(x for step in row["steps"] for r in step for v in r["bwd"].values() for x in v)
+    wgt_all = (statistics.median(x for step in row["steps"] for r in step for v in r["wgt"].values() for x in v)
+               if split else 0.0)
+    peaks = [max(step[rk]["peak_mib"] for step in row["steps"]) for rk in range(p)]
     fwd_cpu = statistics.median(x for step in row["steps"] for r in step for x in r["fwd_cpu"])
     rank_med = [statistics.median(pr[rk] for pr in per_rank) for rk in range(p)]
     return dict(p=p, m=m, vpp=vpp, schedule=name, theory=theoretical_bubble(p, m, vpp),
-                sim_uniform=simulate(p, m, vpp, name, forward_time=fwd_all * vpp, backward_time=bwd_all * vpp,
-                                     p2p_time=row["p2p_s"]).mean_bubble,
-                sim_stages=simulate_stages(p, m, vpp, name, f, b, row["p2p_s"]),
+                sim_uniform=simulate(p, m, vpp, name, forward_time=fwd_all * vpp,
+                                     backward_time=(bwd_all + wgt_all) * vpp, p2p_time=row["p2p_s"],
+                                     weight_time=wgt_all * vpp if split else None).mean_bubble,
+                sim_stages=simulate_stages(p, m, vpp, name, f, b, row["p2p_s"], w),
+                peak_mib=max(peaks), peaks=peaks, wgt_ms=1e3 * wgt_all,
                 imbalance=max(fb) / statistics.fmean(fb),
                 measured=statistics.fmean(rank_med), rank_min=min(rank_med), rank_max=max(rank_med),
                 cpu=statistics.fmean(statistics.median(pr[rk] for pr in cpu_rank) for rk in range(p)),
@@ -288,15 +326,18 @@ def summarize(row: dict) -> dict:
 def bubble_table(rows: list[dict]) -> str:
     header = ["p", "m", "schedule", "theory", "sim: uniform stages", "sim: measured stages", "measured bubble",
               "per-rank range", "= recv wait", "+ send", "+ outside tasks", "+ done early", "CPU-busy bubble",
-              "stage F+B max/mean", "step ms", "F ms/chunk", "B ms/chunk", "F wall/CPU", "p2p ms"]
+              "stage F+B(+W) max/mean", "step ms", "F ms/chunk", "B ms/chunk", "W ms/chunk", "F wall/CPU", "p2p ms",
+              "peak MiB (max; per rank)"]
     out = []
     for s in rows:
-        sched = "1F1B" if s["vpp"] == 1 else f"interleaved vpp={s['vpp']}"
+        sched = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}.get(s["schedule"], f"{s['schedule']} vpp={s['vpp']}")
         out.append([str(s["p"]), str(s["m"]), sched, f"{s['theory']:.3f}", f"{s['sim_uniform']:.3f}",
                     f"{s['sim_stages']:.3f}", f"**{s['measured']:.3f}**", f"{s['rank_min']:.3f}-{s['rank_max']:.3f}",
                     f"{s['recv']:.3f}", f"{s['send']:.3f}", f"{s['other']:.3f}", f"{s['early']:.3f}", f"{s['cpu']:.3f}",
                     f"{s['imbalance']:.3f}", f"{s['step_ms']:.0f}", f"{s['fwd_ms']:.1f}", f"{s['bwd_ms']:.1f}",
-                    f"{s['contention']:.2f}", f"{s['p2p_ms']:.2f}"])
+                    f"{s['wgt_ms']:.1f}" if s["schedule"] in SPLIT_BACKWARD_SCHEDULES else "-",
+                    f"{s['contention']:.2f}", f"{s['p2p_ms']:.2f}",
+                    f"{s['peak_mib']:.0f}; " + " / ".join(f"{x:.0f}" for x in s["peaks"])])
     return markdown_table(header, out)
 
 
@@ -386,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # freed tensors leave the RSS (see the module doc); inherited by the spawned ranks
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "131072")
     print(f"torch {torch.__version__}; 1 intra-op thread per rank; os.cpu_count()={os.cpu_count()}; "
           f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
     if not args.skip_bubble:

@@ -29,7 +29,7 @@ Every Forward is immediately preceded by its RecvActivation (if the stage is not
 followed by its SendActivation (if not the last stage); every Backward is preceded by its
 RecvGradient (if not the last stage) and followed by its SendGradient (if not stage 0). Receives
 are placed as late as possible on purpose: with non-blocking sends this is deadlock-free for all
-three schedules (checked by ``plait.pipeline.simulate``) and keeps a rank from holding a received
+the schedules (checked by ``plait.pipeline.simulate``) and keeps a rank from holding a received
 tensor for longer than needed. The list ends with one ``ReduceGradients()``.
 """
 
