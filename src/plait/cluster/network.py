@@ -83,3 +83,12 @@ def iface_address(iface: str) -> str | None:
     except OSError:
         return None
     return socket.inet_ntoa(packed[20:24])
+
+
+if __name__ == "__main__":  # ``python -m plait.cluster.network IFACE``: its address (the sbatch script uses it)
+    import sys
+
+    found = iface_address(sys.argv[1]) if len(sys.argv) == 2 else None
+    if found is None:
+        sys.exit(f"usage: python -m plait.cluster.network IFACE (an interface with an IPv4 address): {sys.argv[1:]}")
+    print(found)

@@ -45,12 +45,12 @@ def sbatch_script(spec: LaunchSpec, *, partition: str | None = None, time: str |
         "# allocation's first node. A requeued job keeps its job id, the rendezvous id.",
         "set -euo pipefail",
         "",
-        'PYTHON="${PLAIT_PYTHON:-python}"',
+        'export PYTHON="${PLAIT_PYTHON:-python}"',
         'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        f'rdzv_endpoint="$head_node:{spec.rdzv_port}"',
+        f'export RDZV_ENDPOINT="$head_node:{spec.rdzv_port}"',
     ]
     if exports:
-        lines.append(f"export {exports}  # launch.iface: the interface gloo and NCCL use")
+        lines.append(f"export {exports} PLAIT_IFACE={q(spec.iface or '')}  # launch.iface")
     else:
         lines.append("# launch.iface is not set: gloo and NCCL choose the interface (set it with --iface)")
     lines += [
@@ -66,11 +66,22 @@ def sbatch_script(spec: LaunchSpec, *, partition: str | None = None, time: str |
         "}",
         "trap stop_and_requeue USR1 TERM",
         "",
-        f"srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node=1 \\",
-        '    "$PYTHON" -m torch.distributed.run \\',
-        f"    --nnodes={spec.nodes} --nproc-per-node={spec.gpus_per_node} \\",
-        '    --rdzv-backend=c10d --rdzv-endpoint="$rdzv_endpoint" --rdzv-id="$SLURM_JOB_ID" \\',
-        f"    --rdzv-conf=join_timeout={spec.rdzv_timeout_s:g} --max-restarts={spec.max_restarts} \\",
+        "# Each node's task: node 0 serves the rendezvous store (is_host), and with launch.iface every",
+        "# node advertises that interface's address (a host name may resolve to a loopback address).",
+        f"srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node=1 bash -c '",
+        "    is_host=false",
+        '    if [ "$SLURM_NODEID" = 0 ]; then is_host=true; fi',
+        "    local_addr=()",
+        '    if [ -n "${PLAIT_IFACE:-}" ]; then',
+        '        address="$("$PYTHON" -m plait.cluster.network "$PLAIT_IFACE")"',
+        '        local_addr=(--local-addr="$address")',
+        "    fi",
+        '    exec "$PYTHON" -m torch.distributed.run "${local_addr[@]}" \\',
+        f"        --nnodes={spec.nodes} --nproc-per-node={spec.gpus_per_node} \\",
+        '        --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" \\',
+        f'        --rdzv-conf="join_timeout={spec.rdzv_timeout_s:g},is_host=$is_host" '
+        f"--max-restarts={spec.max_restarts} \\",
+        '        "$@"\' plait-node \\',
         f"    -m {spec.shell_train_arguments()} &",
         "srun_pid=$!",
         "",
