@@ -179,3 +179,17 @@ def test_ring_and_allgather_attention_on_two_ranks_equal_full_attention():
 @pytest.mark.slow
 def test_ring_and_allgather_attention_on_four_ranks_equal_full_attention():
     _check_cp(4, 1)  # chunk of 3
+
+
+def test_attention_work_counts_document_causal_pairs():
+    from plait.context_parallel.balance import attention_work, imbalance, keys_seen
+
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    assert keys_seen(seg).tolist() == [[1, 2, 3, 1, 2, 1, 2, 3]]
+    one_doc = torch.zeros(1, 32, dtype=torch.long)
+    for cp in (2, 4):
+        assert attention_work(one_doc, SequenceSplit(32, cp)) == [causal_work(SequenceSplit(32, cp), r)
+                                                                    for r in range(cp)]
+        assert imbalance(attention_work(one_doc, SequenceSplit(32, cp))) == 1.0
+    mask = document_causal_mask(seg)  # the pairs equal the mask's true entries
+    assert sum(attention_work(seg, SequenceSplit(8, 2))) == int(mask.sum())
