@@ -1,0 +1,106 @@
+"""Elastic resize across two hosts (network namespaces, tests/netns.py): ``torchrun --nnodes 1:2``
+on each host with ``checkpoint.resume=auto``. When one host is lost (its torchrun killed), the
+survivor restarts from the newest checkpoint at half the world size: dp re-derived (2 -> 1), the
+checkpoint resharded, the global batch kept (micro-batches 2 -> 4). The run's losses equal an
+unbroken 4-rank run's at every step, before and after the loss of the host."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from netns import ADDRESSES, IFACE, TwoHosts
+from plait.checkpoint.store import complete_checkpoints
+from test_multihost import ENDPOINT, ITEMS, two_hosts  # noqa: F401 - the fixture
+from trainer_runs import corpus_dir
+
+STEPS = 30
+ELASTIC = [f"train.steps={STEPS}", "parallel.tp=2", "parallel.microbatches=2", "data.global_batch_size=8",
+           "checkpoint.save_every=5", "checkpoint.keep=10", "checkpoint.resume=auto", "train.stall_timeout_s=60"]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
+
+
+def _lose_host(proc: subprocess.Popen) -> None:
+    """What a crashed host looks like to the others: its torchrun and all its ranks die at once."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _elastic_torchrun(hosts: TwoHosts, host: int, items: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+           "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", ENDPOINT, "--rdzv-id", "elastic",
+           # host 0 serves the rendezvous (and survives); a restart waits 5 s for more hosts before it starts
+           "--rdzv-conf", f"is_host={str(host == 0).lower()},last_call_timeout=5,join_timeout=120",
+           "--local-addr", ADDRESSES[host], "--monitor-interval", "0.5",
+           "-m", "plait.cli", "train", *items, f"launch.iface={IFACE}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return hosts.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks of a host through /proc")
+@pytest.mark.slow  # two 4-rank runs and a restart (~3-5 min on 2 shared cores): `make test-slow`
+def test_losing_a_host_shrinks_dp_and_the_losses_continue(two_hosts, tmp_path_factory):  # noqa: F811
+    corpus = corpus_dir(tmp_path_factory)
+    base = tmp_path_factory.mktemp("elastic")
+    items = ITEMS + ELASTIC + [f"data.source={corpus}", f"data.cache_dir={base / 'cache'}"]
+    straight = subprocess.run([sys.executable, "-m", "plait.cli", "train", *items, "--nproc", "4",
+                               f"run.output_dir={base / 'straight'}"], capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    reference = _losses(base / "straight")
+
+    out = base / "elastic"
+    procs = [_elastic_torchrun(two_hosts, host, items + [f"run.output_dir={out}"]) for host in (0, 1)]
+    deadline = time.monotonic() + 600
+    while not any(step >= 10 for step, _ in complete_checkpoints(out / "checkpoints")):
+        for p in procs:
+            assert p.poll() is None, p.communicate()[0]
+        assert time.monotonic() < deadline, "no checkpoint at step 10 appeared"
+        time.sleep(0.05)
+    _lose_host(procs[1])  # host 1 is lost: its torchrun and its ranks, all at once
+    procs[1].wait(timeout=30)
+    log, _ = procs[0].communicate(timeout=900)
+    assert procs[0].returncode == 0, log
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    assert resumed and resumed[-1] >= 10, log
+    assert "dp=1 at world size 2: parallel.microbatches 2 -> 4 keeps data.global_batch_size=8" in log, log
+    got = _losses(out)
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1)), (sorted(got), log)
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+    print(f"elastic: resumed at step {resumed[-1]} on one host; worst relative loss difference {worst:.2e}")
+    for step in reference:
+        assert abs(got[step] - reference[step]) <= 1e-5 * abs(reference[step]), (step, got[step], reference[step])
