@@ -46,7 +46,9 @@ def sbatch_script(spec: LaunchSpec, *, partition: str | None = None, time: str |
         "set -euo pipefail",
         "",
         'export PYTHON="${PLAIT_PYTHON:-python}"',
-        'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        '# (not `| head -n 1`: under pipefail, scontrol killed by SIGPIPE would end the script)',
+        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'head_node="${nodes[0]}"',
         f'export RDZV_ENDPOINT="$head_node:{spec.rdzv_port}"',
     ]
     if exports:
