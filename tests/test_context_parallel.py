@@ -58,11 +58,13 @@ def _reference(packed: bool):
     model = build_model(_config(), single_process_mesh(), seed=3)
     loss = _forward(model, _batch(packed))
     loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(_batch(False).input_ids[0, :, :6])
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}, logits
 
 
 def _worker(rank, world, tp, cases):
-    from plait.context_parallel.apply import apply_context_parallel
+    from plait.context_parallel.apply import apply_context_parallel, whole_sequences
     from plait.context_parallel.attention import ContextParallel
     from plait.materialize import build_model
     from plait.mesh import ParallelMesh
@@ -85,16 +87,19 @@ def _worker(rank, world, tp, cases):
         for g in grads.values():  # what the data-parallel reduction over dp x cp does: the mean over cp
             dist.all_reduce(g, group=cp.group)
             g.div_(cp.size)
-        out.append((loss.detach(), grads))
+        with torch.no_grad(), whole_sequences([model]):  # generation: a whole prompt on every rank
+            logits = model(_batch(False).input_ids[0, :, :6])
+        out.append((loss.detach(), grads, logits))
     return out
 
 
 def _check(world, tp, cases):
     results = run_distributed(_worker, world, tp, cases)
     for i, (mode, packed, zigzag) in enumerate(cases):
-        ref_loss, ref_grads = _reference(packed)
+        ref_loss, ref_grads, ref_logits = _reference(packed)
         for rank, per_case in enumerate(results):
-            loss, grads = per_case[i]
+            loss, grads, logits = per_case[i]
+            torch.testing.assert_close(logits, ref_logits, rtol=TOL, atol=TOL)
             where = f"{mode} packed={packed} zigzag={zigzag} rank {rank}"
             torch.testing.assert_close(loss, ref_loss, rtol=TOL, atol=TOL, msg=where)
             assert grads.keys() == ref_grads.keys()
@@ -149,8 +154,8 @@ def test_bad_context_parallel_recipes_name_the_field_value_and_fix():
     assert "parallel.sequence_parallel" in got and "multiple of 16" in got["parallel.sequence_parallel"]
     got = _problems(["parallel.cp=2", "model.attention_dropout=0.1", "train.objective=dpo", "data.format=preference",
                      "data.seq_len=64"], 2)
-    assert {"model.attention_dropout", "train.objective", "train.sample_tokens"} <= set(got)
-    assert "set train.sample_tokens: 0" in got["train.sample_tokens"]
+    assert {"model.attention_dropout", "train.objective"} <= set(got)
+    assert "must be 0 with parallel.cp=2" in got["model.attention_dropout"]
     got = _problems(ok + ["parallel.cp=2", "model.family=mistral", "model.sliding_window=16", "data.seq_len=64"], 2)
     assert "model.sliding_window" in got
 

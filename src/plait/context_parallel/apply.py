@@ -6,7 +6,9 @@ pipeline split (like activation checkpointing), it touches no parameter and chan
   tensor-parallel core (:class:`plait.tensor_parallel.attention.ParallelAttentionCore`) through its
   ``attention_fn`` (the local heads of a TP rank, so cp composes with TP, SP and KV replication);
 * the last stage's output module becomes :class:`~plait.context_parallel.output.ContextParallelOutput`
-  (pre-shifted labels, loss summed over cp).
+  (pre-shifted labels, loss summed over cp; without labels it returns the logits as before).
+
+Generation (whole prompts on every rank) runs inside :func:`whole_sequences`.
 
 It refuses what the ring cannot compute: attention dropout, and a sliding window shorter than the
 sequence (both are refused earlier, naming the recipe field, by :mod:`plait.context_parallel.rules`).
@@ -14,6 +16,8 @@ sequence (both are refused earlier, naming the recipe field, by :mod:`plait.cont
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 from torch import nn
@@ -69,3 +73,19 @@ def apply_context_parallel(stages: list[nn.Module], cp: ContextParallel, seq_len
         elif isinstance(output, CausalLMOutput):
             stage.output = ContextParallelOutput(output.vocab_size, GroupInfo.single(), cp.info, output.ignore_index)
     return stages
+
+
+@contextmanager
+def whole_sequences(stages: list[nn.Module]) -> Iterator[None]:
+    """Within the block every rank holds whole sequences (attention is local causal attention), for
+    generation: each cp rank runs the same prompt and gets the same tokens. Outside it, cp as applied."""
+    fns = {id(f): f for stage in stages for m in stage.modules()
+           for f in (getattr(m, "context_parallel", None), getattr(m, "attention_fn", None))
+           if isinstance(f, ContextParallelAttention)}
+    for f in fns.values():
+        f.active = False
+    try:
+        yield
+    finally:
+        for f in fns.values():
+            f.active = True

@@ -24,7 +24,7 @@ from plait.context_parallel.allgather import allgather_attention
 from plait.context_parallel.exchange import RingExchange
 from plait.context_parallel.ring import ring_attention
 from plait.context_parallel.split import SequenceSplit
-from plait.nn.attention import segment_ids_of
+from plait.nn.attention import causal_attention, segment_ids_of
 from plait.nn.rotary import apply_rotary
 
 CPMode = Literal["ring", "allgather"]
@@ -59,14 +59,21 @@ class ContextParallel:
 
 
 class ContextParallelAttention:
-    """``fn(q, k, v, cos, sin, mask=None)`` over the cp group (an ``AttentionFn``)."""
+    """``fn(q, k, v, cos, sin, mask=None)`` over the cp group (an ``AttentionFn``).
+
+    ``active=False`` (see :func:`plait.context_parallel.apply.whole_sequences`) makes it plain causal
+    attention on whatever the rank holds: generation gives every rank the whole prompt.
+    """
 
     def __init__(self, cp: ContextParallel) -> None:
         self.cp = cp
         self.exchange = RingExchange(cp.info, list(cp.ranks), overlap=cp.overlap)
+        self.active = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+        if not self.active:
+            return causal_attention(q, k, v, cos, sin, dropout_p=dropout_p, mask=mask)
         if dropout_p:
             raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism; "
                              f"set model.attention_dropout to 0")

@@ -26,6 +26,7 @@ from plait.checkpoint.store import latest_checkpoint
 from plait.checkpoint.training import checkpoint_meta, rng_states
 from plait.checkpoint.writer import CheckpointWriter
 from plait.config.resolve import ResolvedRecipe
+from plait.context_parallel.apply import whole_sequences
 from plait.data.baseline import unigram_loss
 from plait.data.batch import TokenBatch
 from plait.data.chat_template import CONFIG_FILE as TOKENIZER_CONFIG
@@ -399,6 +400,7 @@ class Trainer:
         r, st = self.recipe, self.state
         tokenizer = st.train_data.tokenizer()
         prompt = tokenizer.encode(r.train.sample_prompt).ids or [st.train_data.eos_id]
-        ids = generate(StagesCausalLM(st.stages, st.mesh), torch.tensor([prompt]), r.train.sample_tokens, top_k=40,
-                       top_p=0.95, temperature=0.8, seed=r.run.seed, eos_id=st.train_data.eos_id)
+        with whole_sequences(st.stages):  # every cp rank generates from the whole prompt (no-op at cp=1)
+            ids = generate(StagesCausalLM(st.stages, st.mesh), torch.tensor([prompt]), r.train.sample_tokens,
+                           top_k=40, top_p=0.95, temperature=0.8, seed=r.run.seed, eos_id=st.train_data.eos_id)
         return tokenizer.decode(ids[0].tolist())
