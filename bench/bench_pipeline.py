@@ -6,7 +6,8 @@ step; the optimizer step **is included** on both sides) on 2 gloo ranks on the C
 thread per rank, for
 
 * **plait**: :func:`plait.materialize.build_llama_stages` on ``ParallelMesh(2, rank, pp=2)`` driven by
-  :class:`plait.pipeline.runtime.PipelineRuntime` with ``schedule="1f1b"``;
+  :class:`plait.pipeline.runtime.PipelineRuntime` with ``schedule="1f1b"`` (``--schedule zb-h1``: the
+  zero-bubble schedule, B and W split; the torch side stays ``Schedule1F1B``, what a user would run);
 * **torch.pipelining**: ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B`` around
   :class:`TorchStageModule`, a thin module that runs *the same* plait ``LlamaStage`` (same layers,
   same weights: built by the same ``build_llama_stages`` call) with the signature pipelining wants
@@ -29,6 +30,7 @@ Run (from the repository root, venv active)::
 
     python bench/bench_pipeline.py                 # spawns the 2 ranks itself
     python bench/bench_pipeline.py --smoke         # tiny end-to-end check
+    python bench/bench_pipeline.py --schedule zb-h1
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/bench_pipeline.py
 """
 
@@ -125,7 +127,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     batch = ids.view(m, mbs, seq)
     layers = stage_layer_lists(config, PP, seq, method=args.split, cost="flops")
     log = print if rank == 0 else (lambda *a, **k: None)
-    log(describe(config, args) + f"; PP={world} gloo ranks x 1 thread, 1F1B, {m} micro-batches of {mbs} x {seq}; "
+    log(describe(config, args) + f"; PP={world} gloo ranks x 1 thread, plait {args.schedule} vs torch 1F1B, "
+        f"{m} micro-batches of {mbs} x {seq}; "
         f"split {args.split}: stage layers {layers}; AdamW {'foreach' if args.foreach else 'for-loop'} "
         f"step included", flush=True)
 
@@ -141,7 +144,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     plait_stages = build_llama_stages(config, mesh, layers, seed=args.seed)
     for s in plait_stages:
         s.train()
-    runtime = PipelineRuntime(plait_stages, mesh, schedule="1f1b", microbatches=m, micro_batch_size=mbs,
+    runtime = PipelineRuntime(plait_stages, mesh, schedule=args.schedule, microbatches=m, micro_batch_size=mbs,
                               seq_len=seq, hidden_size=config.hidden_size, sequence_parallel=False,
                               dtype=torch.float32)
     plait_opt = adamw([[p for s in plait_stages for p in s.parameters()]], args.foreach)
@@ -195,7 +198,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     log(f"loss after {args.warmup + args.rounds * args.steps + 1} steps: plait PP {final['plait']:.6f}  "
         f"torch.pipelining PP {final['torch.pipelining']:.6f}", flush=True)
     log()
-    log(markdown_table(comparison_header("PP=2 1F1B, fp32", "torch"),
+    log(markdown_table(comparison_header(f"PP=2 plait {args.schedule} vs torch 1F1B, fp32", "torch"),
                        [[f"m={m} x {mbs}x{seq}"] + comparison_row(runs["plait"][1], runs["torch.pipelining"][1],
                                                                   m * mbs * seq)]), flush=True)
 
@@ -209,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"sequences per micro-batch (default {PP_DEFAULTS['micro_batch_size']})")
     p.add_argument("--split", choices=("balanced", "even"), default="balanced",
                    help="layer split: plait's FLOP-balanced partition (default) or even by layer count")
+    p.add_argument("--schedule", choices=("1f1b", "zb-h1"), default="1f1b",
+                   help="plait's schedule (torch.distributed.pipelining runs Schedule1F1B either way)")
     args = parser.parse_args(argv)
     if args.batch is not None:
         parser.error("--batch does not apply here: use --microbatches and --micro-batch-size")

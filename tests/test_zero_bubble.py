@@ -1,7 +1,8 @@
 """Zero-bubble pipelines: deferred weight gradients (B/W split) and zb-h1 against 1F1B.
 
 Unit level (one process, tp=1 groups): a backward run under ``WeightGradQueue.collect`` leaves the
-column/row-parallel weights without gradient and every other parameter with its usual one; the W
+column/row-parallel weights (and plain ``nn.Linear`` weights, switched to ``DeferrableLinear``)
+without gradient and every other parameter with its usual one; the W
 (``queue.run``) then produces exactly (bitwise) the gradients of an unsplit backward, through the
 parameters' own accumulators (post-accumulate hooks fire in W, not in B).
 
@@ -19,7 +20,7 @@ from torch import nn
 from plait.comm.primitives import GroupInfo
 from plait.tensor_parallel.attention import ParallelSelfAttention
 from plait.tensor_parallel.heads import HeadLayout
-from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from plait.tensor_parallel.linear import ColumnParallelLinear, DeferrableLinear, RowParallelLinear
 from plait.tensor_parallel.mlp import ParallelGatedMLP
 from plait.tensor_parallel.weight_grad import WeightGradQueue, attach_weight_grad_queue
 from trainer_runs import corpus_dir, max_relative, merged_weights, run_recipe, weight_errors
@@ -36,12 +37,13 @@ class _Block(nn.Module):
         self.norm = nn.LayerNorm(12)
         self.down = RowParallelLinear(12, 8, SOLO, bias=True)
         self.mlp = ParallelGatedMLP(8, 16, SOLO)
+        self.plain = nn.Linear(8, 8)  # a model without TP keeps nn.Linear projections
         for p in self.parameters():
             nn.init.normal_(p, std=0.3)
 
     def forward(self, x):
         h = self.down(self.norm(self.up(x)))
-        return self.mlp(h) + h
+        return self.plain(self.mlp(h) + h)
 
 
 def _grads(model):
@@ -69,7 +71,8 @@ def test_split_backward_gives_the_unsplit_gradients(autocast):
     attached = attach_weight_grad_queue(model, queue)
     deferred = {id(p) for p in attached}
     assert deferred == {id(m.weight) for m in (model.up, model.down, model.mlp.gate_proj, model.mlp.up_proj,
-                                               model.mlp.down_proj)}
+                                               model.mlp.down_proj, model.plain)}
+    assert isinstance(model.plain, DeferrableLinear)
     fired: list[str] = []
     names = {id(p): n for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -135,6 +138,81 @@ def test_attention_projections_are_attached():  # the fused q/k/v matmul and o_p
     got = attach_weight_grad_queue(attn, queue)
     assert {id(p) for p in got} == {id(attn.q_proj.weight), id(attn.k_proj.weight), id(attn.v_proj.weight),
                                    id(attn.o_proj.weight)}
+
+
+# ---- the runtime: W tasks after the last B, and the data-parallel "last gradient" marking ---------
+
+def _runtime_and_optimizer(schedule: str, wire: str):
+    """One pp=1 stage (2 layers) with its optimizer's GradSync wired as the trainer wires it."""
+    from plait.data_parallel import DistributedOptimizer, OptimizerHyper
+    from plait.materialize import build_llama_stages
+    from plait.mesh import single_process_mesh
+    from plait.models.llama.config import LlamaConfig
+    from plait.pipeline.runtime import PipelineRuntime
+    from plait.precision import policy_for
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    mesh = single_process_mesh()
+    (stage,) = build_llama_stages(config, mesh, [[0, 1]], seed=0)
+    # small buckets: several of them, some holding only B parameters, some only deferred weights
+    opt = DistributedOptimizer([stage], policy_for("fp32"), OptimizerHyper(lr=1e-3, weight_decay=0.0,
+                               betas=(0.9, 0.95), eps=1e-8), dp=SOLO, tp=SOLO, bucket_mb=0.01)
+    runtime = PipelineRuntime([stage], mesh, schedule=schedule, microbatches=3, micro_batch_size=2, seq_len=8,
+                              hidden_size=32, sequence_parallel=False, dtype=torch.float32)
+    if wire in ("modules", "both"):
+        runtime.before_last_backward = lambda chunk: opt.grads.mark_final([stage])
+    if wire in ("params", "both"):
+        runtime.mark_final_params = opt.grads.mark_final_params
+    return runtime, opt, stage
+
+
+#: a late rank's tail: every B of the step, then the Ws (the Ws after the last B are what the
+#: data-parallel marking must wait for)
+LATE_TAIL = "F0 B0 F1 B1 F2 B2 W0 W1 W2 R"
+
+
+@pytest.mark.parametrize("wire", ["params", "modules", "both"])
+def test_buckets_start_after_the_last_w(wire):
+    from test_pipeline_schedules import _parse
+
+    batch = torch.randint(0, 64, (3, 2, 8), generator=torch.Generator().manual_seed(0))
+    ref, ref_opt, _ = _runtime_and_optimizer("1f1b", "modules")
+    ref.run(batch)
+    ref_opt.grads.finish()
+    runtime, opt, _ = _runtime_and_optimizer("zb-h1", wire)
+    runtime.use_tasks(_parse(LATE_TAIL))
+    launched_at: list[int] = []
+    launch = opt.grads._launch
+    opt.grads._launch = lambda bucket: (launched_at.append(bucket.index), launch(bucket))[-1]
+    runtime.run(batch)  # a gradient arriving after its bucket started would raise here
+    started = set(launched_at)
+    opt.grads.finish()
+    assert torch.equal(opt.grads.data, ref_opt.grads.data), "zb-h1 must give 1F1B's gradients bit for bit"
+    buckets = len(opt.grads.layout.buckets)
+    assert buckets >= 3
+    if wire == "modules":  # fallback: buckets with a B-only parameter wait for finish()
+        assert started != set(range(buckets))
+    else:  # every bucket started during the schedule (overlapped), none twice
+        assert sorted(launched_at[:len(started)]) == list(range(buckets))
+
+
+def test_marking_before_the_last_b_would_be_caught():
+    # the negative control of the test above: marking every parameter before the last B (1F1B's
+    # timing) makes a deferred weight's W after it arrive at a started bucket, which GradSync refuses
+    from test_pipeline_schedules import _parse
+
+    runtime, opt, stage = _runtime_and_optimizer("zb-h1", "none")
+    runtime.use_tasks(_parse(LATE_TAIL))
+    runtime.before_last_backward = None
+    runtime.mark_final_params = None
+    original = runtime._before_last
+    runtime._before_last = lambda chunk, weights: opt.grads.mark_final([stage]) if not weights else None
+    batch = torch.randint(0, 64, (3, 2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="arrived after its bucket was reduced"):
+        runtime.run(batch)
+    assert original is not None
 
 
 # ---- zb-h1 against 1F1B through the trainer ----------------------------------------------------

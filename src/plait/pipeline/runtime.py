@@ -79,7 +79,7 @@ class PipelineRuntime:
         self.vpp = len(stages)
         self.num_stages = self.pp * self.vpp
         self.microbatches, self.schedule = microbatches, schedule
-        self.tasks = schedule_tasks(schedule, self.rank, self.pp, microbatches, self.vpp)
+        self.tasks: list[T.Task] = []
         self.pp_ranks = mesh.my_group_ranks("pp")
         self.pp_group = mesh.group("pp") if self.pp > 1 else None
         local_seq = seq_len // mesh.tp if sequence_parallel and mesh.tp > 1 else seq_len
@@ -90,8 +90,7 @@ class PipelineRuntime:
         #: called with a chunk index just before that chunk's last backward of the step (the
         #: optimizer then lets the data-parallel reduction of the chunk's buckets start)
         self.before_last_backward: Callable[[int], None] | None = None
-        self._last_backward = {t.chunk: i for i, t in enumerate(self.tasks) if isinstance(t, T.Backward)}
-        self._last_weight_grad = {t.chunk: i for i, t in enumerate(self.tasks) if isinstance(t, T.WeightGrad)}
+        self.use_tasks(schedule_tasks(schedule, self.rank, self.pp, microbatches, self.vpp))
         #: with a split-backward schedule: called with a list of parameters whose next gradient is
         #: their last of the step (the data-parallel ``GradSync.mark_final_params``), before the
         #: last B (parameters not deferred) and the last W (deferred weights) of each stage; takes
@@ -110,6 +109,12 @@ class PipelineRuntime:
         #: cuts each batch (on the device) to this rank's share of the sequence: context parallelism
         #: (:func:`plait.context_parallel.batch.split_token_batch`); ``None``: whole sequences
         self.split_batch: Callable[[TokenBatch], TokenBatch] | None = None
+
+    def use_tasks(self, tasks: list[T.Task]) -> None:
+        """Run ``tasks`` instead of the schedule's list (the same kinds of task; for tests and tools)."""
+        self.tasks = tasks
+        self._last_backward = {t.chunk: i for i, t in enumerate(tasks) if isinstance(t, T.Backward)}
+        self._last_weight_grad = {t.chunk: i for i, t in enumerate(tasks) if isinstance(t, T.WeightGrad)}
 
     # ------------------------------------------------------------------ topology
     def _global_stage(self, chunk: int) -> int:

@@ -116,7 +116,7 @@ class RowParallelLinear(nn.Module):
         if self.weight_grad_queue is None:
             y = torch.nn.functional.linear(x, self.weight)
         else:
-            y = _DeferrableLinear.apply(x, self.weight, self.weight_grad_queue)
+            y = _DeferrableLinear.apply(x, self.weight, None, self.weight_grad_queue)
         if self.sequence_parallel:
             y = C.reduce_scatter_to_sp(y, self.seq_dim, self.tp.group)
         else:
@@ -131,23 +131,42 @@ class RowParallelLinear(nn.Module):
                 f"tp={self.tp.size}, sp={self.sequence_parallel}")
 
 
-class _DeferrableLinear(torch.autograd.Function):
-    """``x W^T`` (the row layer's local product) whose weight gradient a queue may defer.
+class DeferrableLinear(nn.Linear):
+    """``nn.Linear`` whose weight gradient a :class:`WeightGradQueue` may defer.
 
-    The same products as ``torch.nn.functional.linear`` under the same autocast: both operands in
-    the autocast dtype, the input gradient returned in the input's dtype and the weight gradient
-    in the parameter's.
+    Without tensor parallelism the models keep plain ``nn.Linear`` projections; a zero-bubble
+    schedule switches those instances to this class
+    (:func:`~plait.tensor_parallel.weight_grad.attach_weight_grad_queue`, the same class swap
+    LoRA uses), so they split their backward like the parallel layers. Without a queue it is
+    ``nn.Linear``.
+    """
+
+    weight_grad_queue: WeightGradQueue | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad_queue is None:
+            return super().forward(x)
+        return _DeferrableLinear.apply(x, self.weight, self.bias, self.weight_grad_queue)
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """``x W^T (+ b)`` whose weight gradient a queue may defer (the bias gradient stays in backward).
+
+    The same products as ``torch.nn.functional.linear`` under the same autocast: the operands in
+    the autocast dtype, the input gradient returned in the input's dtype and the parameter
+    gradients in the parameters'.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, queue):
+    def forward(ctx, x, weight, bias, queue):
         dev = x.device.type
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x_c, w_c = x.to(cdtype), weight.to(cdtype)
         with torch.autocast(dev, enabled=False):
-            y = torch.nn.functional.linear(x_c, w_c)
+            y = torch.nn.functional.linear(x_c, w_c, None if bias is None else bias.to(cdtype))
         ctx.save_for_backward(x_c, w_c)
         ctx.queue, ctx.weight, ctx.x_dtype = queue, weight, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
@@ -155,9 +174,9 @@ class _DeferrableLinear(torch.autograd.Function):
         x_c, w_c = ctx.saved_tensors
         grad = grad.to(w_c.dtype)
         dx = grad.matmul(w_c).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        g2d, x2d = grad.reshape(-1, grad.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
         dw = None
-        if ctx.needs_input_grad[1]:
-            g2d, x2d = grad.reshape(-1, grad.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
-            if not ctx.queue.defer(ctx.weight, g2d, x2d):
-                dw = g2d.t().matmul(x2d).to(ctx.weight.dtype)
-        return dx, dw, None
+        if ctx.needs_input_grad[1] and not ctx.queue.defer(ctx.weight, g2d, x2d):
+            dw = g2d.t().matmul(x2d).to(ctx.weight.dtype)
+        db = g2d.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None

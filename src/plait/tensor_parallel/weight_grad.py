@@ -4,9 +4,10 @@ A zero-bubble pipeline schedule (``zb-h1``) splits each stage's backward into ``
 gradient, which the previous stage waits for) and ``W`` (the weight gradients, which nobody waits
 for until the optimizer step) and places ``W`` in the bubbles. Nothing here edits the autograd
 graph: the column- and row-parallel matmul functions (:mod:`plait.tensor_parallel.column_matmul`,
-:mod:`plait.tensor_parallel.linear`) ask the :class:`WeightGradQueue` they were given whether to
-defer; while a ``B`` runs under :meth:`WeightGradQueue.collect`, their backward returns ``None`` for
-the weight and leaves ``(param, output grad, input)`` in the queue instead of computing
+:mod:`plait.tensor_parallel.linear`, also behind :class:`~plait.tensor_parallel.linear.DeferrableLinear`,
+the plain projections of a model without tensor parallelism) ask the :class:`WeightGradQueue` they
+were given whether to defer; while a ``B`` runs under :meth:`WeightGradQueue.collect`, their
+backward returns ``None`` for the weight and leaves ``(param, output grad, input)`` in the queue instead of computing
 ``dW = dY^T X``. :meth:`WeightGradQueue.run` (the ``W`` task) computes those products and hands them
 to autograd with ``torch.autograd.backward(params, dWs)``: they go through each parameter's own
 gradient accumulator, so ``.grad`` accumulates and post-accumulate hooks (the data-parallel
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from plait.tensor_parallel.linear import ColumnParallelLinear, DeferrableLinear, RowParallelLinear
 
 
 @dataclass
@@ -97,8 +98,11 @@ class WeightGradQueue:
 
 
 def attach_weight_grad_queue(module: nn.Module, queue: WeightGradQueue | None) -> list[nn.Parameter]:
-    """Let every column/row-parallel linear layer in ``module`` defer its weight gradient to ``queue``
-    (``None`` detaches); returns the weights attached.
+    """Let every column/row-parallel linear layer in ``module``, and every plain ``nn.Linear`` (the
+    projections of a model built without tensor parallelism, switched to
+    :class:`~plait.tensor_parallel.linear.DeferrableLinear`), defer its weight gradient to
+    ``queue`` (``None`` detaches); returns the weights attached. Subclasses of ``nn.Linear`` (LoRA's
+    adapted projections) are left alone.
 
     A weight that is reachable under more than one name in ``module`` (an output head tied to the
     embedding of the same stage) is left alone: its other use accumulates in ``B``, and splitting
@@ -109,7 +113,9 @@ def attach_weight_grad_queue(module: nn.Module, queue: WeightGradQueue | None) -
         uses[id(p)] = uses.get(id(p), 0) + 1
     attached = []
     for m in module.modules():
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+        if type(m) is nn.Linear and queue is not None and uses.get(id(m.weight), 0) == 1:
+            m.__class__ = DeferrableLinear
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear | DeferrableLinear):
             shared = uses.get(id(m.weight), 0) > 1
             m.weight_grad_queue = None if shared else queue
             if queue is not None and not shared:
