@@ -24,6 +24,7 @@ def _worker(rank, world, out_dir):
     import contextlib
     import io
 
+    from plait.comm.primitives import all_reduce
     from plait.train.watchdog import Watchdog
 
     messages: list[str] = []
@@ -36,7 +37,7 @@ def _worker(rank, world, out_dir):
             if rank == 1 and step == 2:
                 _sleepy_step_of_rank_1()
             with dog.watch("data-parallel gradient reduction", GROUP):
-                dist.all_reduce(torch.ones(1))
+                all_reduce(torch.ones(1), dist.group.WORLD)
             dog.step += 1
         dog.close()
     return {"messages": messages, "stderr": err.getvalue()}
@@ -64,7 +65,10 @@ def test_a_stall_dumps_every_rank_and_names_the_rank_that_never_arrived(tmp_path
     assert f"  {GROUP}: data-parallel gradient reduction at step 2" in dump1  # its last one was a step behind
     # the stacks: rank 1's main thread is in the sleep; rank 0's in the all-reduce; both show the watchdog thread
     assert "_sleepy_step_of_rank_1" in dump1 and "Thread MainThread" in dump1, dump1
-    assert "dist.all_reduce(torch.ones(1))" in dump0 and "Thread plait-watchdog" in dump0, dump0
+    assert "all_reduce(torch.ones(1), dist.group.WORLD)" in dump0 and "Thread plait-watchdog" in dump0, dump0
+    # the comm layer's count: rank 0 entered its 3rd all-reduce on the group, rank 1 only 2
+    assert "  ranks [0, 1]: 3 entered, the last one all_reduce" in dump0, dump0
+    assert "  ranks [0, 1]: 2 entered, the last one all_reduce" in dump1, dump1
 
 
 def test_the_summary_names_ranks_outside_the_collective_and_those_without_a_report():

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from plait.comm.trace import entered
+
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -27,6 +29,7 @@ def all_reduce(x: torch.Tensor, group, async_op: bool = False):
     """Sum ``x`` in place over ``group``; returns the work handle when ``async_op``."""
     if group_size(group) == 1:
         return None
+    entered("all_reduce", group)
     return dist.all_reduce(x, group=group, async_op=async_op)
 
 
@@ -37,6 +40,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * front.shape[0],) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
+    entered("all_gather", group)
     all_gather_single(out, front, group=group)
     return out.movedim(0, dim)
 
@@ -53,6 +57,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group, async_op: bool = False)
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {n}")
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // n,) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
+    entered("reduce_scatter", group)
     work = reduce_scatter_single(out, front, group=group, async_op=async_op)
     result = out.movedim(0, dim)
     return (result, work) if async_op else result

@@ -20,7 +20,9 @@ Hang diagnosis. The ranks waiting in a collective are rarely the culprit; the ra
 arrived is. Before exiting, a stalled rank
 
 * writes ``hang/rank-N.txt`` under ``dump_dir`` (the run directory): the Python stack of every
-  thread of the process, its phase, step and the last collective it entered per group;
+  thread of the process, its phase, step and the last collective phase it entered per group,
+  and, from :mod:`plait.comm.trace`, how many collectives it entered on each process group and
+  the last one (a rank with a lower count fell behind);
 * publishes a one-line report in the job's key-value store (the c10d store every rank already
   shares) and raises a flag there.
 
@@ -49,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from plait.comm.trace import last_entered
 
 EXIT_STATUS = 3
 #: keys in the job's store (prefixed by the restart attempt under an elastic launcher)
@@ -200,6 +204,7 @@ class Watchdog:
         self._diagnosed = True
         with self._lock:
             report["last_collectives"] = {g: {"operation": op, "step": s} for g, (op, s) in self.last_entered.items()}
+        report["collectives"] = last_entered()  # per group: how many collectives entered, and the last one
         report["host"], report["pid"] = socket.gethostname(), os.getpid()
         dump = self._write_dump(report, message)
         if dump is not None:
@@ -229,6 +234,11 @@ class Watchdog:
                  + (f" ({report['group']})" if report["group"] else ""), "", "last collective entered per group:"]
         lines += [f"  {g}: {v['operation']} at step {v['step']}" for g, v in report["last_collectives"].items()]
         if not report["last_collectives"]:
+            lines.append("  (none)")
+        lines += ["", "collectives entered per process group (a rank with a lower count fell behind):"]
+        lines += [f"  {g}: {v['count']} entered, the last one {v['operation']}"
+                  for g, v in report["collectives"].items()]
+        if not report["collectives"]:
             lines.append("  (none)")
         lines += ["", "Python stacks of this process's threads:", "", thread_stacks()]
         try:
