@@ -1,4 +1,4 @@
-"""MoE training under data and pipeline parallelism (and ZeRO-1) against one process: 20 AdamW
+"""MoE training under data, expert and pipeline parallelism (and ZeRO-1) against one process: 20 AdamW
 steps of a tiny Mixtral through the real trainer, fp32, with the load-balancing and z-losses on
 (large coefficients, so a mis-normalised loss gradient would move the trajectory) and, in one
 case, a capacity factor that drops assignments.
@@ -29,6 +29,11 @@ LAYOUTS = {
     "dp2": (["parallel.dp=2"], 2, 2, 2),
     "dp2-capacity": (["parallel.dp=2", "moe.capacity_factor=1.0"], 2, 2, 2),
     "pp2xdp2-zero1": (["parallel.pp=2", "parallel.dp=2", "parallel.zero1=true"], 4, 4, 2),
+    "ep2": (["parallel.dp=2", "parallel.ep=2"], 2, 2, 2),
+    "ep2-capacity": (["parallel.dp=2", "parallel.ep=2", "moe.capacity_factor=1.0"], 2, 2, 2),
+    "ep4": (["parallel.dp=4", "parallel.ep=4"], 4, 1, 4),
+    "ep2xdp2": (["parallel.dp=4", "parallel.ep=2"], 4, 1, 4),
+    "ep2xpp2": (["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"], 4, 4, 2),
 }
 
 

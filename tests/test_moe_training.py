@@ -119,6 +119,7 @@ def _problems(text: str, world: int = 1) -> dict[str, str]:
 
 def test_a_valid_moe_recipe_and_the_shipped_one_pass():
     validate_recipe(load_recipe_text(MIXTRAL + "moe:\n  capacity_factor: 1.25\n"), 1, check_paths=False)
+    validate_recipe(load_recipe_text(MIXTRAL + "parallel:\n  ep: 2\n  dp: 4\n"), 4, check_paths=False)
     from plait.config.load import DEFAULT_RECIPE
     validate_recipe(load_recipe_text((DEFAULT_RECIPE.parent / "moe-tiny.yaml").read_text()), 1, check_paths=False)
 
@@ -131,9 +132,14 @@ def test_a_valid_moe_recipe_and_the_shipped_one_pass():
     ("model:\n  num_local_experts: 8\n", "model.num_local_experts", "not a field of model.family='llama'"),
     ("moe:\n  aux_loss_coef: 0.01\n", "moe", "has no experts"),
     (MIXTRAL + "moe:\n  aux_loss_scope: global\n", "moe.aux_loss_scope", "micro_batch"),
+    (MIXTRAL + "parallel:\n  ep: 3\n  dp: 3\n", "parallel.ep", "must divide the 4 experts of each MoE layer"),
+    (MIXTRAL + "parallel:\n  ep: 4\n  dp: 2\n", "parallel.ep", "must divide the data-parallel degree dp=2"),
+    (MIXTRAL + "parallel:\n  ep: 2\n  dp: 2\n  zero1: true\n", "parallel.zero1", "not available yet"),
+    ("parallel:\n  ep: 2\n  dp: 2\n", "parallel.ep", "has no experts to split"),
 ])
 def test_bad_moe_recipes_are_refused_naming_the_field(text, field, words):
-    problems = _problems(text, world=2 if "tp: 2" in text else 1)
+    world = 2 if "tp: 2" in text or "dp: 2" in text else 3 if "dp: 3" in text else 1
+    problems = _problems(text, world=world)
     assert field in problems, problems
     assert words in problems[field], problems[field]
 
@@ -172,7 +178,8 @@ def _host_reads_worker(rank, world, recipe_yaml, prepared):
     return counts, [layer.stats.forwards for _, layer in layers]
 
 
-def test_moe_steps_make_no_host_reads(tmp_path):
+@pytest.mark.parametrize("layout", ["one-process", pytest.param("ep2", marks=pytest.mark.slow)])
+def test_moe_steps_make_no_host_reads(tmp_path, layout):
     from plait.config import load_recipe, recipe_to_yaml
     from plait.config.load import DEFAULT_RECIPE
     from plait.data.corpora import shakespeare_files
@@ -181,11 +188,13 @@ def test_moe_steps_make_no_host_reads(tmp_path):
     src = tmp_path / "corpus"
     src.mkdir()
     (src / "a.txt").write_text(shakespeare_files()[0].read_text(encoding="latin-1")[:40000], encoding="utf-8")
-    recipe = load_recipe(DEFAULT_RECIPE, TINY + [f"data.source={src}", f"run.output_dir={tmp_path / 'run'}"])
+    world = 1 if layout == "one-process" else 2
+    extra = [] if world == 1 else ["parallel.dp=2", "parallel.ep=2"]
+    recipe = load_recipe(DEFAULT_RECIPE, TINY + extra + [f"data.source={src}", f"run.output_dir={tmp_path / 'run'}"])
     prepared = str(prepare_data(recipe))
-    ((counts, forwards),) = run_distributed(_host_reads_worker, 1, recipe_to_yaml(recipe), prepared)
-    assert counts == [0, 0, 0], f"host reads per step {counts}"
-    assert forwards == [6, 6], "each layer ran 2 micro-batches x 3 steps with its statistics on"
+    for counts, forwards in run_distributed(_host_reads_worker, world, recipe_to_yaml(recipe), prepared):
+        assert counts == [0, 0, 0], f"host reads per step {counts}"
+        assert forwards == [6, 6], "each layer ran 2 micro-batches x 3 steps with its statistics on"
 
 
 @pytest.mark.slow  # ~8 s: a whole run through the command line

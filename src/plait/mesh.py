@@ -9,6 +9,12 @@ There is no module-global state: every function that needs a group receives the 
 group itself). The mesh also builds the *KV-shared* groups used by KV replication: within a TP
 group of size ``T`` whose K/V projections run at degree ``T / m``, the ``m`` ranks holding the
 same K/V shard form one KV-shared group.
+
+Expert parallelism folds over data parallelism: with ``ep`` dividing ``dp``, the data-parallel
+index ``d`` splits into ``(dp_expert, ep) = (d // ep, d % ep)``, so the expert view of the grid is
+``[pp, dp_expert, ep, cp, tp]``. The ``ep`` ranks of one expert group (consecutive DP indices)
+hold different experts and exchange tokens; the ``dp / ep`` ranks of one *expert-data-parallel*
+group hold the same experts and average their gradients.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class ParallelMesh:
         pp: int = 1,
         dp: int | None = None,
         cp: int = 1,
+        ep: int = 1,
         kv_replication: int = 1,
         kv_placement: str = "interleaved",
         layout: RankLayout | None = None,
@@ -110,6 +117,11 @@ class ParallelMesh:
                 f"tp*pp*dp*cp = {tp}*{pp}*{dp}*{cp} = {tp * pp * dp * cp} does not equal "
                 f"world_size={world_size}; the degrees must multiply to the world size"
             )
+        _check_positive(ep=ep)
+        if dp % ep:
+            valid = [e for e in range(1, dp + 1) if dp % e == 0]
+            raise MeshError(f"ep={ep} does not divide dp={dp}; expert parallelism folds over data parallelism, "
+                            f"valid values: {valid}")
         if tp % kv_replication:
             valid = [m for m in range(1, tp + 1) if tp % m == 0]
             raise MeshError(
@@ -125,6 +137,7 @@ class ParallelMesh:
         self.degrees: dict[str, int] = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.kv_replication = kv_replication
         self.kv_placement = kv_placement
+        self.ep = ep
         self.layout: RankLayout = layout or RowMajorLayout()
 
         self._rank_at: dict[tuple[int, ...], int] = {}
@@ -180,8 +193,10 @@ class ParallelMesh:
             return self._tied_group_ranks()
         if axis == "dp_cp":
             return self._dp_cp_group_ranks()
+        if axis in ("ep", "dp_expert"):
+            return self._expert_group_ranks(axis)
         if axis not in AXES:
-            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv', 'tied', 'dp_cp')}")
+            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv', 'tied', 'dp_cp', 'ep', 'dp_expert')}")
         others = [a for a in AXES if a != axis]
         groups = []
         for fixed in itertools.product(*(range(self.degrees[a]) for a in others)):
@@ -202,6 +217,16 @@ class ParallelMesh:
         for coord, r in sorted(self._rank_at.items()):
             c = dict(zip(AXES, coord, strict=True))
             groups.setdefault((c["pp"], c["tp"]), []).append(r)
+        return sorted(sorted(g) for g in groups.values())
+
+    def _expert_group_ranks(self, axis: str) -> list[list[int]]:
+        """Expert groups (``ep``: consecutive DP indices ``d // ep`` equal, holding different experts)
+        or expert-data-parallel groups (``dp_expert``: the same ``d % ep``, holding the same experts)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for coord, r in sorted(self._rank_at.items()):
+            c = dict(zip(AXES, coord, strict=True))
+            within = c["dp"] // self.ep if axis == "ep" else c["dp"] % self.ep
+            groups.setdefault((c["pp"], c["cp"], c["tp"], within), []).append(r)
         return sorted(sorted(g) for g in groups.values())
 
     def _kv_group_ranks(self) -> list[list[int]]:
@@ -234,7 +259,8 @@ class ParallelMesh:
             )
         # Every rank must create every group in the same order (a torch.distributed rule).
         # dp_cp is built only when cp > 1; otherwise it is the dp group (see group())
-        for axis in AXES + ("kv", "tied") + (("dp_cp",) if self.cp > 1 else ()):
+        for axis in AXES + ("kv", "tied") + (("dp_cp",) if self.cp > 1 else ()) + (
+                ("ep", "dp_expert") if self.ep > 1 else ()):
             mine = None
             for ranks in self.group_ranks(axis):
                 group = dist.new_group(ranks)
@@ -245,17 +271,21 @@ class ParallelMesh:
     def group(self, axis: str):
         """This rank's group along ``axis``: ``"tp"``, ``"dp"``, ``"pp"``, ``"cp"``, ``"kv"`` (KV-shared),
         ``"tied"`` (first and last pipeline stage, for tied embeddings) or ``"dp_cp"`` (dp x cp:
-        the ranks that average parameter gradients)."""
+        the ranks that average parameter gradients), ``"ep"`` (the expert group) or ``"dp_expert"``
+        (the ranks holding the same experts; the dp group when ep=1)."""
         if not self._groups:
             raise MeshError("this mesh was built with create_groups=False; it has no process groups")
         if axis == "dp_cp" and self.cp == 1:
+            axis = "dp"
+        if axis == "dp_expert" and self.ep == 1:
             axis = "dp"
         return self._groups[axis]
 
     def info(self, axis: str) -> GroupInfo:
         """This rank's group along ``axis`` with its rank and size in it (group may be ``None``)."""
         ranks = self.my_group_ranks(axis)
-        group = self._groups.get("dp" if axis == "dp_cp" and self.cp == 1 else axis) if len(ranks) > 1 else None
+        alias = "dp" if (axis == "dp_cp" and self.cp == 1) or (axis == "dp_expert" and self.ep == 1) else axis
+        group = self._groups.get(alias) if len(ranks) > 1 else None
         return GroupInfo(group, ranks.index(self.rank), len(ranks))
 
     @property
@@ -270,7 +300,7 @@ class ParallelMesh:
         d = self.degrees
         return (
             f"ParallelMesh(world={self.world_size}, rank={self.rank}, pp={d['pp']}, dp={d['dp']}, "
-            f"cp={d['cp']}, tp={d['tp']}, kv_replication={self.kv_replication}, "
+            f"cp={d['cp']}, tp={d['tp']}, ep={self.ep}, kv_replication={self.kv_replication}, "
             f"kv_placement={self.kv_placement!r})"
         )
 

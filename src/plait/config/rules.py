@@ -487,11 +487,11 @@ def _check_lora(c: _Checker, check_paths: bool) -> None:
                                               f"set the lora section to the same")
 
 
-def _check_moe(c: _Checker, arch: LlamaConfig | None) -> None:
-    """Mixture-of-Experts rules (:mod:`plait.moe.recipe_rules`)."""
-    if c.ok("moe", "parallel.tp"):
+def _check_moe(c: _Checker, arch: LlamaConfig | None, dp: int | None) -> None:
+    """Mixture-of-Experts and expert-parallel rules (:mod:`plait.moe.recipe_rules`)."""
+    if c.ok("moe", "parallel.tp", "parallel.ep"):
         for field, value, valid in moe_problems(c.r.moe, arch, type(arch).family if arch else c.r.model.family,
-                                                tp=c.r.parallel.tp):
+                                                tp=c.r.parallel.tp, parallel=c.r.parallel, dp=dp):
             c.add(field, value, valid)
 
 
@@ -520,5 +520,5 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_data(c, arch, check_paths)
     _check_lora(c, check_paths)
     _check_context_parallel(c, arch)
-    _check_moe(c, arch)
+    _check_moe(c, arch, dp)
     return c.problems, c.warnings, arch

@@ -179,6 +179,9 @@ class ParallelSection(Section):
         default="ring", description="How attention crosses the cp ranks: 'ring' (K/V blocks passed around, "
                                     "overlapped with compute) or 'allgather' (all K/V gathered; short rings)")
     vpp: Int = Field(default=1, ge=1, description="Virtual pipeline stages per pipeline rank (needs pp > 1)")
+    ep: Int = Field(default=1, ge=1, description="Expert-parallel degree (MoE families): experts split over this "
+                                                 "many data-parallel ranks, tokens exchanged by all-to-all; divides "
+                                                 "dp and the expert count")
     sequence_parallel: Bool = Field(default=False, description="Split the activations outside attention "
                                                                "and MLP over the sequence within the TP "
                                                                "group (needs seq_len % tp == 0)")

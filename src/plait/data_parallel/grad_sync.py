@@ -15,6 +15,10 @@ Gradients are divided by the data-parallel degree before the sum, so the result 
 :meth:`GradSync.finish` starts whatever has not started (buckets whose parameters received no
 gradient, and the deferred buckets of tied embeddings, which are first summed over the pipeline
 stages that share them) and waits for every reduction.
+
+Under expert parallelism the buckets of routed experts (``Bucket.expert``) are summed over the
+*expert-data-parallel* group (the ranks holding the same experts) and divided by the whole
+data-parallel degree: an expert's gradient already holds the tokens of its whole expert group.
 """
 
 from __future__ import annotations
@@ -30,8 +34,12 @@ class GradSync:
     """Owns the flat gradient buffer of one rank and its data-parallel reduction."""
 
     def __init__(self, layout: BufferLayout, *, grad_dtype: torch.dtype, device: torch.device, dp: GroupInfo,
-                 zero: bool, overlap: bool = True, tied: GroupInfo | None = None) -> None:
+                 zero: bool, overlap: bool = True, tied: GroupInfo | None = None,
+                 expert_dp: GroupInfo | None = None) -> None:
         self.layout, self.dp, self.zero, self.overlap, self.tied = layout, dp, zero, overlap, tied
+        self.expert_dp = expert_dp
+        if zero and expert_dp is not None and any(b.expert for b in layout.buckets):
+            raise ValueError("ZeRO-1 with expert parallelism is not available yet; set parallel.zero1=false")
         self.data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
         self.views = {id(e.param): self.data[e.start:e.end] for e in layout.entries}
         self._entry = {id(e.param): e for e in layout.entries}
@@ -93,6 +101,10 @@ class GradSync:
             return
         flat = self.data[bucket.start:bucket.end]
         flat.div_(self.dp.size)
+        if bucket.expert and self.expert_dp is not None:
+            if self.expert_dp.size > 1:
+                self._works.append(all_reduce(flat, self.expert_dp.group, async_op=True))
+            return
         if self.zero:
             work = reduce_scatter_single(self.shard_views[bucket.index], flat, group=self.dp.group, async_op=True)
         else:

@@ -14,6 +14,10 @@ intersection of one parameter with one owned range.
 Parameters named in ``deferred_names`` (an embedding tied across pipeline stages, whose gradient
 must be summed over the stages before it is reduced over data parallelism) get buckets of their
 own, which are reduced only at the end of backward.
+
+Parameters named in ``expert_names`` (routed experts under expert parallelism, which differ
+between the ranks of an expert group) also get buckets of their own, marked ``expert``: their
+data-parallel reduction runs over the expert-data-parallel group instead.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Bucket:
     end: int
     entries: list[ParamEntry] = field(default_factory=list)
     deferred: bool = False
+    expert: bool = False  #: holds expert-parallel parameters (reduced over the expert-data-parallel group)
 
     @property
     def numel(self) -> int:
@@ -102,7 +107,8 @@ class BufferLayout:
 
 
 def plan_buffer(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, shards: int,
-                deferred_names: frozenset[str] = frozenset()) -> BufferLayout:
+                deferred_names: frozenset[str] = frozenset(),
+                expert_names: frozenset[str] = frozenset()) -> BufferLayout:
     """Lay out ``params`` (name, parameter, decay, norm weight), given in registration order.
 
     ``bucket_numel`` caps a bucket (a larger parameter gets a bucket of its own).
@@ -112,10 +118,11 @@ def plan_buffer(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bu
     entries: list[ParamEntry] = []
     buckets: list[Bucket] = []
     ordered = list(reversed(params))
-    regular = [p for p in ordered if p[0] not in deferred_names]
+    regular = [p for p in ordered if p[0] not in deferred_names and p[0] not in expert_names]
     deferred = [p for p in ordered if p[0] in deferred_names]
+    experts = [p for p in ordered if p[0] in expert_names and p[0] not in deferred_names]
     offset = 0
-    for group, is_deferred in ((regular, False), (deferred, True)):
+    for group, is_deferred, is_expert in ((regular, False, False), (experts, False, True), (deferred, True, False)):
         current: Bucket | None = None
         for name, param, decay, weight in group:
             n = param.numel()
@@ -123,7 +130,7 @@ def plan_buffer(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bu
                 offset = _close(current, offset, shards)
                 current = None
             if current is None:
-                current = Bucket(len(buckets), offset, offset, deferred=is_deferred)
+                current = Bucket(len(buckets), offset, offset, deferred=is_deferred, expert=is_expert)
                 buckets.append(current)
             entry = ParamEntry(name, param, offset, n, current.index, decay, weight)
             current.entries.append(entry)

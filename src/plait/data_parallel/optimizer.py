@@ -63,7 +63,14 @@ class DistributedOptimizer:
 
     def __init__(self, modules: list[nn.Module], policy: PrecisionPolicy, hyper: OptimizerHyper, *,
                  dp: GroupInfo, tp: GroupInfo, pp: GroupInfo | None = None, tied: GroupInfo | None = None,
-                 zero: bool = False, bucket_mb: float = 25.0, overlap: bool = True) -> None:
+                 zero: bool = False, bucket_mb: float = 25.0, overlap: bool = True,
+                 ep: GroupInfo | None = None, expert_dp: GroupInfo | None = None,
+                 expert_names: frozenset[str] = frozenset()) -> None:
+        # expert parallelism: ``expert_names`` differ between the ``ep`` ranks and are reduced over
+        # ``expert_dp`` (see GradSync); at ep=1 they are ordinary parameters
+        if ep is None or ep.size == 1:
+            ep, expert_dp, expert_names = None, None, frozenset()
+        self.ep = ep
         if zero and dp.size == 1:
             warnings.warn("ZeRO-1 with a data-parallel degree of 1 shards nothing; training unsharded", stacklevel=2)
             zero = False
@@ -85,11 +92,11 @@ class DistributedOptimizer:
         deferred = _tied_names(modules, pp)
         bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=policy.grad_dtype).element_size()))
         self.layout: BufferLayout = plan_buffer(params, bucket_numel=bucket_numel, shards=self.shards,
-                                                deferred_names=deferred)
+                                                deferred_names=deferred, expert_names=expert_names)
         self.segments: list[Segment] = self.layout.owned_segments(self.shard)
         self._build_weights(device)
         self.grads = GradSync(self.layout, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
-                              overlap=overlap, tied=tied if deferred else None)
+                              overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp)
         self.inner = self._build_inner(hyper)
 
     # ------------------------------------------------------------------ construction
@@ -156,15 +163,24 @@ class DistributedOptimizer:
 
         Each rank sums the squares of the segments it owns, weighted so that every gradient
         entry counts once (see :func:`plait.parallel_state.norm_share`); the partial sums are added over TP, PP
-        and, with ZeRO-1, the data-parallel shards.
+        and, with ZeRO-1, the data-parallel shards. Under expert parallelism the experts' squares are
+        first added over the expert group, whose ranks hold different experts.
         """
         device = self.param_data.device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        counted = [(g, w) for g, w in zip(self.main_grads, self.main_weights, strict=True) if w > 0 and g.numel()]
+        experts = torch.zeros((), dtype=torch.float32, device=device)
+        counted = [(g, w, s.bucket.expert) for g, w, s in zip(self.main_grads, self.main_weights, self.segments,
+                                                              strict=True) if w > 0 and g.numel()]
         if counted:
-            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g, _ in counted], 2)
-            weights = torch.tensor([w for _, w in counted], dtype=torch.float32, device=device)
-            total = (torch.stack(norms).pow(2) * weights).sum()
+            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g, _, _ in counted], 2)
+            weights = torch.tensor([w for _, w, _ in counted], dtype=torch.float32, device=device)
+            is_expert = torch.tensor([float(e) for _, _, e in counted], dtype=torch.float32, device=device)
+            squares = torch.stack(norms).pow(2) * weights
+            total = (squares * (1 - is_expert)).sum()  # multiplying by masks: no data-dependent shape
+            experts = (squares * is_expert).sum()
+        if self.ep is not None:
+            dist.all_reduce(experts, group=self.ep.group)
+        total = total + experts
         for group in (self.tp, self.pp, self.dp if self.zero else None):
             if group is not None and group.size > 1:
                 dist.all_reduce(total, group=group.group)

@@ -20,10 +20,28 @@ def is_moe_config(config: Any) -> bool:
     return callable(getattr(config, "moe_layer_ids", None)) and bool(config.moe_layer_ids())
 
 
-def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int) -> list[Problem]:
-    """Problems of the ``moe`` section and the layout for architecture ``arch`` (``None`` when the
-    architecture is itself broken: only the section's own rules run)."""
+def num_experts(config: Any) -> int:
+    """Experts per MoE layer of a config of either MoE family."""
+    return int(getattr(config, "num_local_experts", None) or config.num_experts)
+
+
+def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: Any = None,
+                 dp: int | None = None) -> list[Problem]:
+    """Problems of the ``moe`` section and the layout (``parallel``, its derived ``dp``) for
+    architecture ``arch`` (``None`` when the architecture is itself broken: only the section's own
+    rules run)."""
     out: list[Problem] = []
+    ep = getattr(parallel, "ep", 1)
+    if ep > 1 and dp is not None and dp % ep:
+        valid = [e for e in range(1, dp + 1) if dp % e == 0]
+        out.append(("parallel.ep", ep, f"must divide the data-parallel degree dp={dp} (expert parallelism folds "
+                                       f"over data parallelism); valid: {valid}"))
+    if ep > 1 and parallel.zero1:
+        out.append(("parallel.zero1", True, f"ZeRO-1 with parallel.ep={ep} is not available yet; set "
+                                            f"parallel.zero1=false or parallel.ep=1"))
+    if ep > 1 and getattr(parallel, "cp", 1) > 1:
+        out.append(("parallel.ep", ep, f"expert parallelism with context parallelism (parallel.cp={parallel.cp}) "
+                                       f"is not available yet; set parallel.ep=1 or parallel.cp=1"))
     cf = moe.capacity_factor
     if cf is not None and cf <= 0:
         out.append(("moe.capacity_factor", cf, "must be > 0 (e.g. 1.25: each expert accepts 1.25x its balanced "
@@ -31,11 +49,17 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int) -> list[Pr
     if arch is None:
         return out
     if not is_moe_config(arch):
+        if ep > 1:
+            out.append(("parallel.ep", ep, f"model.family={family!r} has no experts to split; set parallel.ep=1"))
         if moe.changed():
             keys = ", ".join(f"moe.{k}" for k in moe.changed())
             out.append(("moe", keys, f"model.family={family!r} has no experts; remove the moe section or choose "
                                      f"an MoE family (mixtral, qwen3_moe)"))
         return out
+    experts = num_experts(arch)
+    if ep > 1 and experts % ep:
+        valid = [e for e in range(1, experts + 1) if experts % e == 0]
+        out.append(("parallel.ep", ep, f"must divide the {experts} experts of each MoE layer; valid: {valid}"))
     if tp > 1:
         out.append(("parallel.tp", tp, f"tensor parallelism is not available for MoE models (model.family="
                                        f"{family!r}) yet; set parallel.tp=1"))

@@ -50,6 +50,7 @@ from plait.mesh import ParallelMesh
 from plait.models.family import config_of
 from plait.models.llama.config import LlamaConfig
 from plait.moe import configure_moe
+from plait.moe.expert_parallel import apply_expert_parallel, expert_parameter_names
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy, policy_for
@@ -61,7 +62,7 @@ from plait.train.schedules import build_scheduler
 
 def build_mesh(resolved: ResolvedRecipe, rank: int, world: int) -> ParallelMesh:
     p = resolved.recipe.parallel
-    return ParallelMesh(world, rank, tp=p.tp, pp=p.pp, dp=resolved.dp, cp=p.cp,
+    return ParallelMesh(world, rank, tp=p.tp, pp=p.pp, dp=resolved.dp, cp=p.cp, ep=p.ep,
                         kv_replication=resolved.kv_replication, kv_placement=p.kv_placement)
 
 
@@ -95,7 +96,9 @@ def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: Pa
     # parameters and different parts of the sequences
     return DistributedOptimizer(modules, policy, hyper, dp=mesh.info("dp_cp"), tp=mesh.info("tp"),
                                 pp=mesh.info("pp"), tied=mesh.info("tied") if mesh.pp > 1 else None,
-                                zero=p.zero1, bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce)
+                                zero=p.zero1, bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce,
+                                ep=mesh.info("ep"), expert_dp=mesh.info("dp_expert"),
+                                expert_names=expert_parameter_names(modules))
 
 
 def build_runtime(stages: list[nn.Module], mesh: ParallelMesh, policy: PrecisionPolicy,
@@ -191,7 +194,9 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                                         target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
         if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
-    # MoE layers' aux/z-loss weights carry the step's normalisation (a no-op for dense models)
+    # MoE layers: this rank's experts and the token exchange (ep > 1), then the aux/z-loss weights,
+    # which carry the step's normalisation (both no-ops for dense models)
+    apply_expert_parallel(stages, mesh.info("ep"))
     configure_moe(stages, r.moe, config, microbatches=r.parallel.microbatches)
     t = r.train
     if t.activation_checkpointing != "off":
