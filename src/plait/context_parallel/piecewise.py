@@ -1,8 +1,9 @@
 """A rank's local queries against one K/V block, piece by piece, as the ring and the all-gather
 variant both need it.
 
-Tensors here are fp32 and grouped for GQA: queries ``[b, kv_heads, group, 2n, d]`` (two local
-chunks), a K/V block ``[2, b, kv_heads, 2n, d]`` (K and V stacked, the owner's two chunks). A piece
+Tensors here are grouped for GQA: queries ``[b, kv_heads, group, 2n, d]`` (fp32, two local chunks),
+a K/V block ``[2, b, kv_heads, 2n, d]`` (K and V stacked, the owner's two chunks; any dtype, computed
+in fp32). A piece
 (:class:`~plait.context_parallel.plan.Piece`) is masked causally when diagonal and, for packed rows,
 by document: ``segments [b, seq_len]`` holds the document id of every token of the *whole* row
 (every rank has it; it is a few bytes per token), and a query sees a key only of its own document.
@@ -46,6 +47,7 @@ def forward_block(qg: torch.Tensor, kv: torch.Tensor, pieces: tuple[Piece, ...],
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the pieces of this K/V block into ``acc = (out, lse)`` (whole local sequence); returns it."""
     n = split.chunk_len
+    kv = kv.float()
     out, lse = acc
     for p in pieces:
         mask = piece_mask(p, split, segments, qg.device)
@@ -59,8 +61,9 @@ def forward_block(qg: torch.Tensor, kv: torch.Tensor, pieces: tuple[Piece, ...],
 def backward_block(qg: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
                    pieces: tuple[Piece, ...], split: SequenceSplit, segments: torch.Tensor | None, scale: float,
                    dq: torch.Tensor) -> torch.Tensor:
-    """Add this block's query gradient into ``dq``; return the block's ``dkv [2, b, kvh, 2n, d]``."""
+    """Add this block's query gradient into ``dq``; return the block's fp32 ``dkv [2, b, kvh, 2n, d]``."""
     n = split.chunk_len
+    kv = kv.float()
     dkv = torch.zeros_like(kv)
     for p in pieces:
         mask = piece_mask(p, split, segments, qg.device)

@@ -1,7 +1,7 @@
 """Ring attention: the executor of :func:`plait.context_parallel.plan.ring_plan` as an autograd function.
 
-Forward: each rank starts with its own K/V block (K and V stacked, only the K/V heads: grouped-query
-attention is never expanded before sending). At each of the ``cp`` steps it posts the transfer of
+Forward: each rank starts with its own K/V block (K and V stacked in their own dtype, only the K/V
+heads: grouped-query attention is never expanded before sending). At each of the ``cp`` steps it posts the transfer of
 the block at hand to the next rank (and the receive of the next block from the previous one), computes
 its pieces with the block while the transfer runs, and merges the partial outputs by their fp32
 log-sum-exp. It keeps its queries, its own K/V, the final output and LSE for the backward.
@@ -40,7 +40,7 @@ class RingAttention(torch.autograd.Function):
         rank, kvh = exchange.info.rank, k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         qg = group_queries(q, kvh)
-        kv = torch.stack([k, v]).float()
+        kv = torch.stack([k, v])  # sent in the input dtype, computed in fp32
         acc = empty_accumulator(qg)
         plan = ring_plan(split, rank, direction=1)
         for step in plan:
@@ -61,7 +61,7 @@ class RingAttention(torch.autograd.Function):
         dout = grad_out.float().reshape(qg.shape)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k, v]).float()
+        kv = torch.stack([k, v])  # sent in the input dtype, computed in fp32
         dkv_acc: torch.Tensor | None = None
         for step in ring_plan(split, exchange.info.rank, direction=-1):
             sends, tags = [], []
