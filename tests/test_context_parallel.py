@@ -174,3 +174,38 @@ def test_dp_cp_group_holds_the_parameter_replicas():
     assert mesh.group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.group_ranks("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert ParallelMesh(4, 0, tp=2, create_groups=False).group_ranks("dp_cp") == [[0, 2], [1, 3]]
+
+
+# ------------------------------------------------------------------ the planner knows cp
+def test_planner_prices_context_parallelism():
+    from plait.models.llama import LlamaConfig
+    from plait.plan.layout import Layout
+    from plait.plan.memory import estimate_memory
+    from plait.plan.search import enumerate_layouts
+    from plait.plan.timing import rank_flops
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536)
+    one, two = Layout(tp=2, dp=2, zero1=True), Layout(tp=2, cp=2, zero1=True)
+    assert (one.world, two.world, two.short()) == (4, 4, "tp2 pp1 dp1 cp2 zero1")
+    kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=32768, microbatches=1)
+    m1, m2 = estimate_memory(cfg, one, **kw), estimate_memory(cfg, two, **kw)
+    assert m2.optimizer == m1.optimizer  # ZeRO-1 shards over dp x cp = 2 ranks in both
+    assert 0.45 < m2.activations / m1.activations < 0.55  # half the sequence per rank
+    ring = 5 * 2 * 1 * 16384 * (cfg.num_key_value_heads // 2 * cfg.head_dim) * 4
+    assert m2.comm_buffers == m1.comm_buffers + ring  # the ring's blocks in flight
+    f1 = rank_flops(cfg, one, 32768, 1, 1, 0)
+    assert rank_flops(cfg, two, 32768, 1, 1, 0) == pytest.approx(f1 / 2)
+    long = {lay.cp for lay in enumerate_layouts(cfg, 16, seq_len=32768, global_batch_size=16)}
+    short = {lay.cp for lay in enumerate_layouts(cfg, 16, seq_len=4096, global_batch_size=16)}
+    assert long == {1, 2, 4, 8, 16} and short == {1}
+
+
+def test_the_128k_recipe_validates_on_64_ranks():
+    from pathlib import Path
+
+    from plait.config import check_recipe
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "llama3-8b-128k.yaml"
+    resolved = check_recipe(str(recipe), [], 64, check_paths=False)
+    assert (resolved.recipe.parallel.cp, resolved.dp, resolved.recipe.data.seq_len) == (16, 1, 131072)

@@ -197,6 +197,8 @@ def render_table(plan, top: int, unfit: int = 3, every: bool = False) -> str:
 def recipe_overrides(candidate) -> str:
     lay = candidate.layout
     items = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}"]
+    if lay.cp > 1:
+        items.append(f"parallel.cp={lay.cp}")
     if lay.pp > 1:
         items += [f"parallel.vpp={lay.vpp}", f"parallel.schedule={lay.schedule}"]
     items += [f"parallel.microbatches={candidate.microbatches}", f"parallel.kv_replication={lay.kv_replication}",
@@ -236,7 +238,9 @@ def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every:
             f"recommended: {layout_label(rec.layout)}, {rec.microbatches} micro-batches: {t.total_s:.2f} s/step, "
             f"MFU {100 * t.mfu:.1f}%, {rec.memory.total / GiB:.1f} GiB per rank "
             f"(compute {t.compute_s:.2f} s, TP comm {t.tp_comm_s:.2f} s, DP comm {t.dp_comm_s:.2f} s, "
-            f"PP comm {t.pp_comm_s:.2f} s, bubble {100 * t.bubble_share:.1f}%)",
+            f"PP comm {t.pp_comm_s:.2f} s, bubble {100 * t.bubble_share:.1f}%"
+            + (f", CP ring {t.cp_comm_s:.2f} s of which {t.cp_exposed_s:.2f} s exposed" if rec.layout.cp > 1 else "")
+            + ")",
             f"  recipe overrides: {recipe_overrides(rec)}",
         ]
     return "\n".join(lines)

@@ -70,7 +70,7 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
     layout = Layout(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
                     sequence_parallel=p.sequence_parallel, zero1=p.zero1,
                     activation_checkpointing="none" if checkpointing == "off" else checkpointing,
-                    schedule=p.schedule)
+                    schedule=p.schedule, cp=p.cp)
     config = resolved.llama_config()
     seq = r.data.seq_len
     split = None

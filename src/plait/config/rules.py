@@ -235,7 +235,8 @@ def _check_pipeline(c: _Checker, arch: LlamaConfig | None) -> None:
 
 def _check_zero_and_precision(c: _Checker, dp: int | None) -> None:
     r = c.r
-    if c.ok("parallel.zero1") and r.parallel.zero1 and dp == 1:
+    # ZeRO-1 shards over the dp x cp ranks that average gradients
+    if c.ok("parallel.zero1") and r.parallel.zero1 and dp == 1 and (r.parallel.cp == 1 or not c.ok("parallel.cp")):
         c.warnings.append("parallel.zero1: true — has no effect with dp=1 (nothing to shard over); training unsharded")
     if not c.ok("precision"):
         return

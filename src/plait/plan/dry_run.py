@@ -165,7 +165,7 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
     layout does not fit the world, the rank is out of range, or a process group already exists.
     """
     if layout.world != world:
-        raise PlanError(f"layout {layout.short()} has tp*pp*dp = {layout.world} ranks, not the world {world}")
+        raise PlanError(f"layout {layout.short()} has tp*pp*dp*cp = {layout.world} ranks, not the world {world}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise PlanError(f"rank={rank!r} is outside the world: valid 0..{world - 1}")
     if dist.is_available() and dist.is_initialized():
@@ -184,7 +184,7 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
         stage_layers = part.stage_layers()
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
-        mesh = ParallelMesh(world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp,
+        mesh = ParallelMesh(world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp,
                             kv_replication=layout.kv_replication, kv_placement=kv_placement)
         group_sizes = {axis: len(mesh.my_group_ranks(axis)) for axis in ("tp", "pp", "dp", "kv")}
         sp = layout.sequence_parallel and layout.tp > 1

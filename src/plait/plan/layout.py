@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate way to run a model on ``world = tp * pp * dp`` devices."""
+    """One candidate way to run a model on ``world = tp * pp * dp * cp`` devices."""
 
     tp: int = 1
     pp: int = 1
@@ -18,13 +18,14 @@ class Layout:
     zero1: bool = False
     activation_checkpointing: str = "none"  # "none" | "full" | "selective"
     schedule: str = "1f1b"                  # "gpipe" | "1f1b" | "interleaved-1f1b"
+    cp: int = 1                             # context parallelism: each sequence split over cp ranks
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def short(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.kv_replication > 1:

@@ -56,6 +56,14 @@ parallelism one). The other activation-phase fields, at that same peak:
   weight gradient (autograd's, in the parameter dtype ``p``) before the post-accumulate hook adds
   it into the flat buffer and frees it (:func:`chunk_cost`).
 
+Context parallelism (``Layout.cp``): every activation term is priced at the rank's local sequence
+``S / cp`` (the ring computes attention without an ``S x S`` matrix, as flash SDPA); ZeRO-1 shards
+over the ``dp * cp`` ranks that average gradients; ``comm_buffers`` adds the ring's blocks in flight
+during one layer's attention backward (the K/V block at hand and the one arriving, the dK/dV
+accumulator arriving, the one leaving and the block's own, fp32: ``5 * 2 * B * (S / cp) * k * 4``).
+plait's CPU kernel also materialises each piece's scores (``(S / 2cp)^2`` per local query head,
+fp32) as a transient, which is not priced (a flash kernel has none).
+
 After the last backward (activations gone) the step phase needs the gradient buffer plus
 ``step_buffers``, the largest of these transients (they do not overlap in time):
 
@@ -619,13 +627,16 @@ def estimate_memory(config: LlamaConfig, layout: Layout, *, precision: str = "fp
             raise ValueError(f"{name}={v!r} must be a positive integer")
     if layout.pp * layout.vpp > 1 and stage_layers is None:
         stage_layers = default_stage_layers(config, layout.pp * layout.vpp, seq_len)
+    if seq_len % (2 * layout.cp):
+        raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * layout.cp}")
+    local = seq_len // layout.cp  # context parallelism: the rank's share of every sequence
     if stage is None:
-        ranks = [_estimate_rank(config, layout, pb, micro_batch_size, seq_len, microbatches, r, stage_layers)
+        ranks = [_estimate_rank(config, layout, pb, micro_batch_size, local, microbatches, r, stage_layers)
                  for r in range(layout.pp)]
         return max(ranks, key=lambda b: (b.total, -b.pp_rank))
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < layout.pp:
         raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{layout.pp - 1}")
-    return _estimate_rank(config, layout, pb, micro_batch_size, seq_len, microbatches, stage, stage_layers)
+    return _estimate_rank(config, layout, pb, micro_batch_size, local, microbatches, stage, stage_layers)
 
 
 def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> MemoryBreakdown:
@@ -633,7 +644,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     chunks = rank_chunks(config, layout, S, pp_rank, stage_layers=stage_layers)
     counts = [chunk_parameter_count(config, sh, ch) for ch in chunks]
     P = sum(counts)
-    dp = layout.dp
+    dp = layout.dp * layout.cp  # the ranks that average gradients (ZeRO-1 shards over them)
     zero = layout.zero1 and dp > 1  # ZeRO-1 at dp = 1 warns and trains unsharded
     owned = -(-P // dp) if zero else P
 
@@ -648,6 +659,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
             extra_layer += 2 * layer_matmul_parameter_count(config, sh)
     peak = schedule_peak(layout, m, pp_rank, costs, chunks, act_bytes=act_bytes, extra_layer=extra_layer)
     tp_gather = B * S * sh.hidden * pb.compute if (layout.sequence_parallel and layout.tp > 1) else 0
+    ring = 5 * 2 * B * S * sh.kv * 4 if layout.cp > 1 else 0  # S is the local sequence here
     # step phase, one transient at a time: the norm's fp32 copies of bf16 gradients, the bf16
     # optimizer's fp32 working copies of its largest segment, ZeRO-1's all-gather staging
     norm_copies = 4 * owned if pb.grad < 4 else 0
@@ -661,7 +673,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
         optimizer=2 * owned * pb.optimizer_state,
         master_weights=(owned if zero else P) * pb.master,
         activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
-        comm_buffers=peak.p2p + tp_gather, workspace=peak.workspace, step_buffers=step_buffers,
+        comm_buffers=peak.p2p + tp_gather + ring, workspace=peak.workspace, step_buffers=step_buffers,
         gradients_at_peak=peak.gradients, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},
         max_in_flight=peak.max_in_flight,
     )

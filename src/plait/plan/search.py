@@ -24,8 +24,11 @@ Rules of the enumeration (one :class:`~plait.plan.layout.Layout` per combination
 * schedule: ``pp == 1``: none (recorded as ``"1f1b"``, vpp 1); ``pp > 1, vpp == 1``: ``"1f1b"``
   (and ``"gpipe"`` when asked for); ``vpp == 2``: ``"interleaved-1f1b"``, which needs ``m``
   divisible by ``pp`` (:func:`~plait.pipeline.schedules.validate_schedule` decides).
-* ``sequence_parallel`` on whenever ``tp > 1`` (and ``seq_len % tp == 0``); ``zero1`` both off
-  and on when ``dp > 1``; ``activation_checkpointing`` ``"none"`` and ``"full"``.
+* ``sequence_parallel`` on whenever ``tp > 1`` (and ``seq_len / cp % tp == 0``); ``zero1`` both off
+  and on when ``dp * cp > 1``; ``activation_checkpointing`` ``"none"`` and ``"full"``.
+* ``cp`` (context parallelism): 1, and for ``seq_len >= LONG_SEQ`` also 2, 4, 8, 16 where
+  ``seq_len % (2 * cp) == 0`` and ``tp * cp`` divides the world (``SearchOptions.context_parallel``
+  fixes the list); ``pp`` then divides ``world / (tp * cp)`` and ``dp = world / (tp * pp * cp)``.
 
 Ranking: by seconds per sequence of the global batch (the step time when the global batch is
 fixed, the default), then by peak memory. A layout fits when its per-rank total is at most the
@@ -54,6 +57,8 @@ DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
 DEFAULT_MAX_SEQUENCES = 1024
 DEFAULT_HEADROOM = 0.10
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b")
+#: from this sequence length on, the search also tries context parallelism
+LONG_SEQ = 16384
 
 
 class PlanError(ValueError):
@@ -87,6 +92,9 @@ class SearchOptions:
     #: manual cuts name a fixed stage count, so the search cannot use them)
     partition: str = "balanced"
     partition_cost: str = "flops"
+    #: context-parallel degrees tried (``None``: 1, and 2, 4, 8, 16 when ``seq_len`` is at least
+    #: :data:`LONG_SEQ`; each must divide the world and give ``seq_len % (2 * cp) == 0``)
+    context_parallel: tuple[int, ...] | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -170,22 +178,29 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
     if skipped_tp and len(tps) <= 1:
         reasons.add(f"tp must divide both devices_per_node={devices_per_node} and the world, which leaves "
                     f"tp in {tps}")
-    for tp in tps:
+    if options.context_parallel is not None:
+        cps = list(options.context_parallel)
+    else:
+        cps = [1] + ([c for c in (2, 4, 8, 16) if seq_len % (2 * c) == 0] if seq_len >= LONG_SEQ else [])
+    for tp, cp in ((t, c) for t in tps for c in cps):
+        if world % (tp * cp) or seq_len % (2 * cp if cp > 1 else 1):
+            reasons.add(f"cp={cp} with tp={tp}: tp*cp must divide the world {world} and 2*cp the seq_len {seq_len}")
+            continue
         heads = _head_check(config, tp, options.kv_placement)
         if isinstance(heads, str):
             reasons.add(heads)
             continue
         valid_kv, auto_kv = heads
         kv_factors = valid_kv if options.all_kv_replications else [auto_kv]
-        sp = tp > 1 and seq_len % tp == 0
-        for pp in _divisors(world // tp):
+        sp = tp > 1 and (seq_len // cp) % tp == 0
+        for pp in _divisors(world // (tp * cp)):
             if options.max_pp is not None and pp > options.max_pp:
                 continue
             if pp > layers:
                 reasons.add(f"pp={pp} (tp={tp}) exceeds the {layers} decoder layers")
                 continue
-            dp = world // (tp * pp)
-            probe = Layout(tp=tp, pp=pp, dp=dp)
+            dp = world // (tp * pp * cp)
+            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
             m = layout_microbatches(probe, micro_batch_size=micro_batch_size, microbatches=microbatches,
                                     global_batch_size=global_batch_size, seq_len=seq_len)
             if m is None:
@@ -211,11 +226,11 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
                         pipeline.append((vpp, name))
             for vpp, schedule in pipeline:
                 for kv in kv_factors:
-                    for zero1 in ((False, True) if dp > 1 and options.try_zero1 else (False,)):
+                    for zero1 in ((False, True) if dp * cp > 1 and options.try_zero1 else (False,)):
                         for ckpt in options.activation_checkpointing:
                             out.append((Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
                                                sequence_parallel=sp, zero1=zero1, activation_checkpointing=ckpt,
-                                               schedule=schedule), m))
+                                               schedule=schedule, cp=cp), m))
     return out, reasons
 
 

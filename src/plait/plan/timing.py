@@ -51,7 +51,16 @@ NeuronLink), across nodes ``inter_node_bw`` (per device, one direction). Latency
 * Bubble: ``(pp - 1) / (vpp * m + pp - 1)`` (:func:`plait.pipeline.simulate.theoretical_bubble`);
   it stretches the per-rank compute and TP time.
 
-``total_s = (compute_s + tp_comm_s) / (1 - bubble_share) + pp_comm_s + (1 - dp_overlap) * dp_comm_s``
+* CP (``Layout.cp``; ``S_l = S / cp``, the rank's tokens): compute, TP and PP volumes are those of
+  ``S_l`` tokens, except attention, whose queries see the whole sequence (``12 * q * S`` per local
+  token, zigzag-balanced). The ring moves per layer per micro-batch ``cp - 1`` K/V blocks
+  (``2 * B * S_l * k * c`` each) forward, and in backward ``cp - 1`` blocks plus ``cp`` fp32
+  dK/dV accumulators (``2 * B * S_l * k * 4``), again for a recomputed forward; intra-node when
+  ``tp * cp`` ranks fit in a node. It overlaps the attention compute: only the excess counts
+  (``cp_exposed_s``). The gradient reduction runs over ``dp * cp`` ranks.
+
+``total_s = (compute_s + tp_comm_s) / (1 - bubble_share) + pp_comm_s + (1 - dp_overlap) * dp_comm_s
++ cp_exposed_s``
 and ``mfu = model FLOPs of the step / (total_s * world * peak)`` with PaLM's model FLOPs
 (:func:`plait.models.flops.model_flops_per_token`: no recomputation, no padding).
 """
@@ -105,6 +114,8 @@ class TimeBreakdown:
     model_flops: float = 0.0      # PaLM model FLOPs of the whole step (all ranks)
     peak_flops: float = 0.0       # per device, the dtype used
     efficiency: float = DEFAULT_EFFICIENCY
+    cp_comm_s: float = 0.0        # the ring's point-to-point transfers (context parallelism)
+    cp_exposed_s: float = 0.0     # the part of them not hidden behind the attention compute
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -137,7 +148,7 @@ def rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, micro_batch_si
                pp_rank: int, stage_layers: list[list[int]] | None = None) -> float:
     """Executed FLOPs of one rank for a step (module doc: compute), recomputation included."""
     sh = local_shapes(config, layout)
-    tokens = microbatches * micro_batch_size * seq_len
+    tokens = microbatches * micro_batch_size * seq_len // layout.cp  # the rank's share under context parallelism
     per_layer = 6 * layer_matmul_parameter_count(config, sh) + 12 * sh.q * seq_len
     recompute = {"none": 0.0, "full": per_layer / 3, "selective": 4 * sh.q * seq_len}[layout.activation_checkpointing]
     total = 0.0
@@ -181,7 +192,8 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
     if layout.pp * layout.vpp > 1 and stage_layers is None:
         stage_layers = default_stage_layers(config, layout.pp * layout.vpp, seq_len)
     sh = local_shapes(config, layout)
-    B, S, m, T = micro_batch_size, seq_len, microbatches, layout.tp
+    B, S_full, m, T = micro_batch_size, seq_len, microbatches, layout.tp
+    S = S_full // layout.cp  # the rank's tokens of each sequence (context parallelism)
     sp = layout.sequence_parallel and T > 1
     S_r = -(-S // T) if sp else S
     A = B * S * sh.hidden * pb.compute
@@ -207,8 +219,8 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
     slowest_flops = 0.0
     max_params = 0
     for r in range(layout.pp):
-        chunks = rank_chunks(config, layout, S, r, stage_layers=stage_layers)
-        flops = rank_flops(config, layout, S, B, m, r, stage_layers)
+        chunks = rank_chunks(config, layout, S_full, r, stage_layers=stage_layers)
+        flops = rank_flops(config, layout, S_full, B, m, r, stage_layers)
         comp = flops / (peak * efficiency)
         vol = sum(len(ch.layers) * layer_tp + (first_tp if ch.first else 0) + (last_tp if ch.last else 0)
                   for ch in chunks) * m
@@ -218,7 +230,7 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
         max_params = max(max_params, sum(chunk_parameter_count(config, sh, ch) for ch in chunks))
     _, compute_s, tp_comm_s = slowest
 
-    dp = layout.dp
+    dp = layout.dp * layout.cp  # the ranks that average gradients
     if dp > 1:
         dp_bw = _bandwidth(device, T * dp <= per_node, "the data-parallel gradient reduction")
         if layout.zero1:
@@ -239,15 +251,27 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
     else:
         pp_comm_s, bubble = 0.0, 0.0
 
+    cp_comm_s = cp_exposed = 0.0
+    if layout.cp > 1:
+        cp = layout.cp
+        block = 2 * B * S * sh.kv
+        forwards = 2 if layout.activation_checkpointing == "full" else 1
+        per_layer = (forwards * (cp - 1) * block * pb.compute + (cp - 1) * block * pb.compute + cp * block * 4) * m
+        layers = max(sum(len(ch.layers) for ch in rank_chunks(config, layout, S_full, r, stage_layers=stage_layers))
+                     for r in range(layout.pp))
+        cp_comm_s = layers * per_layer / _bandwidth(device, T * cp <= per_node, "the context-parallel ring")
+        attention_s = layers * 12 * sh.q * S_full * B * S * m / (peak * efficiency)
+        cp_exposed = max(0.0, cp_comm_s - attention_s)
+
     stage_s = (compute_s + tp_comm_s) / (1 - bubble)
     dp_exposed = (1 - dp_overlap) * dp_comm_s
-    total = stage_s + pp_comm_s + dp_exposed
-    model_flops = float(model_flops_per_token(config, S)) * B * S * m * dp
+    total = stage_s + pp_comm_s + dp_exposed + cp_exposed
+    model_flops = float(model_flops_per_token(config, S_full)) * B * S_full * m * layout.dp
     mfu = model_flops / (total * world * peak)
     return TimeBreakdown(compute_s=compute_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s,
                          bubble_share=bubble, total_s=total, mfu=mfu, bubble_s=stage_s - compute_s - tp_comm_s,
                          dp_exposed_s=dp_exposed, flops_per_rank=slowest_flops, model_flops=model_flops,
-                         peak_flops=peak, efficiency=efficiency)
+                         peak_flops=peak, efficiency=efficiency, cp_comm_s=cp_comm_s, cp_exposed_s=cp_exposed)
 
 
 __all__ = ["DEFAULT_DP_OVERLAP", "DEFAULT_EFFICIENCY", "DEVICES_PER_NODE", "TimeBreakdown", "estimate_step_time",
