@@ -8,7 +8,7 @@ parameters' own accumulators (post-accumulate hooks fire in W, not in B).
 
 Trainer level: ``parallel.schedule=zb-h1`` against ``1f1b`` over 20 steps on real text, fp32, the
 same layout otherwise. Both accumulate each weight's microbatch gradients in the same order, so
-losses and weights must agree to round-off (relative 1e-6 loss, 1e-5 weights; measured: equal).
+losses and weights must agree to round-off (relative 1e-6 loss, 1e-5 weights).
 """
 
 from __future__ import annotations
@@ -138,6 +138,21 @@ def test_attention_projections_are_attached():  # the fused q/k/v matmul and o_p
     got = attach_weight_grad_queue(attn, queue)
     assert {id(p) for p in got} == {id(attn.q_proj.weight), id(attn.k_proj.weight), id(attn.v_proj.weight),
                                    id(attn.o_proj.weight)}
+
+
+# ---- recipe rules -----------------------------------------------------------------------------
+
+def test_recipe_accepts_zb_h1_and_names_the_field_when_it_cannot_run():
+    from plait.config import RecipeError, check_recipe
+
+    ok = check_recipe(None, ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=3",
+                             "train.activation_checkpointing=full"], 2)
+    assert ok.recipe.parallel.schedule == "zb-h1"
+    with pytest.raises(RecipeError, match=r"parallel.schedule: 'zb-h1' .*vpp=2 needs the 'interleaved-1f1b'"):
+        check_recipe(None, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zb-h1",
+                            "parallel.microbatches=2"], 4)
+    with pytest.raises(RecipeError, match="parallel.schedule: 'zb-v'"):
+        check_recipe(None, ["parallel.pp=2", "parallel.schedule=zb-v"], 2)
 
 
 # ---- the runtime: W tasks after the last B, and the data-parallel "last gradient" marking ---------

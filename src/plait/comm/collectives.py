@@ -6,7 +6,7 @@ These are the conjugate pairs of Megatron-style tensor parallelism:
 function               forward                backward
 =====================  =====================  ==========================
 copy_to_tp  (f)        identity               all-reduce
-reduce_from_tp (g)     all-reduce             identity
+reduce_from_tp (g)     all-reduce (in place)  identity
 scatter_to_tp          split along dim        all-gather along dim
 gather_from_tp         all-gather along dim   split along dim
 gather_from_sp         all-gather along seq   reduce-scatter along seq
@@ -39,11 +39,24 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """Forward: all-reduce (sum). Backward: identity."""
+    """Forward: all-reduce (sum), in place when it can be. Backward: identity."""
 
     @staticmethod
     def forward(ctx, x, group):
-        out = x.contiguous().clone()
+        # In place, without a copy of the activation, when autograd allows it. ``mark_dirty`` makes
+        # the in-place sum legal: autograd moves ``x``'s history onto this node, and should any
+        # earlier node have saved ``x`` for its backward, the version counter that the all-reduce
+        # bumps makes that backward raise instead of using the sum. No caller saves it: the
+        # inputs are fresh outputs of a linear layer (its backward keeps its input and weight, not
+        # its output) or of the vocab-parallel embedding's masked_fill (which keeps the mask).
+        # A leaf that requires grad or a view cannot be dirtied like that, and a non-contiguous input
+        # is copied by ``contiguous()`` anyway: those three take the copy.
+        if x.is_contiguous() and not x._is_view() and not (x.is_leaf and x.requires_grad):
+            P.all_reduce(x, group)
+            ctx.mark_dirty(x)
+            return x
+        out = x.contiguous()
+        out = out.clone() if out is x else out
         P.all_reduce(out, group)
         return out
 
@@ -122,6 +135,8 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over ``group``; the sum is written into ``x`` itself when it is a contiguous non-leaf
+    tensor (callers pass a fresh partial product and must not read it afterwards)."""
     return x if P.group_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
