@@ -2,14 +2,16 @@
 by :func:`plait.context_parallel.apply.apply_context_parallel`, fed this rank's zigzag share of the
 batch (:func:`plait.context_parallel.batch.split_token_batch`), gives one process's loss and, with
 the parameter gradients averaged over cp as the data-parallel reduction over dp x cp does, its
-gradients; plain and packed rows (documents never attend across each other), ring and all-gather,
-alone and with TP=2 + sequence parallelism."""
+gradients; plain rows against the same rows on one process, packed rows against the same
+documents *unpacked* (each alone in its own row: no document attends to another), ring and
+all-gather, alone and with TP=2 + sequence parallelism."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from distributed import run_distributed
 from plait.context_parallel import SequenceSplit
@@ -51,12 +53,29 @@ def _forward(model, tb: TokenBatch):
                  segment_ids=None if tb.segment_ids is None else tb.segment_ids[0])
 
 
+def _unpacked_loss(model, tb: TokenBatch) -> torch.Tensor:
+    """The packed batch's loss computed document by document, each alone in its own row: the sum of
+    every document's token losses over the batch's target count (what the packed row's mean is)."""
+    assert tb.labels is not None and tb.segment_ids is not None
+    ids, labels, seg = tb.input_ids[0], tb.labels[0], tb.segment_ids[0]
+    targets = int((F.pad(labels[:, 1:], (0, 1), value=-100) != -100).sum())
+    loss = torch.zeros(())
+    for row in range(ids.shape[0]):
+        for doc in seg[row].unique():
+            where = seg[row] == doc
+            loss = loss + model(ids[row, where][None], labels[row, where][None], loss_normalizer=targets)
+    return loss
+
+
 def _reference(packed: bool):
     from plait.materialize import build_model
     from plait.mesh import single_process_mesh
 
     model = build_model(_config(), single_process_mesh(), seed=3)
-    loss = _forward(model, _batch(packed))
+    if packed:
+        loss = _unpacked_loss(model, _batch(True))
+    else:
+        loss = _forward(model, _batch(False))
     loss.backward()
     with torch.no_grad():
         logits = model(_batch(False).input_ids[0, :, :6])
