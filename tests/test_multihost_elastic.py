@@ -2,7 +2,12 @@
 on each host with ``checkpoint.resume=auto``. When one host is lost (its torchrun killed), the
 survivor restarts from the newest checkpoint at half the world size: dp re-derived (2 -> 1), the
 checkpoint resharded, the global batch kept (micro-batches 2 -> 4). The run's losses equal an
-unbroken 4-rank run's at every step, before and after the loss of the host."""
+unbroken 4-rank run's at every step, before and after the loss of the host.
+
+Growing back (the host returns and torchrun restarts the workers to take it in) is not tested: with
+torch 2.13 the second rendezvous of that restart timed out on both hosts waiting for each other's
+store keys (``DistStoreError: wait timeout ... MASTER_ADDR``), a torch elastic problem outside plait
+(see docs/launching.md)."""
 
 from __future__ import annotations
 
@@ -60,7 +65,8 @@ def _lose_host(proc: subprocess.Popen) -> None:
             pass
 
 
-def _elastic_torchrun(hosts: TwoHosts, host: int, items: list[str]) -> subprocess.Popen:
+def _elastic_torchrun(hosts: TwoHosts, host: int, items: list[str], log: Path) -> subprocess.Popen:
+    """One host's torchrun, its output to ``log`` (a file: a pipe left unread would block it)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
            "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", ENDPOINT, "--rdzv-id", "elastic",
            # host 0 serves the rendezvous (and survives); a restart waits 5 s for more hosts before it starts
@@ -68,11 +74,12 @@ def _elastic_torchrun(hosts: TwoHosts, host: int, items: list[str]) -> subproces
            "--local-addr", ADDRESSES[host], "--monitor-interval", "0.5",
            "-m", "plait.cli", "train", *items, f"launch.iface={IFACE}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return hosts.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    with log.open("w") as f:
+        return hosts.popen(host, cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks of a host through /proc")
-@pytest.mark.slow  # two 4-rank runs and a restart (~3-5 min on 2 shared cores): `make test-slow`
+@pytest.mark.slow  # two 4-rank runs and a restart (~2-3 min on 2 shared cores): `make test-slow`
 def test_losing_a_host_shrinks_dp_and_the_losses_continue(two_hosts, tmp_path_factory):  # noqa: F811
     corpus = corpus_dir(tmp_path_factory)
     base = tmp_path_factory.mktemp("elastic")
@@ -84,23 +91,30 @@ def test_losing_a_host_shrinks_dp_and_the_losses_continue(two_hosts, tmp_path_fa
     reference = _losses(base / "straight")
 
     out = base / "elastic"
-    procs = [_elastic_torchrun(two_hosts, host, items + [f"run.output_dir={out}"]) for host in (0, 1)]
-    deadline = time.monotonic() + 600
-    while not any(step >= 10 for step, _ in complete_checkpoints(out / "checkpoints")):
-        for p in procs:
-            assert p.poll() is None, p.communicate()[0]
-        assert time.monotonic() < deadline, "no checkpoint at step 10 appeared"
-        time.sleep(0.05)
-    _lose_host(procs[1])  # host 1 is lost: its torchrun and its ranks, all at once
+    logs = [base / "host0.log", base / "host1.log"]
+    procs = [_elastic_torchrun(two_hosts, host, items + [f"run.output_dir={out}"], logs[host]) for host in (0, 1)]
+
+    def wait_for_checkpoint(step: int, what: str) -> None:
+        deadline = time.monotonic() + 600
+        while not any(s >= step for s, _ in complete_checkpoints(out / "checkpoints")):
+            for p, log in zip(procs, logs, strict=False):
+                assert p.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"no checkpoint at step {step} appeared ({what})"
+            time.sleep(0.05)
+
+    wait_for_checkpoint(10, "two hosts")
+    _lose_host(procs[1])  # host 1 is lost: its torchrun and all its ranks, at once
     procs[1].wait(timeout=30)
-    log, _ = procs[0].communicate(timeout=900)
-    assert procs[0].returncode == 0, log
-    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", log)]
-    assert resumed and resumed[-1] >= 10, log
-    assert "dp=1 at world size 2: parallel.microbatches 2 -> 4 keeps data.global_batch_size=8" in log, log
+    procs.pop()
+    procs[0].wait(timeout=900)  # host 0 restarts alone at world 2, resumes and finishes
+    text = logs[0].read_text()
+    assert procs[0].returncode == 0, text
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", text)]
+    assert len(resumed) == 1 and resumed[0] >= 10, (resumed, text)
+    assert "dp=1 at world size 2: parallel.microbatches 2 -> 4 keeps data.global_batch_size=8" in text, text
     got = _losses(out)
-    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1)), (sorted(got), log)
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1)), (sorted(got), text)
     worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
-    print(f"elastic: resumed at step {resumed[-1]} on one host; worst relative loss difference {worst:.2e}")
+    print(f"elastic: resumed at step {resumed[0]} on one host; worst relative loss difference {worst:.2e}")
     for step in reference:
         assert abs(got[step] - reference[step]) <= 1e-5 * abs(reference[step]), (step, got[step], reference[step])
