@@ -197,6 +197,10 @@ class CleanStopFilter(logging.Filter):
 ORPHAN_GRACE_S = 60.0
 
 
+#: exit status of a worker whose host's launcher died in a multi-host run
+ORPHANED_STATUS = 5
+
+
 def exit_when_orphaned(grace_s: float = ORPHAN_GRACE_S, poll_s: float = 1.0) -> threading.Thread:
     """End this worker if its launcher dies (``kill -9`` of ``plait train`` or of ``torchrun``).
 
@@ -204,12 +208,24 @@ def exit_when_orphaned(grace_s: float = ORPHAN_GRACE_S, poll_s: float = 1.0) -> 
     collective, waits forever, holding memory (on GPUs, device memory). A daemon thread watches the
     parent PID: when it changes, the worker gets SIGTERM (during training: the preemption path,
     which checkpoints at the next step boundary) and, if it is still alive ``grace_s`` later, ends.
+
+    In a multi-host run (``GROUP_WORLD_SIZE`` > 1: several launchers) the preemption path would be
+    wrong: every rank on every host agrees to stop, so the surviving hosts' launchers would see a
+    finished job instead of a lost host. There the worker ends at once (status
+    :data:`ORPHANED_STATUS`); the other hosts' ranks fail on the closed connections, and their
+    launchers restart them (``torchrun --nnodes MIN:MAX``: at the smaller world size) from the
+    newest checkpoint.
     """
     parent = os.getppid()
+    several_hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1) > 1
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
+        if several_hosts:
+            print(f"plait: rank {os.environ.get('RANK', '?')}: this host's launcher died; leaving the run so that "
+                  f"the other hosts restart without it", file=sys.stderr, flush=True)
+            os._exit(ORPHANED_STATUS)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(1)
