@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from distributed import run_distributed
 from plait.context_parallel import SequenceSplit
-from plait.context_parallel.batch import shifted_targets, split_token_batch
+from plait.context_parallel.balance import balanced_split
+from plait.context_parallel.batch import decode_chunks, shifted_targets, split_token_batch
 from plait.data.batch import TokenBatch
 
 SEQ = 24
@@ -98,7 +99,7 @@ def _worker(rank, world, tp, cases):
         model = build_model(cfg, mesh, seed=3, sequence_parallel=tp > 1)
         settings = ContextParallel(cp, tuple(mesh.my_group_ranks("cp")), mode=mode, zigzag=zigzag)
         apply_context_parallel([model], settings, SEQ)
-        tb = split_token_batch(_batch(packed), settings.split(SEQ), cp.rank)
+        tb = split_token_batch(_batch(packed), settings.split(SEQ), cp.rank, balance=zigzag)
         loss = _forward(model, tb)
         loss.backward()
         grads = full_grads(model, mesh.info("tp")) if tp > 1 else {
@@ -128,14 +129,19 @@ def _check(world, tp, cases):
 
 def test_split_batch_shifts_labels_on_the_whole_row_first():
     tb = _batch(packed=True)
-    split = SequenceSplit(SEQ, 2)
-    parts = [split_token_batch(tb, split, r) for r in range(2)]
-    targets = split.unsplit([p.labels for p in parts])
-    assert tb.labels is not None
-    assert torch.equal(targets, shifted_targets(tb.labels))
-    assert targets[0, 0, 4].item() == -100  # the token before document 1 predicts nothing
-    assert torch.equal(split.unsplit([p.position_ids for p in parts]), tb.position_ids)
-    plain = split_token_batch(_batch(packed=False), split, 1)
+    assert tb.labels is not None and tb.segment_ids is not None
+    for split in (SequenceSplit(SEQ, 2), balanced_split(tb.segment_ids[0], 2)):
+        parts = [split_token_batch(tb, split, r, balance=False) for r in range(2)]
+        targets = split.unsplit([p.labels for p in parts])
+        assert torch.equal(targets, shifted_targets(tb.labels))
+        assert targets[0, 0, 4].item() == -100  # the token before document 1 predicts nothing
+        assert torch.equal(split.unsplit([p.position_ids for p in parts]), tb.position_ids)
+        docs, chunks = zip(*(decode_chunks(p.segment_ids, 2) for p in parts), strict=True)
+        assert torch.equal(split.unsplit(list(docs)), tb.segment_ids)
+        assert [tuple(c[0, 0, ::6].tolist()) for c in chunks] == [split.chunks(r) for r in range(2)]
+    balanced = [split_token_batch(tb, SequenceSplit(SEQ, 2), r) for r in range(2)]  # balance=True: the same
+    assert all(torch.equal(a.segment_ids, b.segment_ids) for a, b in zip(balanced, parts, strict=True))
+    plain = split_token_batch(_batch(packed=False), SequenceSplit(SEQ, 2), 1)
     assert plain.position_ids is not None and plain.position_ids[0, 0].tolist() == list(range(6, 18))
 
 

@@ -193,3 +193,22 @@ def test_attention_work_counts_document_causal_pairs():
         assert imbalance(attention_work(one_doc, SequenceSplit(32, cp))) == 1.0
     mask = document_causal_mask(seg)  # the pairs equal the mask's true entries
     assert sum(attention_work(seg, SequenceSplit(8, 2))) == int(mask.sum())
+
+
+def test_balanced_split_pairs_chunks_by_work():
+    from plait.context_parallel.balance import attention_work, balanced_split, imbalance
+
+    assert balanced_split(torch.zeros(1, 32, dtype=torch.long), 4) == SequenceSplit(32, 4, assignment=(
+        (0, 7), (1, 6), (2, 5), (3, 4)))  # one document per row: zigzag
+    g = torch.Generator().manual_seed(0)
+    worse = 0
+    for _ in range(20):  # packed rows of random documents
+        cuts = torch.randperm(63, generator=g)[:5].sort().values + 1
+        seg = torch.bucketize(torch.arange(64), cuts, right=True)[None]
+        zig = imbalance(attention_work(seg, SequenceSplit(64, 4)))
+        bal = imbalance(attention_work(seg, balanced_split(seg, 4)))
+        assert bal <= zig + 1e-12
+        worse += bal < zig
+    assert worse > 10  # it usually helps
+    with pytest.raises(ValueError, match="every chunk of 0..3 once"):
+        SequenceSplit(8, 2, assignment=((0, 1), (1, 2)))

@@ -9,7 +9,9 @@ on the local tokens with the positions the batch split gave them, before K/V lea
 Packed rows: the model builds its document mask from this rank's segment ids, which cannot tell
 whether a document continues on another rank; the ids themselves travel with the mask
 (:func:`plait.nn.attention.segment_ids_of`) and are all-gathered over the cp group here (a few bytes
-per token) into the whole row's ids, which the ring masks every piece with.
+per token, once per stage forward) into the whole row's ids, which the ring masks every piece with.
+They also carry each token's chunk number (:func:`plait.context_parallel.batch.encode_chunks`):
+a packed micro-batch's chunks are paired by attention work, not by the fixed zigzag.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from plait.comm.primitives import GroupInfo, all_gather_dim
 from plait.context_parallel.allgather import allgather_attention
+from plait.context_parallel.batch import decode_chunks
 from plait.context_parallel.exchange import RingExchange
 from plait.context_parallel.ring import ring_attention
 from plait.context_parallel.split import SequenceSplit
@@ -28,6 +31,8 @@ from plait.nn.attention import causal_attention, segment_ids_of
 from plait.nn.rotary import apply_rotary
 
 CPMode = Literal["ring", "allgather"]
+#: attribute of a document mask caching its micro-batch's split and whole-row document ids
+_ROWS_ATTR = "plait_cp_rows"
 CP_MODES: tuple[str, ...] = ("ring", "allgather")
 
 
@@ -83,20 +88,32 @@ class ContextParallelAttention:
         k = k.view(b, s, -1, hd).transpose(1, 2)
         v = v.view(b, s, -1, hd).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
-        split = self.cp.split(s * self.cp.size)
-        segments = None
-        if mask is not None:
-            local = segment_ids_of(mask)
-            if local is None:
-                raise ValueError("context-parallel attention got a mask without its segment ids; build it with "
-                                 "plait.nn.attention.document_causal_mask")
-            parts = all_gather_dim(local.unsqueeze(0), 0, self.cp.info.group)
-            segments = split.unsplit(list(parts.unbind(0)), dim=-1)
+        split, segments = (self.cp.split(s * self.cp.size), None) if mask is None else self._packed(mask, s)
         if self.cp.mode == "ring":
             out = ring_attention(q, k.contiguous(), v.contiguous(), split, self.exchange, segments)
         else:
             out = allgather_attention(q, k.contiguous(), v.contiguous(), split, self.cp.info, segments)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+    def _packed(self, mask: torch.Tensor, s: int) -> tuple[SequenceSplit, torch.Tensor]:
+        """The split of a packed micro-batch and its whole rows' document ids, from the segment ids
+        every rank's mask carries (one all-gather per stage forward: cached on the mask, which every
+        layer of the forward, and a recomputation, shares)."""
+        cached = getattr(mask, _ROWS_ATTR, None)
+        if cached is not None:
+            return cached
+        local = segment_ids_of(mask)
+        if local is None:
+            raise ValueError("context-parallel attention got a mask without its segment ids; build it with "
+                             "plait.nn.attention.document_causal_mask")
+        cp = self.cp.size
+        docs, chunks = decode_chunks(all_gather_dim(local.unsqueeze(0), 0, self.cp.info.group), cp)
+        n = s // 2
+        pairs = chunks[:, 0, ::n].tolist()  # the chunk of each rank's two slots (one host read)
+        split = SequenceSplit(s * cp, cp, assignment=tuple((a, b) for a, b in pairs))
+        rows = (split, split.unsplit(list(docs.unbind(0)), dim=-1))
+        setattr(mask, _ROWS_ATTR, rows)
+        return rows
 
     def __repr__(self) -> str:
         return f"ContextParallelAttention(cp={self.cp.size}, mode={self.cp.mode}, zigzag={self.cp.zigzag})"

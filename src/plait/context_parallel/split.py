@@ -9,7 +9,10 @@ each rank holds two of them, one after the other, as its local sequence of ``2n`
 * ``contiguous``: rank ``i`` holds chunks ``2i`` and ``2i + 1``, one contiguous piece; the last rank
   does about ``2 * cp - 1`` times the work of the first. Kept as the reference layout and for tests.
 
-Both layouts use the same two-chunk shape, so the ring code handles them alike; only the chunk
+* an explicit ``assignment`` (the chunk pair of every rank), which
+  :func:`plait.context_parallel.balance.balanced_split` chooses for packed rows by attention work.
+
+All layouts use the same two-chunk shape, so the ring code handles them alike; only the chunk
 numbers differ. Everything here is pure index arithmetic with no communication, so the split of a
 batch, its inverse and the ring's causal masks can be tested without processes.
 """
@@ -31,6 +34,8 @@ class SequenceSplit:
     seq_len: int
     cp: int
     zigzag: bool = True
+    #: the chunks of each rank (overrides ``zigzag``): ``cp`` pairs covering ``0 .. 2cp-1`` once
+    assignment: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.cp < 1:
@@ -38,6 +43,11 @@ class SequenceSplit:
         if self.seq_len % (CHUNKS_PER_RANK * self.cp):
             raise ValueError(f"seq_len={self.seq_len} is not divisible by 2*cp={2 * self.cp}; each of the cp "
                              f"ranks holds two equal chunks of the sequence")
+        if self.assignment is not None and (
+                len(self.assignment) != self.cp or any(len(pair) != CHUNKS_PER_RANK for pair in self.assignment)
+                or sorted(c for pair in self.assignment for c in pair) != list(range(CHUNKS_PER_RANK * self.cp))):
+            raise ValueError(f"assignment={self.assignment} must give each of the {self.cp} ranks two chunks, "
+                             f"every chunk of 0..{2 * self.cp - 1} once")
 
     @property
     def chunk_len(self) -> int:
@@ -53,6 +63,8 @@ class SequenceSplit:
         """The global chunk numbers ``rank`` holds, in local order."""
         if not 0 <= rank < self.cp:
             raise ValueError(f"rank={rank} is outside [0, cp={self.cp})")
+        if self.assignment is not None:
+            return self.assignment[rank]
         if self.zigzag:
             return rank, 2 * self.cp - 1 - rank
         return 2 * rank, 2 * rank + 1
