@@ -14,7 +14,8 @@ What is measured:
    reduction does). Same global tokens; the ratio is cp=2 time over cp=1 time.
 3. *Imbalance* (no processes): attention work (query-key pairs, proportional to FLOPs) per cp
    rank, ``max / mean``, for rows packed from log-normal document lengths (``--median``,
-   ``--sigma``) at ``--pack-seq`` tokens, zigzag vs contiguous split; one-document rows for contrast.
+   ``--sigma``) at ``--pack-seq`` tokens: the fixed zigzag split, plait's work-balanced split of
+   packed rows, and contiguous chunks; one-document rows for contrast.
 
 Run (from the repository root)::
 
@@ -42,7 +43,7 @@ from plait.comm.primitives import GroupInfo  # noqa: E402
 from plait.context_parallel import RingExchange, SequenceSplit, allgather_attention, ring_attention  # noqa: E402
 from plait.context_parallel.apply import apply_context_parallel  # noqa: E402
 from plait.context_parallel.attention import ContextParallel  # noqa: E402
-from plait.context_parallel.balance import attention_work, imbalance  # noqa: E402
+from plait.context_parallel.balance import attention_work, balanced_split, imbalance  # noqa: E402
 from plait.context_parallel.batch import split_token_batch  # noqa: E402
 from plait.data.batch import TokenBatch  # noqa: E402
 from plait.materialize import build_model  # noqa: E402
@@ -175,19 +176,23 @@ def imbalance_table(args) -> str:
     one_doc = torch.zeros(1, args.pack_seq, dtype=torch.long)
     table = []
     for cp in (2, 4, 8):
-        cells = [str(cp)]
-        for zigzag in (True, False):
-            split = SequenceSplit(args.pack_seq, cp, zigzag)
-            per_row = [imbalance(attention_work(rows[i:i + 1], split)) for i in range(rows.shape[0])]
-            cells += [f"{imbalance(attention_work(one_doc, split)):.3f}", f"{statistics.mean(per_row):.3f}",
-                      f"{max(per_row):.3f}"]
+        zigzag, contiguous = SequenceSplit(args.pack_seq, cp), SequenceSplit(args.pack_seq, cp, zigzag=False)
+        cells = [str(cp), f"{imbalance(attention_work(one_doc, zigzag)):.3f}",
+                 f"{imbalance(attention_work(one_doc, contiguous)):.3f}"]
+        for kind in ("zigzag", "balanced", "contiguous"):
+            per_row = []
+            for i in range(rows.shape[0]):
+                row = rows[i:i + 1]
+                split = {"zigzag": zigzag, "contiguous": contiguous}.get(kind) or balanced_split(row, cp)
+                per_row.append(imbalance(attention_work(row, split)))
+            cells += [f"{statistics.mean(per_row):.3f}", f"{max(per_row):.3f}"]
         table.append(cells)
-    header = ["cp", "zigzag: 1 doc/row", "zigzag: packed, mean", "zigzag: packed, worst",
-              "contiguous: 1 doc/row", "contiguous: packed, mean", "contiguous: packed, worst"]
+    header = ["cp", "1 doc/row: zigzag", "1 doc/row: contiguous", "packed: zigzag mean", "zigzag worst",
+              "packed: balanced mean", "balanced worst", "packed: contiguous mean", "contiguous worst"]
     docs = int((rows.max(dim=1).values + 1).sum())
     return (f"attention work max/mean over cp ranks, rows of {args.pack_seq} tokens; packed: {args.pack_rows} rows "
-            f"holding {docs} documents (log-normal lengths, median {args.median}, sigma {args.sigma})\n\n"
-            + markdown_table(header, table))
+            f"holding {docs} documents (log-normal lengths, median {args.median}, sigma {args.sigma}); "
+            f"balanced = plait's split of packed rows (chunk pairs by work)\n\n" + markdown_table(header, table))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,12 +203,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pack-rows", type=int, default=64, help="packed rows of the imbalance table")
     parser.add_argument("--median", type=float, default=600.0, help="median document length (tokens)")
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of document lengths")
+    parser.add_argument("--imbalance-only", action="store_true", help="print the imbalance table and stop")
     args = resolve_args(parser.parse_args(argv))
     if args.attn_seq is None:
         args.attn_seq = 256 if args.smoke else 4096
     if args.smoke:
         args.pack_seq, args.pack_rows = 512, 8
     print(imbalance_table(args), flush=True)
+    if args.imbalance_only:
+        return
     args.out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_cp_{os.getpid()}.pt")
     ctx = mp.start_processes(gloo_rank_entry, args=(CP, free_port(), worker, (args,)), nprocs=CP, join=False,
                              start_method="spawn")
