@@ -240,16 +240,15 @@ def test_zero_bubble_is_deadlock_free_and_never_slower_than_1f1b():
     checked = 0
     for pp in range(2, 9):
         for m in list(range(pp, 3 * pp + 1)) + [1, pp - 1]:
-            for f, b, w in ((1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (1.0, 3.0, 1.5), (2.0, 3.0, 1.0)):
-                for p2p in (0.0, 0.3):
-                    zb = simulate(pp, m, 1, "zb-h1", f, b, p2p, weight_time=w)
-                    ref = simulate(pp, m, 1, "1f1b", f, b, p2p)
-                    assert zb.busy == pytest.approx(ref.busy), (pp, m)
-                    assert zb.total_time <= ref.total_time + 1e-9, (pp, m, f, b, w, p2p)
-                    assert zb.peak_in_flight == ref.peak_in_flight, (pp, m)
-                    assert max(zb.peak_awaiting_w) <= pp, (pp, m)
-                    checked += 1
-    assert checked > 700
+            for f, b, w, p2p in ((1.0, 2.0, 1.0, 0.0), (2.0, 3.0, 1.0, 0.0), (1.0, 2.0, 0.5, 0.3)):
+                zb = simulate(pp, m, 1, "zb-h1", f, b, p2p, weight_time=w)
+                ref = simulate(pp, m, 1, "1f1b", f, b, p2p)
+                assert zb.busy == pytest.approx(ref.busy), (pp, m)
+                assert zb.total_time <= ref.total_time + 1e-9, (pp, m, f, b, w, p2p)
+                assert zb.peak_in_flight == ref.peak_in_flight, (pp, m)
+                assert max(zb.peak_awaiting_w) <= pp, (pp, m)
+                checked += 1
+    assert checked > 250
 
 
 def test_zero_bubble_bubble_formula():

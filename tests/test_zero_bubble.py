@@ -18,11 +18,19 @@ import torch
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
+from plait.config import RecipeError, check_recipe
+from plait.data_parallel import DistributedOptimizer, OptimizerHyper
+from plait.materialize import build_llama_stages
+from plait.mesh import single_process_mesh
+from plait.models.llama.config import LlamaConfig
+from plait.pipeline.runtime import PipelineRuntime
+from plait.precision import policy_for
 from plait.tensor_parallel.attention import ParallelSelfAttention
 from plait.tensor_parallel.heads import HeadLayout
 from plait.tensor_parallel.linear import ColumnParallelLinear, DeferrableLinear, RowParallelLinear
 from plait.tensor_parallel.mlp import ParallelGatedMLP
 from plait.tensor_parallel.weight_grad import WeightGradQueue, attach_weight_grad_queue
+from test_pipeline_schedules import _parse
 from trainer_runs import corpus_dir, max_relative, merged_weights, run_recipe, weight_errors
 
 SOLO = GroupInfo(None, 0, 1)
@@ -143,8 +151,6 @@ def test_attention_projections_are_attached():  # the fused q/k/v matmul and o_p
 # ---- recipe rules -----------------------------------------------------------------------------
 
 def test_recipe_accepts_zb_h1_and_names_the_field_when_it_cannot_run():
-    from plait.config import RecipeError, check_recipe
-
     ok = check_recipe(None, ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=3",
                              "train.activation_checkpointing=full"], 2)
     assert ok.recipe.parallel.schedule == "zb-h1"
@@ -159,12 +165,6 @@ def test_recipe_accepts_zb_h1_and_names_the_field_when_it_cannot_run():
 
 def _runtime_and_optimizer(schedule: str, wire: str):
     """One pp=1 stage (2 layers) with its optimizer's GradSync wired as the trainer wires it."""
-    from plait.data_parallel import DistributedOptimizer, OptimizerHyper
-    from plait.materialize import build_llama_stages
-    from plait.mesh import single_process_mesh
-    from plait.models.llama.config import LlamaConfig
-    from plait.pipeline.runtime import PipelineRuntime
-    from plait.precision import policy_for
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -176,9 +176,9 @@ def _runtime_and_optimizer(schedule: str, wire: str):
                                betas=(0.9, 0.95), eps=1e-8), dp=SOLO, tp=SOLO, bucket_mb=0.01)
     runtime = PipelineRuntime([stage], mesh, schedule=schedule, microbatches=3, micro_batch_size=2, seq_len=8,
                               hidden_size=32, sequence_parallel=False, dtype=torch.float32)
-    if wire in ("modules", "both"):
+    if wire == "modules":
         runtime.before_last_backward = lambda chunk: opt.grads.mark_final([stage])
-    if wire in ("params", "both"):
+    if wire == "params":
         runtime.mark_final_params = opt.grads.mark_final_params
     return runtime, opt, stage
 
@@ -188,10 +188,8 @@ def _runtime_and_optimizer(schedule: str, wire: str):
 LATE_TAIL = "F0 B0 F1 B1 F2 B2 W0 W1 W2 R"
 
 
-@pytest.mark.parametrize("wire", ["params", "modules", "both"])
+@pytest.mark.parametrize("wire", ["params", "modules"])
 def test_buckets_start_after_the_last_w(wire):
-    from test_pipeline_schedules import _parse
-
     batch = torch.randint(0, 64, (3, 2, 8), generator=torch.Generator().manual_seed(0))
     ref, ref_opt, _ = _runtime_and_optimizer("1f1b", "modules")
     ref.run(batch)
@@ -216,8 +214,6 @@ def test_buckets_start_after_the_last_w(wire):
 def test_marking_before_the_last_b_would_be_caught():
     # the negative control of the test above: marking every parameter before the last B (1F1B's
     # timing) makes a deferred weight's W after it arrive at a started bucket, which GradSync refuses
-    from test_pipeline_schedules import _parse
-
     runtime, opt, stage = _runtime_and_optimizer("zb-h1", "none")
     runtime.use_tasks(_parse(LATE_TAIL))
     runtime.before_last_backward = None

@@ -23,6 +23,8 @@ data-parallel degree: an expert's gradient already holds the tokens of its whole
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -65,7 +67,7 @@ class GradSync:
         else:
             self._final |= {id(p) for m in modules for p in m.parameters() if id(p) in self._entry}
 
-    def mark_final_params(self, params: list[torch.Tensor]) -> None:
+    def mark_final_params(self, params: Iterable[torch.Tensor]) -> None:
         """The next gradient of each of ``params`` is its last of this step.
 
         For a split backward (zero-bubble pipelines) the runtime marks a stage's parameters in two

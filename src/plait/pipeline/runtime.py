@@ -31,7 +31,7 @@ reference log-probabilities for the policy's loss).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,7 +95,7 @@ class PipelineRuntime:
         #: their last of the step (the data-parallel ``GradSync.mark_final_params``), before the
         #: last B (parameters not deferred) and the last W (deferred weights) of each stage; takes
         #: precedence over ``before_last_backward`` for such schedules
-        self.mark_final_params: Callable[[list[torch.Tensor]], None] | None = None
+        self.mark_final_params: Callable[[Sequence[torch.Tensor]], None] | None = None
         #: the deferred weight-gradient products of a split-backward schedule (``None`` otherwise)
         self.weight_grads: WeightGradQueue | None = None
         self._deferred: list[list[torch.Tensor]] = [[] for _ in stages]

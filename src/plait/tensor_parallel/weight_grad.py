@@ -92,12 +92,8 @@ class WeightGradQueue:
         """Keys whose weight gradients are deferred and not yet run (empty after a full schedule)."""
         return list(self._pending)
 
-    def params_of(self, module: nn.Module) -> list[nn.Parameter]:
-        """The parameters of ``module`` whose gradients this queue defers (attached layers' weights)."""
-        return [m.weight for m in module.modules() if getattr(m, "weight_grad_queue", None) is self]
 
-
-def attach_weight_grad_queue(module: nn.Module, queue: WeightGradQueue | None) -> list[nn.Parameter]:
+def attach_weight_grad_queue(module: nn.Module, queue: WeightGradQueue | None) -> list[torch.Tensor]:
     """Let every column/row-parallel linear layer in ``module``, and every plain ``nn.Linear`` (the
     projections of a model built without tensor parallelism, switched to
     :class:`~plait.tensor_parallel.linear.DeferrableLinear`), defer its weight gradient to
@@ -111,7 +107,7 @@ def attach_weight_grad_queue(module: nn.Module, queue: WeightGradQueue | None) -
     uses: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    attached = []
+    attached: list[torch.Tensor] = []
     for m in module.modules():
         if type(m) is nn.Linear and queue is not None and uses.get(id(m.weight), 0) == 1:
             m.__class__ = DeferrableLinear
