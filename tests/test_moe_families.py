@@ -197,3 +197,36 @@ def test_bad_expert_configs_name_the_field():
         Qwen3MoeConfig(**kw, head_dim=8, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[3])
     assert Qwen3MoeConfig.from_hf_dict(Qwen3MoeConfig(**kw, head_dim=8, num_experts=4, num_experts_per_tok=2)
                                        .to_hf_dict()).num_experts == 4
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+def _tp_worker(rank: int, world: int, path: str, ids: torch.Tensor) -> tuple:
+    from plait.mesh import ParallelMesh
+    from plait.models.llama.parallelize import kv_replication_for
+    from tp_gather import full_grads
+
+    config = load_hf_config(path)
+    mesh = ParallelMesh(world, rank, tp=world, kv_replication=kv_replication_for(config, world))
+    model = load_from_hf(path, mesh)
+    with torch.no_grad():
+        logits = model(ids)
+    model(ids, ids).backward()
+    return logits, full_grads(model, mesh.info("tp"))
+
+
+@pytest.mark.slow  # two processes
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_tp2_logits_and_gradients_equal_one_process(checkpoints, name):
+    """Experts stay whole on each TP rank (see plait.models.mixtral.parallelize): the logits equal
+    transformers' and every gradient (replicated MoE parameters included) equals one process's."""
+    from distributed import run_distributed
+
+    path, ids, ref, _ = checkpoints[name]
+    model = load_from_hf(path, single_process_mesh())
+    model(ids, ids).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for logits, got in run_distributed(_tp_worker, 2, str(path), ids):
+        assert _max_diff(logits, ref.logits) <= TOL
+        assert set(got) == set(grads)
+        for n, g in grads.items():
+            assert _max_diff(got[n], g) <= TOL, n

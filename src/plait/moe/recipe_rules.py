@@ -60,7 +60,8 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: 
     if ep > 1 and experts % ep:
         valid = [e for e in range(1, experts + 1) if experts % e == 0]
         out.append(("parallel.ep", ep, f"must divide the {experts} experts of each MoE layer; valid: {valid}"))
-    if tp > 1:
-        out.append(("parallel.tp", tp, f"tensor parallelism is not available for MoE models (model.family="
-                                       f"{family!r}) yet; set parallel.tp=1"))
+    if tp > 1 and getattr(parallel, "sequence_parallel", False):
+        out.append(("parallel.sequence_parallel", True, f"not available for MoE models (model.family={family!r}) "
+                                                        f"with parallel.tp={tp}: the routers would see sequence "
+                                                        f"shards; set parallel.sequence_parallel=false"))
     return out
