@@ -4,7 +4,14 @@ never arrived. Two gloo ranks; rank 1 sleeps inside step 3, outside any collecti
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +93,68 @@ def test_the_summary_names_ranks_outside_the_collective_and_those_without_a_repo
     everyone = {**mine, "group": "all ranks"}
     text = dog.summary(everyone, {0: everyone, 1: {**everyone, "rank": 1}, 2: {**everyone, "rank": 2}})
     assert "ranks that never arrived: rank 3 (no report: its process is gone or frozen); arrived: 0, 1, 2" in text
+
+
+def _proc_children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _local_rank(pid: int) -> str | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"LOCAL_RANK=")]
+    return found[0] if found else None
+
+
+@pytest.mark.slow  # a torchrun job that trains, then stalls on purpose (~30-60 s): `make test-slow`
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+def test_plait_train_names_a_frozen_rank_and_writes_the_dumps(tmp_path_factory):
+    """The real path: `plait train` under torchrun; rank 1 is frozen (SIGSTOP) mid-run, so it can
+    neither compute nor report; rank 0 stalls in a collective, dumps, names rank 1 as the rank that
+    never arrived (no report: frozen), and the job ends with the watchdog's status."""
+    from trainer_runs import corpus_dir
+
+    corpus = corpus_dir(tmp_path_factory)
+    out = tmp_path_factory.mktemp("frozen")
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    items = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
+             "model.num_key_value_heads=2", "model.num_hidden_layers=2", "data.vocab_size=320", "data.seq_len=32",
+             "data.micro_batch_size=2", "scheduler.warmup_steps=2", "train.steps=100000", "train.log_every=1",
+             "train.eval_every=100000", "train.sample_tokens=0", "checkpoint.save_final=false",
+             "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+             "train.stall_timeout_s=3", f"data.source={corpus}", f"run.output_dir={out}"]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "plait.cli", "train", *items]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    frozen = None
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
+            assert job.poll() is None, job.communicate()[0]
+            assert time.monotonic() < deadline, "no training steps"
+            time.sleep(0.05)
+        frozen = next(pid for pid in _proc_children(job.pid) if _local_rank(pid) == "1")
+        os.kill(frozen, signal.SIGSTOP)
+        log, _ = job.communicate(timeout=300)
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+    print("\n".join(line for line in log.splitlines() if line.startswith("plait watchdog")))
+    assert "plait watchdog: rank 0 stalled for" in log, log
+    assert "ranks that never arrived: rank 1 (no report: its process is gone or frozen); arrived: 0" in log, log
+    dump = (out / "hang" / "rank-0.txt").read_text()
+    assert "Thread MainThread" in dump and "last collective entered per group:" in dump, dump
+    assert not (out / "hang" / "rank-1.txt").exists()  # a frozen rank writes nothing: hence "no report"
