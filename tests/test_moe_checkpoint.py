@@ -3,7 +3,8 @@
 Every expert is a whole tensor under its global name, written once by one of the ranks holding it
 (its expert-data-parallel replicas), so a checkpoint of any EP degree loads under any other. The
 chain EP=2 -> EP=1 -> EP=4 must continue with the losses of the run that never changed layout
-(relative 1e-5). Slow: several multi-process runs.
+(relative 1e-5); the first and last legs use ZeRO-1, so the experts' optimizer state is written
+from, and read into, shards. Slow: several multi-process runs.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ BASE = ["model.family=mixtral", "model.hidden_size=64", "model.intermediate_size
 N, MID, END = 3, 6, 12
 #: every layout trains on 8 sequences per step in the same micro-batches of 2
 EP2 = ["parallel.dp=2", "parallel.ep=2", "parallel.microbatches=2"]
+#: ZeRO-1 shards the experts' optimizer state over their expert-data-parallel group (2 ranks here)
+EP2_DP4_ZERO = ["parallel.dp=4", "parallel.ep=2", "parallel.zero1=true", "parallel.microbatches=1"]
 EP1 = ["parallel.microbatches=4"]
-EP4 = ["parallel.dp=4", "parallel.ep=4", "parallel.microbatches=1"]
+EP4 = ["parallel.dp=4", "parallel.ep=4", "parallel.zero1=true", "parallel.microbatches=1"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def corpus(tmp_path_factory):
 @pytest.mark.slow
 def test_ep2_to_ep1_to_ep4_continues_the_unbroken_run(corpus, tmp_path):
     steps = [f"train.steps={END}"]
-    ref = run_checkpointed(corpus, tmp_path / "a", BASE + EP2 + steps, 2, END, save_at=N)
+    ref = run_checkpointed(corpus, tmp_path / "a", BASE + EP2_DP4_ZERO + steps, 4, END, save_at=N)
     expected = ref[0]["losses"]
     b = run_checkpointed(corpus, tmp_path / "b", BASE + EP1 + steps + [
         f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / f'step-{N:08d}'}"], 1, MID - N, save_at=MID)

@@ -19,6 +19,7 @@ stages that share them) and waits for every reduction.
 Under expert parallelism the buckets of routed experts (``Bucket.expert``) are summed over the
 *expert-data-parallel* group (the ranks holding the same experts) and divided by the whole
 data-parallel degree: an expert's gradient already holds the tokens of its whole expert group.
+With ZeRO-1 they are reduce-scattered over that group into its shards.
 """
 
 from __future__ import annotations
@@ -40,13 +41,11 @@ class GradSync:
                  expert_dp: GroupInfo | None = None) -> None:
         self.layout, self.dp, self.zero, self.overlap, self.tied = layout, dp, zero, overlap, tied
         self.expert_dp = expert_dp
-        if zero and expert_dp is not None and any(b.expert for b in layout.buckets):
-            raise ValueError("ZeRO-1 with expert parallelism is not available yet; set parallel.zero1=false")
         self.data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
         self.views = {id(e.param): self.data[e.start:e.end] for e in layout.entries}
         self._entry = {id(e.param): e for e in layout.entries}
         if zero:
-            shard_sizes = [b.numel // layout.shards for b in layout.buckets]
+            shard_sizes = [b.numel // b.shards for b in layout.buckets]
             self.shard_data = torch.zeros(sum(shard_sizes), dtype=grad_dtype, device=device)
             self.shard_views, at = [], 0
             for size in shard_sizes:
@@ -104,8 +103,13 @@ class GradSync:
         flat = self.data[bucket.start:bucket.end]
         flat.div_(self.dp.size)
         if bucket.expert and self.expert_dp is not None:
-            if self.expert_dp.size > 1:
+            if self.expert_dp.size > 1 and self.zero:
+                self._works.append(reduce_scatter_single(self.shard_views[bucket.index], flat,
+                                                         group=self.expert_dp.group, async_op=True))
+            elif self.expert_dp.size > 1:
                 self._works.append(all_reduce(flat, self.expert_dp.group, async_op=True))
+            elif self.zero:  # one replica per expert: its shard is the whole bucket
+                self.shard_views[bucket.index].copy_(flat)
             return
         if self.zero:
             work = reduce_scatter_single(self.shard_views[bucket.index], flat, group=self.dp.group, async_op=True)
@@ -143,7 +147,8 @@ class GradSync:
         if not self.zero:
             return self.data[start:end]
         for b in self.layout.buckets:
-            lo, hi = b.shard_range(self.dp.rank if self.dp.size > 1 else 0, self.layout.shards)
+            group = self.expert_dp if b.expert and self.expert_dp is not None else self.dp
+            lo, hi = b.shard_range(group.rank if group.size > 1 else 0, b.shards)
             if lo <= start and end <= hi:
                 return self.shard_views[b.index][start - lo:end - lo]
         raise ValueError(f"flat range [{start}, {end}) is not owned by data-parallel rank {self.dp.rank}")

@@ -17,7 +17,8 @@ own, which are reduced only at the end of backward.
 
 Parameters named in ``expert_names`` (routed experts under expert parallelism, which differ
 between the ranks of an expert group) also get buckets of their own, marked ``expert``: their
-data-parallel reduction runs over the expert-data-parallel group instead.
+data-parallel reduction runs over the expert-data-parallel group instead, and under ZeRO-1 they
+are split into that group's size of shards (``Bucket.shards``; ``expert_shards``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Bucket:
     entries: list[ParamEntry] = field(default_factory=list)
     deferred: bool = False
     expert: bool = False  #: holds expert-parallel parameters (reduced over the expert-data-parallel group)
+    shards: int = 1  #: how many owned ranges it splits into (the layout's, or the expert group's)
 
     @property
     def numel(self) -> int:
@@ -94,11 +96,13 @@ class BufferLayout:
         """Elements added so every bucket splits evenly into shards."""
         return self.numel - sum(e.numel for e in self.entries)
 
-    def owned_segments(self, shard: int) -> list[Segment]:
-        """Every parameter segment inside shard ``shard``'s ranges, in buffer order."""
+    def owned_segments(self, shard: int, expert_shard: int | None = None) -> list[Segment]:
+        """Every parameter segment inside shard ``shard``'s ranges (``expert_shard``'s in expert
+        buckets; default ``shard``), in buffer order."""
         out = []
         for b in self.buckets:
-            lo, hi = b.shard_range(shard, self.shards)
+            mine = expert_shard if b.expert and expert_shard is not None else shard
+            lo, hi = b.shard_range(mine, b.shards)
             for e in b.entries:
                 a, z = max(lo, e.start), min(hi, e.end)
                 if a < z:
@@ -108,7 +112,7 @@ class BufferLayout:
 
 def plan_buffer(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, shards: int,
                 deferred_names: frozenset[str] = frozenset(),
-                expert_names: frozenset[str] = frozenset()) -> BufferLayout:
+                expert_names: frozenset[str] = frozenset(), expert_shards: int | None = None) -> BufferLayout:
     """Lay out ``params`` (name, parameter, decay, norm weight), given in registration order.
 
     ``bucket_numel`` caps a bucket (a larger parameter gets a bucket of its own).
@@ -123,21 +127,22 @@ def plan_buffer(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bu
     experts = [p for p in ordered if p[0] in expert_names and p[0] not in deferred_names]
     offset = 0
     for group, is_deferred, is_expert in ((regular, False, False), (experts, False, True), (deferred, True, False)):
+        count = expert_shards if is_expert and expert_shards is not None else shards
         current: Bucket | None = None
         for name, param, decay, weight in group:
             n = param.numel()
             if current is not None and current.entries and (offset - current.start) + n > bucket_numel:
-                offset = _close(current, offset, shards)
+                offset = _close(current, offset, count)
                 current = None
             if current is None:
-                current = Bucket(len(buckets), offset, offset, deferred=is_deferred, expert=is_expert)
+                current = Bucket(len(buckets), offset, offset, deferred=is_deferred, expert=is_expert, shards=count)
                 buckets.append(current)
             entry = ParamEntry(name, param, offset, n, current.index, decay, weight)
             current.entries.append(entry)
             entries.append(entry)
             offset += n
         if current is not None:
-            offset = _close(current, offset, shards)
+            offset = _close(current, offset, count)
     return BufferLayout(entries, buckets, shards)
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from plait.comm.primitives import GroupInfo, all_gather_single
 from plait.data_parallel.grad_sync import GradSync
-from plait.data_parallel.layout import BufferLayout, Segment, plan_buffer
+from plait.data_parallel.layout import Bucket, BufferLayout, Segment, plan_buffer
 from plait.optim.lowp_adamw import LowPrecisionAdamW
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
 from plait.precision import PrecisionPolicy
@@ -77,6 +77,8 @@ class DistributedOptimizer:
         self.policy, self.dp, self.tp, self.pp, self.zero = policy, dp, tp, pp, zero
         self.shards = dp.size if zero else 1
         self.shard = dp.rank if zero else 0
+        #: the expert-data-parallel group, which shards and reduces the experts' buckets (ep > 1)
+        self.expert_dp = expert_dp
         params, seen = [], set()
         for module in modules:
             specs = shard_specs(module)
@@ -92,8 +94,10 @@ class DistributedOptimizer:
         deferred = _tied_names(modules, pp)
         bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=policy.grad_dtype).element_size()))
         self.layout: BufferLayout = plan_buffer(params, bucket_numel=bucket_numel, shards=self.shards,
-                                                deferred_names=deferred, expert_names=expert_names)
-        self.segments: list[Segment] = self.layout.owned_segments(self.shard)
+                                                deferred_names=deferred, expert_names=expert_names,
+                                                expert_shards=expert_dp.size if zero and expert_dp else None)
+        self.segments: list[Segment] = self.layout.owned_segments(
+            self.shard, expert_dp.rank if zero and expert_dp else None)
         self._build_weights(device)
         self.grads = GradSync(self.layout, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
                               overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp)
@@ -112,14 +116,14 @@ class DistributedOptimizer:
         self.has_master = pol.separate_master
         self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
         if self.has_master:
-            sizes = [b.numel // self.shards for b in layout.buckets]
+            sizes = [b.numel // b.shards for b in layout.buckets]
             self.master_data = torch.zeros(sum(sizes), dtype=pol.master_dtype, device=device)
             at = 0
             for size in sizes:
                 self.master_views.append(self.master_data[at:at + size])
                 at += size
             for s in self.segments:
-                lo, _ = s.bucket.shard_range(self.shard, self.shards)
+                lo, _ = self._owned_range(s.bucket)
                 src = originals[id(s.entry.param)][s.start - s.entry.start:s.end - s.entry.start]
                 self.master_views[s.bucket.index][s.start - lo:s.end - lo].copy_(src)
         for e in layout.entries:  # only now: the originals were read above
@@ -130,8 +134,18 @@ class DistributedOptimizer:
         grad = self.grads.reduced_view(s.start, s.end)
         if not self.has_master:
             return self.param_data[s.start:s.end], grad
-        lo, _ = s.bucket.shard_range(self.shard, self.shards)
+        lo, _ = self._owned_range(s.bucket)
         return self.master_views[s.bucket.index][s.start - lo:s.end - lo], grad
+
+    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The flat range of ``bucket`` this rank owns (its expert-data-parallel shard in an expert bucket)."""
+        if bucket.expert and self.expert_dp is not None and self.zero:
+            return bucket.shard_range(self.expert_dp.rank, bucket.shards)
+        return bucket.shard_range(self.shard, bucket.shards)
+
+    def _shard_group(self, bucket: Bucket) -> GroupInfo:
+        """The group over which ``bucket``'s owned ranges are gathered under ZeRO-1."""
+        return self.expert_dp if bucket.expert and self.expert_dp is not None else self.dp
 
     def _build_inner(self, hyper: OptimizerHyper) -> torch.optim.Optimizer:
         decay: list[torch.Tensor] = []
@@ -178,7 +192,7 @@ class DistributedOptimizer:
             squares = torch.stack(norms).pow(2) * weights
             total = (squares * (1 - is_expert)).sum()  # multiplying by masks: no data-dependent shape
             experts = (squares * is_expert).sum()
-        if self.ep is not None:
+        if self.ep is not None and not self.zero:  # under ZeRO-1 the dp sum below covers the expert group
             dist.all_reduce(experts, group=self.ep.group)
         total = total + experts
         for group in (self.tp, self.pp, self.dp if self.zero else None):
@@ -218,13 +232,16 @@ class DistributedOptimizer:
             works, staged = [], []
             for b in self.layout.buckets:
                 master = self.master_views[b.index] if self.has_master else None
-                if self.zero:  # the owned shard, staged (all-gather input and output must not overlap)
-                    lo, hi = b.shard_range(self.shard, self.shards)
+                if self.zero and b.shards == 1:  # one replica per expert: the whole bucket is owned
+                    if master is not None:
+                        self.param_data[b.start:b.end].copy_(master)
+                elif self.zero:  # the owned shard, staged (all-gather input and output must not overlap)
+                    lo, hi = self._owned_range(b)
                     owned = master if master is not None else self.param_data[lo:hi]
                     src = owned.to(self.policy.param_dtype, copy=True)
                     staged.append(src)
-                    works.append(all_gather_single(self.param_data[b.start:b.end], src, group=self.dp.group,
-                                                   async_op=True))
+                    works.append(all_gather_single(self.param_data[b.start:b.end], src,
+                                                   group=self._shard_group(b).group, async_op=True))
                 else:
                     assert master is not None, "without ZeRO-1 the weights are published only from a master copy"
                     self.param_data[b.start:b.end].copy_(master)
@@ -282,7 +299,7 @@ class DistributedOptimizer:
             by_bucket.setdefault(s.bucket.index, []).append(i)
         device = self.param_data.device
         for b in self.layout.buckets:
-            lo, hi = b.shard_range(self.shard, self.shards)
+            lo, hi = self._owned_range(b)
             flats = {}
             for kind in kinds:
                 owned = torch.zeros(hi - lo, dtype=self.policy.master_dtype, device=device)
@@ -292,9 +309,9 @@ class DistributedOptimizer:
                     src = main if kind == "master" else self.inner.state.get(main, {}).get(kind)
                     if src is not None:
                         owned[s.start - lo:s.end - lo].copy_(src.reshape(-1))
-                if self.zero:
+                if self.zero and b.shards > 1:
                     full = torch.empty(b.numel, dtype=owned.dtype, device=device)
-                    all_gather_single(full, owned, group=self.dp.group)
+                    all_gather_single(full, owned, group=self._shard_group(b).group)
                     owned = full
                 flats[kind] = owned
             for e in b.entries:

@@ -36,9 +36,6 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: 
         valid = [e for e in range(1, dp + 1) if dp % e == 0]
         out.append(("parallel.ep", ep, f"must divide the data-parallel degree dp={dp} (expert parallelism folds "
                                        f"over data parallelism); valid: {valid}"))
-    if ep > 1 and parallel.zero1:
-        out.append(("parallel.zero1", True, f"ZeRO-1 with parallel.ep={ep} is not available yet; set "
-                                            f"parallel.zero1=false or parallel.ep=1"))
     if ep > 1 and getattr(parallel, "cp", 1) > 1:
         out.append(("parallel.ep", ep, f"expert parallelism with context parallelism (parallel.cp={parallel.cp}) "
                                        f"is not available yet; set parallel.ep=1 or parallel.cp=1"))
