@@ -117,3 +117,21 @@ def test_a_host_that_never_joins_is_named_within_the_timeout(two_hosts, tmp_path
     assert f"the rendezvous at {ENDPOINT} (run id 'lonely') did not complete within {timeout} s" in err, err
     assert "1 of 2 hosts never joined" in err, err
     assert elapsed < timeout + 30, elapsed
+
+
+@pytest.mark.slow  # a 4-rank run on one host and one across two (~1 min each on 2 cores): `make test-slow`
+def test_plait_train_nnodes_matches_one_host(two_hosts, tmp_path_factory):
+    """The same through `plait train --nnodes 2 --rdzv-endpoint ... --iface ...` on each host (no torchrun):
+    the store host is found by address and the advertised address comes from the interface."""
+    corpus = corpus_dir(tmp_path_factory)
+    base = tmp_path_factory.mktemp("nnodes")
+    items = ITEMS + LAYOUTS["tp2-dp2"] + [f"data.source={corpus}", f"data.cache_dir={base / 'cache'}"]
+    reference = _one_host(base / "one-host", items)
+    cmd = [sys.executable, "-m", "plait.cli", "train", *items, f"run.output_dir={base / 'two-hosts'}",
+           "--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", ENDPOINT, "--rdzv-id", "nnodes", "--iface", IFACE]
+    procs = [two_hosts.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+             for host in (0, 1)]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    for host, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"host {host}:\n{log}"
+    assert reference == _losses(base / "two-hosts")
