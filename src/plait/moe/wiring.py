@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.moe.section import MoeSection
@@ -45,10 +46,26 @@ def configure_moe(stages: list[nn.Module], section: MoeSection, config: Any, *, 
 
 
 @torch.no_grad()
-def read_moe_stats(layers: list[tuple[str, MoELayer]]) -> dict[str, float]:
-    """The interval's MoE metrics of this rank's layers, then the counters reset: per layer
-    (``moe/<layer>/...``) the load imbalance (max / mean assignments per expert), the dropped
-    share of assignments, and the mean aux and z-loss per forward. One host read for all layers."""
+def read_moe_stats(layers: list[tuple[str, MoELayer]], group: Any = None, world: int = 1) -> dict[str, float]:
+    """The interval's MoE metrics, then the counters reset: per layer (``moe/<layer>/...``) the
+    load imbalance (max / mean assignments per expert), the dropped share of assignments, and the
+    mean aux and z-loss per forward. One host read for all of this rank's layers; with ``world > 1``
+    every rank of ``group`` (all ranks) must call it, and each value is the mean over the ranks
+    holding that layer (data-parallel replicas routed different tokens; pipeline stages hold
+    different layers)."""
+    local = _local_stats(layers)
+    if world == 1:
+        return local
+    gathered: list[dict[str, float] | None] = [None] * world
+    dist.all_gather_object(gathered, local, group=group)
+    sums: dict[str, list[float]] = {}
+    for part in gathered:
+        for name, value in (part or {}).items():
+            sums.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in sums.items()}
+
+
+def _local_stats(layers: list[tuple[str, MoELayer]]) -> dict[str, float]:
     names, values = [], []
     for name, layer in layers:
         s = layer.stats

@@ -36,7 +36,7 @@ from plait.devices import detect_device, peak_flops
 from plait.generate import generate
 from plait.lora import save_peft_adapter
 from plait.models.flops import mfu, model_flops_per_token
-from plait.moe import moe_layers, read_moe_stats
+from plait.moe import is_moe_config, moe_layers, read_moe_stats
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
 from plait.train.evaluation import evaluate, evaluate_preference
@@ -289,7 +289,8 @@ class Trainer:
         if not math.isfinite(record["loss"]) and "skipped_steps" not in record:
             raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
                                      f"optimizer.lr or enable optimizer.grad_clip")
-        record.update(read_moe_stats(moe_layers(self.state.stages)))  # this rank's MoE layers; none when dense
+        if is_moe_config(self.state.config):  # per MoE layer, averaged over the ranks holding it
+            record.update(read_moe_stats(moe_layers(self.state.stages), self.state.control, self.world))
         wait = self.loader.wait_seconds - interval_wait0
         record.update(self._throughput_fields(n, now - interval_start, wait))
         record["elapsed_s"] = now - run_start
