@@ -3,6 +3,8 @@ pipeline stage (a stage only moves the full model's blocks, whatever their MLP).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from plait.models.family import ModelFamily
 from plait.models.llama.pipeline_stage import LlamaStage
 from plait.models.mixtral.config import MixtralConfig
@@ -15,5 +17,8 @@ def units(config: MixtralConfig) -> list[Unit]:
     return decoder_units(config.num_hidden_layers, "MixtralDecoderLayer")
 
 
+_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
 FAMILY = ModelFamily(name="mixtral", model_types=MixtralConfig.model_types, config_cls=MixtralConfig,
-                     causal_lm_cls=MixtralForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units)
+                     causal_lm_cls=MixtralForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units,
+                     recipes=tuple(_RECIPES / f"{n}.yaml" for n in ("moe-tiny", "mixtral-8x7b")))
