@@ -149,6 +149,7 @@ def test_bad_moe_recipes_are_refused_naming_the_field(text, field, words):
     assert words in problems[field], problems[field]
 
 
+@pytest.mark.slow  # a subprocess (2-5 s); the rules themselves run in-process above
 def test_bad_moe_recipe_is_refused_before_any_process_starts(tmp_path):
     cmd = [sys.executable, "-m", "plait.cli", "train", "model.family=mixtral", "model.num_local_experts=4",
            "model.num_experts_per_tok=6", "moe.capacity_factor=-1", f"run.output_dir={tmp_path / 'never'}"]
