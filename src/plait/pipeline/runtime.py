@@ -88,7 +88,8 @@ class PipelineRuntime:
         self.device = next(stages[0].parameters()).device
         self.precision_context = precision_context
         #: called with a chunk index just before that chunk's last backward of the step (the
-        #: optimizer then lets the data-parallel reduction of the chunk's buckets start)
+        #: optimizer then lets the data-parallel reduction of the chunk's buckets start); with a
+        #: split-backward schedule and no ``mark_final_params``, before the chunk's last W instead
         self.before_last_backward: Callable[[int], None] | None = None
         self.use_tasks(schedule_tasks(schedule, self.rank, self.pp, microbatches, self.vpp))
         #: with a split-backward schedule: called with a list of parameters whose next gradient is
