@@ -266,9 +266,13 @@ def _attempt_store() -> dict:
     env = os.environ
     if "TORCHELASTIC_RESTART_COUNT" not in env or "MASTER_ADDR" not in env:
         return {}
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # Each round has a store of its own (rank 0 serves it on a fresh port), so nothing of an
+        # earlier attempt can be read; and the restart counts differ between hosts when one joined
+        # later (elastic growth), so a prefix made of them would keep the hosts apart.
+        return {}
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent_hosts and rank == 0,
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
                           timeout=timedelta(minutes=30))
     prefix = f"plait/attempt-{env['TORCHELASTIC_RESTART_COUNT']}"
     return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}

@@ -22,6 +22,10 @@ from plait.cluster.spec import MARKER, LaunchSpec
 RECIPE_MOUNT = "/etc/plait"
 RECIPE_FILE = "recipe.yaml"
 WORKSPACE = "/workspace"
+#: torch 2.13 shares the rendezvous store with the workers by default; a rank 0 that stays then never
+#: republishes its address for a node that joins at a later restart, which waits for it and times out
+#: (growing an elastic job). Not sharing gives every round a store of its own.
+ELASTIC_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 class _ManifestDumper(yaml.SafeDumper):
@@ -44,6 +48,8 @@ def pytorchjob_manifest(spec: LaunchSpec, *, image: str, pvc: str | None = None,
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{spec.job_name}-recipe"},
                   "data": {RECIPE_FILE: spec.recipe_text}}
     env = [{"name": k, "value": v} for k, v in iface_environment(spec.iface).items()]
+    if spec.elastic:  # a pod that joins later must find the rendezvous (see ELASTIC_ENVIRONMENT)
+        env += [{"name": k, "value": v} for k, v in ELASTIC_ENVIRONMENT.items()]
     mounts = [{"name": "recipe", "mountPath": RECIPE_MOUNT, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "recipe", "configMap": {"name": f"{spec.job_name}-recipe"}}]
     if pvc is not None:
