@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from plait.train.host_syncs import HOST_READ_METHODS, HostSyncDetector
@@ -65,3 +66,59 @@ def test_a_zero_bubble_pipeline_step_reads_nothing():
         runtime.run(batch)
         opt.grads.finish()
     assert detector.reads == [], detector.report()
+
+
+def _fit_worker(rank, world, recipe_yaml, prepared, add_read):
+    import contextlib
+    import io
+
+    import yaml
+
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    if add_read:  # a user change that reads the loss on the host inside the step
+        run = trainer.state.runtime.run
+
+        def run_and_read(batch, **kw):
+            loss = run(batch, **kw)
+            loss.item()
+            return loss
+        trainer.state.runtime.run = run_and_read
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer.fit()
+    return out.getvalue()
+
+
+@pytest.mark.slow  # two spawned runs
+def test_train_detect_host_syncs_reports_the_first_steps_of_a_run(tmp_path_factory):
+    """``train.detect_host_syncs: true`` watches the first 3 steps of a run: plait's own step reads
+    nothing on the host; a read added inside the step is reported with its stack."""
+    import yaml
+
+    from distributed import run_distributed
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+    from trainer_runs import corpus_dir
+
+    corpus = corpus_dir(tmp_path_factory)
+    outputs = []
+    for add_read in (False, True):
+        items = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4",
+                 "model.num_key_value_heads=2", "model.num_hidden_layers=2", "data.vocab_size=300", "data.seq_len=32",
+                 "data.micro_batch_size=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=4",
+                 "scheduler.warmup_steps=1",
+                 "train.log_every=2", "train.eval_every=100", "train.eval_batches=1", "train.sample_tokens=0",
+                 "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+                 "checkpoint.save_final=false", "train.detect_host_syncs=true", f"data.source={corpus}",
+                 f"run.output_dir={tmp_path_factory.mktemp('run')}"]
+        prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+        outputs += run_distributed(_fit_worker, 1, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared,
+                                   add_read)
+    clean, reading = outputs
+    assert "detect_host_syncs: no device-to-host read in the first 3 step(s)" in clean, clean
+    assert "detect_host_syncs: 3 device-to-host read(s) in the first 3 step(s)" in reading, reading
+    assert "loss.item()" in reading and "run_and_read" in reading, reading

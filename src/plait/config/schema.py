@@ -298,6 +298,9 @@ class TrainSection(Section):
                                                            "eval_batches x global_batch_size validation sequences, the "
                                                            "same under every layout")
     log_every: Int = Field(default=10, ge=1, description="Log metrics every this many steps (and at the end)")
+    detect_host_syncs: Bool = Field(default=False, description="Watch the first 3 steps for device-to-host reads "
+                                                               "(torch.cuda.set_sync_debug_mode on CUDA, counted "
+                                                               "tensor reads on CPU) and print each with its stack")
     sample_prompt: str = Field(default="ROMEO:", description="Prompt of the text sample generated at the end")
     sample_tokens: Int = Field(default=48, ge=0, description="Tokens generated for the final "
                                                              "sample; 0 = no sample text")

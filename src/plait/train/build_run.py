@@ -113,6 +113,7 @@ def build_runtime(stages: list[nn.Module], mesh: ParallelMesh, policy: Precision
                               dtype=policy.param_dtype, precision_context=(lambda: policy.compute_context(device)))
     grads = optimizer.grads
     runtime.before_last_backward = lambda chunk: grads.mark_final([stages[chunk]])
+    runtime.mark_final_params = grads.mark_final_params  # split backward (zb-h1): per parameter, after its last W
     return runtime
 
 

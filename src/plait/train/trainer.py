@@ -40,6 +40,7 @@ from plait.moe import is_moe_config, moe_layers, read_moe_stats
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
 from plait.train.evaluation import evaluate, evaluate_preference
+from plait.train.host_syncs import HostSyncDetector
 from plait.train.loggers import (
     JsonlSink,
     MetricsSink,
@@ -236,9 +237,17 @@ class Trainer:
         self.stopped_by_signal = 0
         self.steps_trained = 0
         self._install_signal_handlers()
+        detector = HostSyncDetector(self.state.device, steps=3) if r.train.detect_host_syncs else None
         try:
             for step in range(self.start_step, steps):
-                lr = self.run_step(next(batches))
+                batch = next(batches)
+                if detector is not None and not detector.done:
+                    with detector.step(step):
+                        lr = self.run_step(batch)
+                    if detector.done or step + 1 == steps:
+                        self._report_host_syncs(detector)
+                else:
+                    lr = self.run_step(batch)
                 done = step + 1
                 self.steps_trained += 1
                 signum = self._stop_requested()
@@ -275,6 +284,11 @@ class Trainer:
         last["steps_trained"] = self.steps_trained
         last["final_step"] = self.start_step + self.steps_trained
         return last
+
+    def _report_host_syncs(self, detector: HostSyncDetector) -> None:
+        """Print what the detector found: every rank that found a read, and rank 0 always."""
+        if detector.reads or self.rank == 0:
+            print(f"[rank {self.rank}] {detector.report()}", flush=True)
 
     def _train_record(self, done: int, lr: float, interval_start: float, interval_wait0: float,
                       run_start: float) -> dict[str, Any]:
