@@ -6,12 +6,13 @@ What is measured:
 1. *Attention* (2 gloo ranks, one thread each): forward + backward of this rank's share of causal
    GQA attention over ``--attn-seq`` tokens, for the ring with transfers overlapped with compute,
    the ring waiting for each transfer before computing (``overlap=False``), and the all-gather
-   variant; the same kernel at cp=1 on the whole sequence (one process, two threads) is the
-   baseline. Variants alternate within each round; medians over rounds.
+   variant; the same kernel at cp=1 on the whole sequence (rank 0 alone, one thread, while rank 1
+   waits) is the baseline. Variants alternate within each round; medians over rounds.
 2. *Step* (model forward + backward, no optimizer): the benchmark model on ``--batch`` sequences
-   of ``--seq`` tokens at cp=1 (one process, two threads) and at cp=2 (two ranks of one thread,
-   each holding half of every sequence, with the gradient all-reduce over cp that the data-parallel
-   reduction does). Same global tokens; the ratio is cp=2 time over cp=1 time.
+   of ``--seq`` tokens at cp=1 (rank 0 alone) and at cp=2 (two ranks, each holding half of every
+   sequence, with the gradient all-reduce over cp that the data-parallel reduction does), in the
+   same alternating rounds. Same global tokens; the ratio is cp=2 time over cp=1 time (0.5 would
+   be perfect scaling: cp=2 uses twice the cores).
 3. *Imbalance* (no processes): attention work (query-key pairs, proportional to FLOPs) per cp
    rank, ``max / mean``, for rows packed from log-normal document lengths (``--median``,
    ``--sigma``) at ``--pack-seq`` tokens: the fixed zigzag split, plait's work-balanced split of
@@ -86,17 +87,29 @@ def _attention_variants(rank: int, world: int, seq: int):
     }
 
 
-def _rounds(variants: dict, rounds: int, steps: int, warmup: int, sync) -> dict[str, float]:
-    for fn in variants.values():
+def _rounds(variants: dict, rounds: int, steps: int, warmup: int, rank: int, solo: frozenset = frozenset()
+            ) -> dict[str, float]:
+    """Median seconds per step of each variant; variants alternate within each round (the first one
+    rotates). A ``solo`` variant runs on rank 0 alone while the other ranks wait (the cp=1 baseline,
+    timed in the same rounds as the cp=2 variants)."""
+    def run(name: str) -> float | None:
+        dist.barrier()
+        t = _time(variants[name], steps) if (name not in solo or rank == 0) else None
+        dist.barrier()
+        return t
+
+    for name in variants:
         for _ in range(warmup):
-            fn()
+            if name not in solo or rank == 0:
+                variants[name]()
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            sync()
-            times[name].append(_time(variants[name], steps))
-    return {name: statistics.median(t) for name, t in times.items()}
+            t = run(name)
+            if t is not None:
+                times[name].append(t)
+    return {name: statistics.median(t) for name, t in times.items() if t}
 
 
 # ------------------------------------------------------------------ 2. step
@@ -130,28 +143,29 @@ def _cp_model_step(rank: int, world: int, args):
 
 
 # ------------------------------------------------------------------ workers
-def worker(rank: int, world: int, args) -> None:
-    sync = dist.barrier
-    attn = _rounds(_attention_variants(rank, world, args.attn_seq), args.rounds, args.steps, args.warmup, sync)
-    step = _rounds({"cp=2 model step": _cp_model_step(rank, world, args)}, args.rounds, args.steps, args.warmup, sync)
-    if rank == 0:
-        torch.save({"attention": attn, "step": step}, args.out)
-
-
-def single_process(args) -> dict[str, float]:
-    torch.set_num_threads(2)
-    split = SequenceSplit(args.attn_seq, 1)
-    q, k, v, dout = _qkv(args.attn_seq)
+def _single_attention(seq: int):
+    split = SequenceSplit(seq, 1)
+    q, k, v, dout = _qkv(seq)
     one = RingExchange(GroupInfo.single(), [0])
-    attn = {"cp=1 (same kernel)": lambda: _attention_step(lambda a, b, c: ring_attention(a, b, c, split, one),
-                                                          q, k, v, dout)}
-    config = make_config(args)
-    model = build_model(config, single_process_mesh(), seed=args.seed)
+    return lambda: _attention_step(lambda a, b, c: ring_attention(a, b, c, split, one), q, k, v, dout)
+
+
+def _single_model_step(args):
+    model = build_model(make_config(args), single_process_mesh(), seed=args.seed)
     tb = _batch(args)
-    out = _rounds(attn, args.rounds, args.steps, args.warmup, lambda: None)
-    out.update(_rounds({"cp=1 model step": lambda: _model_step(model, tb)}, args.rounds, args.steps, args.warmup,
-                       lambda: None))
-    return out
+    return lambda: _model_step(model, tb)
+
+
+def worker(rank: int, world: int, args) -> None:
+    attn = _attention_variants(rank, world, args.attn_seq)
+    attn["cp=1 (same kernel, 1 rank)"] = _single_attention(args.attn_seq) if rank == 0 else None
+    solo = frozenset({"cp=1 (same kernel, 1 rank)", "cp=1 model step (1 rank)"})
+    attn_t = _rounds(attn, args.rounds, args.steps, args.warmup, rank, solo)
+    steps = {"cp=2 model step": _cp_model_step(rank, world, args),
+             "cp=1 model step (1 rank)": _single_model_step(args) if rank == 0 else None}
+    step_t = _rounds(steps, args.rounds, args.steps, args.warmup, rank, solo)
+    if rank == 0:
+        torch.save({"attention": attn_t, "step": step_t}, args.out)
 
 
 # ------------------------------------------------------------------ 3. imbalance
@@ -222,21 +236,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
     ranks = torch.load(args.out)
     os.remove(args.out)
-    single = single_process(args)
-    base = single["cp=1 (same kernel)"]
+    attention = ranks["attention"]
+    base = attention.pop("cp=1 (same kernel, 1 rank)")
     rows = [[name, f"{t * 1e3:.1f}", f"{t / base:.2f}"] for name, t in
-            [("cp=1 (same kernel)", base), *ranks["attention"].items()]]
+            [("cp=1 (same kernel, 1 rank)", base), *attention.items()]]
     print(f"\nattention forward+backward, {args.attn_seq} tokens, {HEADS} heads / {KV_HEADS} kv heads of dim "
-          f"{HEAD_DIM}, medians of {args.rounds} rounds x {args.steps} steps\n", flush=True)
+          f"{HEAD_DIM}, one thread per rank, medians of {args.rounds} rounds x {args.steps} steps\n", flush=True)
     print(markdown_table(["variant", "ms per step", "vs cp=1"], rows), flush=True)
-    one, two = single["cp=1 model step"], ranks["step"]["cp=2 model step"]
+    one, two = ranks["step"]["cp=1 model step (1 rank)"], ranks["step"]["cp=2 model step"]
     config = make_config(args)
     print(f"\nmodel forward+backward, {config.num_parameters() / 1e6:.1f}M params, batch {args.batch} x seq "
-          f"{args.seq} (same global tokens at cp=1 and cp=2)\n", flush=True)
+          f"{args.seq} (same global tokens at cp=1 and cp=2), one thread per rank\n", flush=True)
     print(markdown_table(["layout", "ms per step", "cp=2 / cp=1"],
-                         [["cp=1 (1 process, 2 threads)", f"{one * 1e3:.1f}", "1.00"],
-                          ["cp=2 (2 ranks, 1 thread each)", f"{two * 1e3:.1f}", f"{two / one:.2f}"]]), flush=True)
-
+                         [["cp=1 (1 rank)", f"{one * 1e3:.1f}", "1.00"],
+                          ["cp=2 (2 ranks)", f"{two * 1e3:.1f}", f"{two / one:.2f}"]]), flush=True)
 
 if __name__ == "__main__":
     main()
