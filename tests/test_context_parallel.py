@@ -198,7 +198,9 @@ def test_dp_cp_group_holds_the_parameter_replicas():
     mesh = ParallelMesh(8, 0, tp=2, cp=2, create_groups=False)
     assert mesh.group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.group_ranks("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert ParallelMesh(4, 0, tp=2, create_groups=False).group_ranks("dp_cp") == [[0, 2], [1, 3]]
+    for kw in ({"tp": 2}, {"tp": 2, "pp": 2}, {"pp": 2}):  # cp=1: exactly the dp groups, in their order
+        mesh = ParallelMesh(8, 0, create_groups=False, **kw)
+        assert mesh.group_ranks("dp_cp") == mesh.group_ranks("dp")
 
 
 # ------------------------------------------------------------------ the planner knows cp

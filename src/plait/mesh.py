@@ -213,11 +213,12 @@ class ParallelMesh:
     def _dp_cp_group_ranks(self) -> list[list[int]]:
         """Ranks holding the same parameters and different data: the same pp and tp coordinates, any
         dp and cp. Parameter gradients are averaged over this group (it is the dp group when cp=1)."""
-        groups: dict[tuple[int, int], list[int]] = {}
-        for coord, r in sorted(self._rank_at.items()):
-            c = dict(zip(AXES, coord, strict=True))
-            groups.setdefault((c["pp"], c["tp"]), []).append(r)
-        return sorted(sorted(g) for g in groups.values())
+        groups = []
+        for pp, tp in itertools.product(range(self.pp), range(self.tp)):
+            # dp-major, cp-minor: with cp=1 exactly the dp groups, in their order
+            groups.append([self._rank_at[tuple({"pp": pp, "dp": d, "cp": c, "tp": tp}[a] for a in AXES)]
+                           for d in range(self.dp) for c in range(self.cp)])
+        return sorted(groups)
 
     def _expert_group_ranks(self, axis: str) -> list[list[int]]:
         """Expert groups (``ep``: consecutive DP indices ``d // ep`` equal, holding different experts)
