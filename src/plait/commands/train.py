@@ -25,7 +25,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]",
                    help="an optional recipe file followed by overrides")
     p.add_argument("--nproc", type=int, default=None,
-                   help="local processes to launch (default: tp*pp*dp of the recipe, dp=1 when unset); "
+                   help="local processes to launch (default: tp*pp*dp*cp of the recipe, dp=1 when unset); "
                         "ignored under torchrun/SLURM, where the world size comes from the launcher")
     net = p.add_argument_group("several hosts (see docs/launching.md)")
     net.add_argument("--nnodes", type=int, default=1,
@@ -61,9 +61,9 @@ def split_items(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def default_nproc(data: dict) -> int:
-    """tp * pp * dp of raw recipe data (dp = 1 when unset); bad values are left to validation."""
+    """tp * pp * dp * cp of raw recipe data (dp = 1 when unset); bad values are left to validation."""
     p = data.get("parallel") or {}
-    degrees = [p.get("tp", 1), p.get("pp", 1), p.get("dp") or 1]
+    degrees = [p.get("tp", 1), p.get("pp", 1), p.get("dp") or 1, p.get("cp", 1)]
     n = 1
     for d in degrees:
         n *= d if isinstance(d, int) and d > 0 else 1
