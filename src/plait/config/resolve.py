@@ -120,7 +120,9 @@ class ResolvedRecipe:
 
     def summary_line(self) -> str:
         p = self.recipe.parallel
-        return (f"tp={p.tp} pp={p.pp} dp={self.dp} (world {self.world_size}), kv_replication={self.kv_replication}, "
+        cp = f" cp={p.cp}" if p.cp > 1 else ""
+        return (f"tp={p.tp} pp={p.pp} dp={self.dp}{cp} (world {self.world_size}), "
+                f"kv_replication={self.kv_replication}, "
                 f"{self.global_batch_size} x {self.recipe.data.seq_len} = {self.tokens_per_step} tokens/step, "
                 f"{self.recipe.train.steps} steps -> {self.output_dir}")
 
