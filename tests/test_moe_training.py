@@ -223,3 +223,20 @@ def test_plait_train_runs_an_moe_recipe_and_logs_expert_load(tmp_path):
             assert r[f"moe/{layer}/aux_loss"] >= 1.0  # >= 1 for any routing with k=2 of 4 (balanced: 2)
     saved = json.loads((out / "final" / "config.json").read_text())
     assert saved["model_type"] == "mixtral" and saved["num_local_experts"] == 4
+    loads = [json.loads(line) for line in (out / "moe_load.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in loads] == [2, 4] and set(loads[0]["layers"]) == {"layer0", "layer1"}
+    assert all(abs(sum(row) - 1.0) < 1e-5 and len(row) == 4 for r in loads for row in r["layers"].values())
+    assert (out / "moe_load.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_load_map_keeps_a_resumed_steps_last_record_and_draws_a_png(tmp_path):
+    from plait.moe.load_map import append_load, plot_load_map, read_load
+
+    path = tmp_path / "moe_load.jsonl"
+    append_load(path, 10, {"layer0": [0.5, 0.5], "layer1": [1.0, 0.0]})
+    append_load(path, 20, {"layer0": [0.2, 0.8], "layer1": [0.6, 0.4]})
+    append_load(path, 20, {"layer0": [0.3, 0.7], "layer1": [0.6, 0.4]})  # step 20 again, after a resume
+    assert [r["layers"]["layer0"] for r in read_load(path)] == [[0.5, 0.5], [0.3, 0.7]]
+    assert [r["step"] for r in read_load(path, last_step=10)] == [10]
+    png = plot_load_map(path, tmp_path / "moe_load.png")
+    assert png is not None and png.read_bytes().startswith(b"\x89PNG")

@@ -46,27 +46,34 @@ def configure_moe(stages: list[nn.Module], section: MoeSection, config: Any, *, 
 
 
 @torch.no_grad()
-def read_moe_stats(layers: list[tuple[str, MoELayer]], group: Any = None, world: int = 1) -> dict[str, float]:
+def read_moe_stats(layers: list[tuple[str, MoELayer]], group: Any = None,
+                   world: int = 1) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The interval's MoE metrics, then the counters reset: per layer (``moe/<layer>/...``) the
     load imbalance (max / mean assignments per expert), the dropped share of assignments, and the
     mean aux and z-loss per forward. One host read for all of this rank's layers; with ``world > 1``
     every rank of ``group`` (all ranks) must call it, and each value is the mean over the ranks
     holding that layer (data-parallel replicas routed different tokens; pipeline stages hold
-    different layers)."""
+    different layers). Second: each layer's per-expert share of the assignments (for the load map).
+    """
     local = _local_stats(layers)
     if world == 1:
         return local
-    gathered: list[dict[str, float] | None] = [None] * world
+    gathered: list[tuple[dict[str, float], dict[str, list[float]]] | None] = [None] * world
     dist.all_gather_object(gathered, local, group=group)
     sums: dict[str, list[float]] = {}
+    shares: dict[str, list[list[float]]] = {}
     for part in gathered:
-        for name, value in (part or {}).items():
+        metrics, loads = part or ({}, {})
+        for name, value in metrics.items():
             sums.setdefault(name, []).append(value)
-    return {name: sum(v) / len(v) for name, v in sums.items()}
+        for name, row in loads.items():
+            shares.setdefault(name, []).append(row)
+    return ({name: sum(v) / len(v) for name, v in sums.items()},
+            {name: [sum(col) / len(rows) for col in zip(*rows, strict=True)] for name, rows in shares.items()})
 
 
-def _local_stats(layers: list[tuple[str, MoELayer]]) -> dict[str, float]:
-    names, values = [], []
+def _local_stats(layers: list[tuple[str, MoELayer]]) -> tuple[dict[str, float], dict[str, list[float]]]:
+    names, values, load_names, loads = [], [], [], []
     for name, layer in layers:
         s = layer.stats
         if s is None or s.forwards == 0:
@@ -77,8 +84,13 @@ def _local_stats(layers: list[tuple[str, MoELayer]]) -> dict[str, float]:
         names += [f"moe/{short}/imbalance", f"moe/{short}/dropped", f"moe/{short}/aux_loss", f"moe/{short}/z_loss"]
         values += [routed.max() / routed.mean().clamp(min=1e-9), s.dropped / total, s.aux / s.forwards,
                    s.z / s.forwards]
+        load_names.append(short)
+        loads.append(routed / total)
         layer.stats = MoEStats.zeros(layer.num_experts, routed.device)
     if not values:
-        return {}
-    read = torch.stack([v.float() for v in values]).tolist()
-    return dict(zip(names, read, strict=True))
+        return {}, {}
+    read = torch.cat([torch.stack([v.float() for v in values])] + loads).tolist()  # the one host read
+    scalars, rest = read[:len(values)], read[len(values):]
+    per_layer = len(rest) // len(load_names)
+    shares = {n: rest[i * per_layer:(i + 1) * per_layer] for i, n in enumerate(load_names)}
+    return dict(zip(names, scalars, strict=True)), shares

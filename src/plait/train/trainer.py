@@ -37,6 +37,7 @@ from plait.generate import generate
 from plait.lora import save_peft_adapter
 from plait.models.flops import mfu, model_flops_per_token
 from plait.moe import is_moe_config, moe_layers, read_moe_stats
+from plait.moe.load_map import MOE_LOAD_FILE, append_load, plot_load_map
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
 from plait.train.evaluation import evaluate, evaluate_preference
@@ -304,7 +305,10 @@ class Trainer:
             raise FloatingPointError(f"loss became {record['loss']} at step {done}; lower "
                                      f"optimizer.lr or enable optimizer.grad_clip")
         if is_moe_config(self.state.config):  # per MoE layer, averaged over the ranks holding it
-            record.update(read_moe_stats(moe_layers(self.state.stages), self.state.control, self.world))
+            moe, loads = read_moe_stats(moe_layers(self.state.stages), self.state.control, self.world)
+            record.update(moe)
+            if self.is_writer and loads:
+                append_load(self.out / MOE_LOAD_FILE, done, loads)
         wait = self.loader.wait_seconds - interval_wait0
         record.update(self._throughput_fields(n, now - interval_start, wait))
         record["elapsed_s"] = now - run_start
@@ -357,6 +361,9 @@ class Trainer:
         metrics_file = self.out / "metrics.jsonl"
         if r.logging.plot and metrics_file.exists():
             plot_run(metrics_file, self.out / "loss.png")
+        if r.logging.plot and (self.out / MOE_LOAD_FILE).exists():  # expert load heat map of an MoE run
+            plot_load_map(self.out / MOE_LOAD_FILE, self.out / "moe_load.png",
+                          final.get("final_step", r.train.steps))
         summary = summary_table(metrics_file, self.start_step) if metrics_file.exists() else json.dumps(final, indent=1)
         if r.data.format == "text":  # the unigram baseline is of plain text; rows score their targets only
             baseline = unigram_loss(prepared_dir, st.train_data.vocab_size)
