@@ -36,6 +36,7 @@ LAYOUTS = {
     "ep2xpp2": (["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"], 4, 4, 2),
     "ep2-zero1": (["parallel.dp=2", "parallel.ep=2", "parallel.zero1=true"], 2, 2, 2),
     "ep2xdp2-zero1": (["parallel.dp=4", "parallel.ep=2", "parallel.zero1=true"], 4, 1, 4),
+    "ep2-checkpointing": (["parallel.dp=2", "parallel.ep=2", "train.activation_checkpointing=full"], 2, 2, 2),
     "tp2": (["parallel.tp=2"], 2, 2, 1),
     "ep2xtp2": (["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"], 4, 2, 2),
 }
