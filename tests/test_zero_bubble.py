@@ -29,7 +29,8 @@ from plait.tensor_parallel.attention import ParallelSelfAttention
 from plait.tensor_parallel.heads import HeadLayout
 from plait.tensor_parallel.linear import ColumnParallelLinear, DeferrableLinear, RowParallelLinear
 from plait.tensor_parallel.mlp import ParallelGatedMLP
-from plait.tensor_parallel.weight_grad import WeightGradQueue, attach_weight_grad_queue
+from plait.tensor_parallel.weight_grad import WeightGradQueue
+from plait.tensor_parallel.weight_grad_attach import attach_weight_grad_queue
 from test_pipeline_schedules import _parse
 from trainer_runs import corpus_dir, max_relative, merged_weights, run_recipe, weight_errors
 

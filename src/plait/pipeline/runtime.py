@@ -44,7 +44,8 @@ from plait.mesh import ParallelMesh
 from plait.nn.output import SequenceLoss
 from plait.pipeline import tasks as T
 from plait.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_tasks
-from plait.tensor_parallel.weight_grad import WeightGradQueue, attach_weight_grad_queue
+from plait.tensor_parallel.weight_grad import WeightGradQueue
+from plait.tensor_parallel.weight_grad_attach import attach_weight_grad_queue
 
 
 @dataclass

@@ -9,7 +9,7 @@ With ``sequence_parallel`` the activations outside the pair are sharded along th
 the column layer all-gathers its input and the row layer reduce-scatters its output.
 
 Both layers carry ``weight_grad_queue`` (``None`` by default): a zero-bubble pipeline schedule sets
-it (:func:`plait.tensor_parallel.weight_grad.attach_weight_grad_queue`) so their weight-gradient
+it (:func:`plait.tensor_parallel.weight_grad_attach.attach_weight_grad_queue`) so their weight-gradient
 products can be deferred from the input-gradient backward to a later ``W`` task.
 """
 
@@ -136,7 +136,7 @@ class DeferrableLinear(nn.Linear):
 
     Without tensor parallelism the models keep plain ``nn.Linear`` projections; a zero-bubble
     schedule switches those instances to this class
-    (:func:`~plait.tensor_parallel.weight_grad.attach_weight_grad_queue`, the same class swap
+    (:func:`~plait.tensor_parallel.weight_grad_attach.attach_weight_grad_queue`, the same class swap
     LoRA uses), so they split their backward like the parallel layers. Without a queue it is
     ``nn.Linear``.
     """

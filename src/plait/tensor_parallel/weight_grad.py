@@ -21,7 +21,8 @@ input and output gradient alive from ``B`` to ``W`` (under sequence parallelism 
 input), which is what ``W`` needs; the rest of the microbatch's activations are freed by ``B``.
 
 The queue is owned by whoever runs the schedule (one per :class:`~plait.pipeline.runtime.
-PipelineRuntime`) and attached to the layers with :func:`attach_weight_grad_queue`; it is a plain
+PipelineRuntime`) and attached to the layers with
+:func:`plait.tensor_parallel.weight_grad_attach.attach_weight_grad_queue`; it is a plain
 object read from the autograd engine's thread (CUDA runs backward on a device thread), so no
 thread-local or global state is involved.
 """
@@ -33,9 +34,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
-from plait.tensor_parallel.linear import ColumnParallelLinear, DeferrableLinear, RowParallelLinear
 
 
 @dataclass
@@ -91,29 +89,3 @@ class WeightGradQueue:
     def pending(self) -> list[Hashable]:
         """Keys whose weight gradients are deferred and not yet run (empty after a full schedule)."""
         return list(self._pending)
-
-
-def attach_weight_grad_queue(module: nn.Module, queue: WeightGradQueue | None) -> list[torch.Tensor]:
-    """Let every column/row-parallel linear layer in ``module``, and every plain ``nn.Linear`` (the
-    projections of a model built without tensor parallelism, switched to
-    :class:`~plait.tensor_parallel.linear.DeferrableLinear`), defer its weight gradient to
-    ``queue`` (``None`` detaches); returns the weights attached. Subclasses of ``nn.Linear`` (LoRA's
-    adapted projections) are left alone.
-
-    A weight that is reachable under more than one name in ``module`` (an output head tied to the
-    embedding of the same stage) is left alone: its other use accumulates in ``B``, and splitting
-    its accumulation across ``B`` and ``W`` would change the order of the sum.
-    """
-    uses: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    attached: list[torch.Tensor] = []
-    for m in module.modules():
-        if type(m) is nn.Linear and queue is not None and uses.get(id(m.weight), 0) == 1:
-            m.__class__ = DeferrableLinear
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear | DeferrableLinear):
-            shared = uses.get(id(m.weight), 0) > 1
-            m.weight_grad_queue = None if shared else queue
-            if queue is not None and not shared:
-                attached.append(m.weight)
-    return attached
