@@ -268,3 +268,28 @@ def test_odd_values_are_reported_not_crashed(changes: dict) -> None:
     assert result.problems == []
     assert result.of_kind("not mapped")
     validate_recipe(result.recipe, result.world_size, check_paths=False)
+
+
+# ---------------------------------------------------------------------- Mixture-of-Experts, context parallelism
+def test_mixtral_moe_keys_and_expert_parallelism_are_mapped() -> None:
+    """NxDT's expert count, top-k, aux-loss weight and expert-parallel degree land in plait's mixtral
+    fields (Hugging Face names), moe section and parallel.ep; the recipe validates."""
+    result = _import(LLAMA3, **{"name": "hf_mixtral_tiny", "model.num_moe_experts": 8, "model.moe_top_k": 2,
+                                "model.router_aux_loss_coef": 0.02, "model.moe_frequency": 1,
+                                "distributed_strategy.expert_model_parallel_size": 2,
+                                "distributed_strategy.sequence_parallel": False})  # MoE runs without SP
+    fields = _fields(result)
+    assert fields["model.family"] == "mixtral"
+    assert (fields["model.num_local_experts"], fields["model.num_experts_per_tok"]) == (8, 2)
+    assert fields["moe.aux_loss_coef"] == 0.02 and fields["parallel.ep"] == 2
+    assert "model.moe_frequency" in _by_kind(result, "ignored")
+    every_other = _by_kind(_import(LLAMA3, **{"model.moe_frequency": 2}), "not mapped")["model.moe_frequency"]
+    assert "every layer" in every_other
+    assert result.problems == []
+    validate_recipe(result.recipe, result.world_size, check_paths=False)
+
+
+def test_context_parallel_size_is_reported_for_a_hand_mapping() -> None:
+    result = _import(LLAMA3, **{"distributed_strategy.context_parallel_size": 2})
+    assert "parallel.cp by hand" in _by_kind(result, "not mapped")["distributed_strategy.context_parallel_size"]
+    assert "parallel.cp" not in _fields(result)

@@ -13,6 +13,7 @@ from pathlib import Path
 from plait.config.schema import ARCH_FIELDS, ModelSection
 from plait.interop.nxdt_collect import Collector
 from plait.interop.nxdt_sections import NOT_NUMERIC, ignore_listed, one_of
+from plait.models.registry import FAMILIES as REGISTERED_FAMILIES
 
 #: model keys that do not matter to plait, and why
 _MODEL_IGNORED = {
@@ -42,7 +43,8 @@ MODEL_FIELDS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
                 "init_method_std": "initializer_range", "hidden_dropout": "hidden_dropout",
                 "attention_dropout": "attention_dropout",
                 "share_embeddings_and_output_weights": "tie_word_embeddings"}
-FAMILIES = ("llama", "qwen3", "mistral")
+#: plait's families, longest name first (a run named "qwen3_moe-..." is qwen3_moe, not qwen3)
+FAMILIES = tuple(sorted(REGISTERED_FAMILIES, key=len, reverse=True))
 
 
 def import_model(c: Collector, base_dir: Path) -> None:
@@ -81,10 +83,7 @@ def import_model(c: Collector, base_dir: Path) -> None:
             else:
                 c.unmap(m + key, f"plait supports only {sorted(fine, key=str)[0]!r}")
     ignore_listed(c, m, _MODEL_IGNORED)
-    for key in ("num_moe_experts", "moe_top_k", "moe_frequency", "router_aux_loss_coef", "num_local_experts",
-                "num_experts_per_tok"):
-        if c.has(m + key):
-            c.unmap(m + key, "Mixture-of-Experts is not in plait yet; the recipe describes a dense model")
+    _moe(c)
     if c.has(m + "peft"):
         c.unmap(m + "peft", "plait has no LoRA yet; the recipe trains every weight")
     if c.has(m + "make_vocab_size_divisible_by"):
@@ -136,20 +135,39 @@ def _family(c: Collector, model_type: str | None) -> None:
         family, source, how = model_type, "model.model_config:model_type", "from config.json"
     else:
         name = str(c.get("name", "")).lower()
-        guess = next((f for f in ("mixtral", *FAMILIES) if f in name), None)
+        guess = next((f for f in FAMILIES if f in name), None)
         if guess is None:
             return
         family = guess
         source, how = "(family from name)", f"guessed from the config's name {c.get('name')!r}"
-    if family == "mixtral":
-        c.unmap(source, "Mixtral (Mixture-of-Experts) is not in plait yet", value=family)
-    elif family not in FAMILIES:
+    if family not in FAMILIES:
         c.unmap(source, f"plait's model families are {', '.join(FAMILIES)}", value=family)
     elif "family" in ModelSection.model_fields:
         c.map(source, {"model.family": family}, how, value=family)
     elif family != "llama":
         c.unmap(source, "this plait has no model.family recipe field yet; the recipe describes a Llama model",
                 value=family)
+
+
+#: NxDT's Mixture-of-Experts model keys -> plait's (Hugging Face names, like the dense fields)
+_MOE_FIELDS = {"num_moe_experts": "model.num_local_experts", "num_local_experts": "model.num_local_experts",
+               "moe_top_k": "model.num_experts_per_tok", "num_experts_per_tok": "model.num_experts_per_tok",
+               "router_aux_loss_coef": "moe.aux_loss_coef"}
+
+
+def _moe(c: Collector) -> None:
+    """The expert count, top-k and auxiliary-loss weight; plait's Mixtral has an MoE block in every
+    layer, so ``moe_frequency`` must be 1."""
+    m = "model."
+    for key, field in _MOE_FIELDS.items():
+        if c.has(m + key):
+            c.map(m + key, {field: c.get(m + key)}, "with model.family mixtral (docs/moe.md)")
+    if c.has(m + "moe_frequency"):
+        if c.get(m + "moe_frequency") == 1:
+            c.ignore(m + "moe_frequency", "1 = an MoE block in every layer, as plait's mixtral family has")
+        else:
+            c.unmap(m + "moe_frequency", "plait's mixtral family has an MoE block in every layer (1); "
+                                         "qwen3_moe's decoder_sparse_step is the Qwen3-MoE equivalent")
 
 
 def _fusions(c: Collector) -> None:

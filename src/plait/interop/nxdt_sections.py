@@ -225,11 +225,16 @@ def import_strategy(c: Collector, world: int | None) -> int | None:
                   "NxD copies each K/V head this many times; plait's kv_replication is the number of TP ranks "
                   "holding the same K/V heads, the same number when the copies land on distinct ranks")
     for key in ("expert_model_parallel_size", "context_parallel_size"):
-        if c.has(s + key):
-            if c.get(s + key) == 1:
-                c.ignore(s + key, "1 = off")
-            else:
-                c.unmap(s + key, "not in plait yet (expert and context parallelism come with later issues)")
+        if not c.has(s + key):
+            continue
+        if c.get(s + key) == 1:
+            c.ignore(s + key, "1 = off")
+        elif key == "expert_model_parallel_size":
+            c.map(s + key, {"parallel.ep": c.get(s + key)}, "expert parallelism folds over data parallelism "
+                                                            "(docs/moe.md)")
+        else:
+            c.unmap(s + key, "not imported: set parallel.cp by hand (zigzag ring attention, "
+                             "docs/context_parallel.md); the import derives dp over tp*pp only")
     tp, pp = c.value("parallel.tp", 1), c.value("parallel.pp", 1)
     if world is None or not (is_int(tp) and is_int(pp) and tp >= 1 and pp >= 1):
         return None
