@@ -22,7 +22,8 @@ _MODEL_IGNORED = {
     "use_cpu_initialization": "plait builds on the meta device and materializes each rank's shard",
     "persist_layer_norm": NOT_NUMERIC, "gradient_accumulation_fusion": NOT_NUMERIC,
     "bias_activation_fusion": NOT_NUMERIC, "masked_softmax_fusion": NOT_NUMERIC, "apply_rope_fusion": NOT_NUMERIC,
-    "disable_layer_norm_checkpointing": NOT_NUMERIC, "capacity_factor": "Mixture-of-Experts is not in plait yet",
+    "disable_layer_norm_checkpointing": NOT_NUMERIC,
+    "capacity_factor": "not imported: set moe.capacity_factor by hand (the drop policies differ, docs/moe.md)",
 }
 #: values of value-dependent model keys that are what plait's models do anyway
 _MODEL_DEFAULTS: dict[str, tuple[set[str | bool], str]] = {
@@ -85,7 +86,8 @@ def import_model(c: Collector, base_dir: Path) -> None:
     ignore_listed(c, m, _MODEL_IGNORED)
     _moe(c)
     if c.has(m + "peft"):
-        c.unmap(m + "peft", "plait has no LoRA yet; the recipe trains every weight")
+        c.unmap(m + "peft", "not imported: plait's LoRA is the lora section (rank, alpha, target_modules; "
+                            "docs/post_training.md maps the keys); the recipe trains every weight")
     if c.has(m + "make_vocab_size_divisible_by"):
         c.ignore(m + "make_vocab_size_divisible_by", "plait does not pad the vocabulary; set model.vocab_size "
                                                      "to a padded size if you want one")

@@ -92,8 +92,9 @@ def import_top(c: Collector) -> None:
         c.map("seed", {"run.seed": c.get("seed")})
     for key in ("model_alignment_strategy", "data.alignment_strategy"):
         if c.has(key):
-            c.unmap(key, "plait has no supervised fine-tuning yet (prompt-masked loss, packing): the recipe "
-                         "trains next-token loss on whole documents")
+            c.unmap(key, "not imported: plait's fine-tuning is data.format sft|preference with train.objective "
+                         "(docs/post_training.md maps the keys); the recipe trains next-token loss on whole "
+                         "documents")
 
 
 def import_trainer(c: Collector) -> int | None:
