@@ -241,7 +241,7 @@ def test_config_validate_and_train_take_the_default_on_three_processes(tmp_path,
 
     assert _cli(["config", "validate", "--nproc", "3"], capsys)[:2] == (0, "ok\n")
     launched = []
-    monkeypatch.setattr(plait.launch, "launch_local", lambda fn, world, text: launched.append((world, text)))
+    monkeypatch.setattr(plait.launch, "launch_local", lambda fn, world, text, **kw: launched.append((world, text)))
     monkeypatch.setattr(plait.train.entry, "prepare_data", lambda recipe, progress=False: None)
     code, out, err = _cli(["train", "--nproc", "3", f"run.output_dir={tmp_path / 'run'}"], capsys)
     assert code == 0, err
