@@ -100,6 +100,7 @@ def _logits_worker_vpp(rank, world, config, pp, ids):
     return StagesCausalLM(stages, mesh)(ids)
 
 
+@pytest.mark.slow  # two `plait train` launches at PP=2 (the sample of a TP run: tests/test_trainer.py)
 def test_pipeline_run_ends_with_a_sample(corpus, tmp_path):
     """plait train under PP=2 writes a sample like any other run (it printed a note before)."""
     out = tmp_path / "run"

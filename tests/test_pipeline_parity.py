@@ -35,7 +35,9 @@ LAYOUTS = {
     # interleaving also runs by default in tests/test_dp_parity.py (pp2xdp2-vpp2)
     "pp2-vpp2": pytest.param((["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
                                "model.num_hidden_layers=4"], 2), marks=pytest.mark.slow),
-    "pp2xtp2": (["parallel.pp=2", "parallel.tp=2", "model.num_hidden_layers=4"], 4),
+    # PP x TP runs by default with sequence parallelism (pp2xtp2-sp); without it in `make test-slow`
+    "pp2xtp2": pytest.param((["parallel.pp=2", "parallel.tp=2", "model.num_hidden_layers=4"], 4),
+                            marks=pytest.mark.slow),
     "pp2xtp2-sp": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                     "model.num_hidden_layers=4"], 4),
     "pp3-7layers": pytest.param((["parallel.pp=3", "model.num_hidden_layers=7"], 3), marks=pytest.mark.slow),
@@ -43,7 +45,7 @@ LAYOUTS = {
     "pp2-gpipe": pytest.param((["parallel.pp=2", "parallel.schedule=gpipe", "model.num_hidden_layers=4"], 2),
                               marks=pytest.mark.slow),
     # TP alone, for comparison: it shows where the weight round-off of pp2xtp2 comes from
-    "tp2-only": (["parallel.tp=2", "model.num_hidden_layers=4"], 2),
+    "tp2-only": pytest.param((["parallel.tp=2", "model.num_hidden_layers=4"], 2), marks=pytest.mark.slow),
 }
 #: Relative weight tolerance. Pure pipeline layouts keep the single-process reduction order almost
 #: everywhere: 1e-5. With TP, row-parallel partial sums are added in another order and 20 Adam
