@@ -16,7 +16,7 @@ import torch
 from plait.comm.primitives import GroupInfo, all_gather_dim, reduce_scatter_dim
 from plait.context_parallel.piecewise import backward_block, empty_accumulator, forward_block
 from plait.context_parallel.plan import pieces
-from plait.context_parallel.ring import group_queries
+from plait.context_parallel.ring import backward_inputs, group_queries
 from plait.context_parallel.split import SequenceSplit
 
 
@@ -39,10 +39,7 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse, segments = ctx.saved_tensors
         split, info, scale = ctx.split, ctx.info, ctx.scale
-        qg = group_queries(q, k.shape[1])
-        dout = grad_out.float().reshape(qg.shape)
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(qg)
+        qg, dout, delta, dq = backward_inputs(q, k.shape[1], out, grad_out)
         blocks = all_gather_dim(torch.stack([k, v]), 0, info.group).float().chunk(split.cp, dim=0)
         grads = [backward_block(qg, kv, dout, lse, delta, pieces(split, info.rank, owner), split, segments, scale, dq)
                  for owner, kv in enumerate(blocks)]

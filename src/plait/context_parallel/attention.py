@@ -27,8 +27,7 @@ from plait.context_parallel.batch import decode_chunks
 from plait.context_parallel.exchange import RingExchange
 from plait.context_parallel.ring import ring_attention
 from plait.context_parallel.split import SequenceSplit
-from plait.nn.attention import causal_attention, segment_ids_of
-from plait.nn.rotary import apply_rotary
+from plait.nn.attention import causal_attention, rotated_heads, segment_ids_of
 
 CPMode = Literal["ring", "allgather"]
 #: attribute of a document mask caching its micro-batch's split and whole-row document ids
@@ -83,11 +82,7 @@ class ContextParallelAttention:
             raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism; "
                              f"set model.attention_dropout to 0")
         b, s, _ = q.shape
-        hd = cos.shape[-1]
-        q = q.view(b, s, -1, hd).transpose(1, 2)
-        k = k.view(b, s, -1, hd).transpose(1, 2)
-        v = v.view(b, s, -1, hd).transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k, v = rotated_heads(q, k, v, cos, sin)
         split, segments = (self.cp.split(s * self.cp.size), None) if mask is None else self._packed(mask, s)
         if self.cp.mode == "ring":
             out = ring_attention(q, k.contiguous(), v.contiguous(), split, self.exchange, segments)

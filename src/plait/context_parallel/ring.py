@@ -33,6 +33,16 @@ def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.float().reshape(b, kv_heads, h // kv_heads, s, d)
 
 
+def backward_inputs(q: torch.Tensor, kv_heads: int, out: torch.Tensor, grad_out: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every block's backward needs: grouped fp32 queries, the output gradient in their shape,
+    ``delta = rowsum(dout * out)`` (the softmax backward term) and a zero dq accumulator."""
+    qg = group_queries(q, kv_heads)
+    dout = grad_out.float().reshape(qg.shape)
+    delta = (dout * out).sum(-1)
+    return qg, dout, delta, torch.zeros_like(qg)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit,
@@ -57,10 +67,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse, segments = ctx.saved_tensors
         split, exchange, scale = ctx.split, ctx.exchange, ctx.scale
-        qg = group_queries(q, k.shape[1])
-        dout = grad_out.float().reshape(qg.shape)
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(qg)
+        qg, dout, delta, dq = backward_inputs(q, k.shape[1], out, grad_out)
         kv = torch.stack([k, v])  # sent in the input dtype, computed in fp32
         dkv_acc: torch.Tensor | None = None
         for step in ring_plan(split, exchange.info.rank, direction=-1):

@@ -48,6 +48,19 @@ def segment_ids_of(mask: torch.Tensor) -> torch.Tensor | None:
     return getattr(mask, SEGMENT_IDS_ATTR, None)
 
 
+def rotated_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[batch, seq, heads*head_dim]`` projections as ``[batch, heads, seq, head_dim]``, with the
+    rotary embedding applied to the queries and keys."""
+    b, s, _ = q.shape
+    hd = cos.shape[-1]
+    q = q.view(b, s, -1, hd).transpose(1, 2)
+    k = k.view(b, s, -1, hd).transpose(1, 2)
+    v = v.view(b, s, -1, hd).transpose(1, 2)
+    q, k = apply_rotary(q, k, cos, sin)
+    return q, k, v
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin,
                      dropout_p: float = 0.0, window: int | None = None,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,11 +76,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin
     ``[batch, seq, q_heads*head_dim]``.
     """
     b, s, _ = q.shape
-    hd = cos.shape[-1]
-    q = q.view(b, s, -1, hd).transpose(1, 2)
-    k = k.view(b, s, -1, hd).transpose(1, 2)
-    v = v.view(b, s, -1, hd).transpose(1, 2)
-    q, k = apply_rotary(q, k, cos, sin)
+    q, k, v = rotated_heads(q, k, v, cos, sin)
     gqa = q.shape[1] != k.shape[1]
     windowed = window is not None and window < s
     if mask is None and not windowed:
