@@ -44,6 +44,20 @@ def test_flops_counts_biases_and_rejects_bad_seq_len():
         model_flops_per_token(cfg, 0)
 
 
+def test_moe_flops_count_the_experts_a_token_uses():
+    """Mixtral with E experts, top-k: N is the dense model whose MLP is k experts wide, plus the
+    routers (E x hidden per layer); the other E - k experts do no work for the token."""
+    from plait.models.flops import matmul_params
+    from plait.models.mixtral.config import MixtralConfig
+
+    base = dict(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    moe = MixtralConfig(**base, num_local_experts=8, num_experts_per_tok=2)
+    dense_k_wide = _config(intermediate_size=2 * 32)
+    assert matmul_params(moe) == matmul_params(dense_k_wide) + 2 * 8 * 16
+    assert moe.num_parameters() > matmul_params(moe) + 2 * 6 * 3 * 16 * 32 - 1  # every expert is stored
+
+
 def test_mfu_arithmetic():
     from plait.models.flops import mfu
 

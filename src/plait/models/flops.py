@@ -13,7 +13,10 @@ matmul still runs), ``L`` layers, ``H`` query heads, ``Q`` head dim and ``T`` th
 length. The factor 6 is 2 (multiply-add) x 3 (forward, input gradient, weight gradient); the
 attention term is ``QK^T`` and ``PV`` at full (unmasked) size, except that a sliding-window
 family (Mistral) counts ``min(T, window)`` keys per query (``config.attention_span``).
-The config may be of any model family.
+The config may be of any model family. For Mixture-of-Experts families ``N`` counts the experts a
+token is routed to (``num_experts_per_tok`` of each MoE layer, the router included), not every
+expert: the config's ``inactive_expert_parameters()`` are left out, so MFU stays the share of the
+peak the model's own computation uses (dropped tokens under a capacity are still counted).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from plait.models.llama.config import LlamaConfig
 
 
 def matmul_params(config: LlamaConfig) -> int:
-    """Non-embedding parameters plus the output head's matrix (the ``N`` of ``6N``)."""
+    """Non-embedding parameters plus the output head's matrix, less the experts a token does not use
+    (the ``N`` of ``6N``)."""
     embedding = config.vocab_size * config.hidden_size
     head = config.vocab_size * config.hidden_size
     non_embedding = config.num_parameters() - embedding - (0 if config.tie_word_embeddings else head)
-    return non_embedding + head
+    inactive = getattr(config, "inactive_expert_parameters", None)  # MoE families: experts a token skips
+    return non_embedding + head - (inactive() if callable(inactive) else 0)
 
 
 def model_flops_per_token(config: LlamaConfig, seq_len: int, *, weight_gradients: bool = True) -> int:

@@ -72,6 +72,12 @@ class MixtralConfig(MistralConfig):
         d.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})
         return d
 
+    def inactive_expert_parameters(self) -> int:
+        """Expert parameters a token does not use: ``num_local_experts - num_experts_per_tok`` experts of
+        every MoE layer (what model FLOPs leave out, :mod:`plait.models.flops`)."""
+        unused = self.num_local_experts - self.num_experts_per_tok
+        return len(self.moe_layer_ids()) * unused * 3 * self.hidden_size * self.intermediate_size
+
     def layer_parameters(self) -> int:
         """Attention, two norms, the router and every expert (the total, not the active count)."""
         h, i, e = self.hidden_size, self.intermediate_size, self.num_local_experts

@@ -76,6 +76,12 @@ class Qwen3MoeConfig(Qwen3Config):
         d.pop("num_local_experts", None)
         return d
 
+    def inactive_expert_parameters(self) -> int:
+        """Expert parameters a token does not use: ``num_experts - num_experts_per_tok`` experts of every
+        MoE layer (what model FLOPs leave out, :mod:`plait.models.flops`)."""
+        unused = self.num_experts - self.num_experts_per_tok
+        return len(self.moe_layer_ids()) * unused * 3 * self.hidden_size * self.moe_intermediate_size
+
     def _block_parameters(self) -> tuple[int, int]:
         """(dense block, sparse block) parameter counts."""
         h = self.hidden_size
