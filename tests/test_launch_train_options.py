@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from plait.cli import main
 from plait.cluster.network import iface_address, iface_environment, is_local_address, local_interfaces
 
@@ -33,3 +35,13 @@ def test_network_helpers():
     assert "lo" in local_interfaces()
     assert iface_address("lo") == "127.0.0.1" and iface_address("nosuch0") is None
     assert is_local_address("127.0.0.1") and not is_local_address("198.51.100.7")  # TEST-NET-2: never local
+
+
+@pytest.mark.parametrize("endpoint, expected", [("foo", "must be HOST:PORT"), ("foo:0", "must be HOST:PORT"),
+                                                ("nosuchhost.invalid:29400", "does not resolve")])
+def test_a_bad_rendezvous_endpoint_is_refused_before_launch(capsys, endpoint, expected):
+    """An endpoint without a port, or whose host does not resolve, is an error before any process
+    starts (not a rendezvous that retries until its timeout)."""
+    assert main(["train", "--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", endpoint, "train.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "--rdzv-endpoint" in err and expected in err, err

@@ -70,6 +70,22 @@ def default_nproc(data: dict) -> int:
     return n
 
 
+def _check_endpoint(endpoint: str) -> None:
+    """``HOST:PORT`` with a port in 1..65535 and a host name this machine resolves, before any process
+    starts (an unresolvable host would otherwise retry inside the rendezvous until its timeout)."""
+    import socket
+
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint={endpoint!r} must be HOST:PORT, e.g. node001:29400 (the first host's "
+                         f"address and a free port)")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except OSError as e:
+        raise ValueError(f"--rdzv-endpoint={endpoint!r}: the host {host!r} does not resolve on this machine ({e}); "
+                         f"give the first host's name or address") from None
+
+
 def run(args) -> int:
     from plait.config import RecipeError, recipe_data, validate_recipe
     from plait.config.load import DEFAULT_RECIPE
@@ -83,6 +99,8 @@ def run(args) -> int:
         if nnodes < 1 or (nnodes > 1 and not getattr(args, "rdzv_endpoint", None)):
             raise ValueError(f"--nnodes={nnodes} needs a positive count and, above 1, --rdzv-endpoint HOST:PORT "
                              f"(the first host's address)")
+        if nnodes > 1:
+            _check_endpoint(args.rdzv_endpoint)
         if in_launched_world():
             world = launched_world_size()
             from plait.cluster.elastic import fit_to_world
