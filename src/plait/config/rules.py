@@ -190,7 +190,10 @@ def _check_batch(c: _Checker, dp: int | None) -> None:
 def _check_schedule(c: _Checker) -> None:
     r = c.r
     if c.ok("scheduler.warmup_steps", "train.steps") and r.scheduler.warmup_steps > r.train.steps:
-        c.add("scheduler.warmup_steps", r.scheduler.warmup_steps, f"must be <= train.steps={r.train.steps}")
+        short = r.train.steps // 10
+        c.add("scheduler.warmup_steps", r.scheduler.warmup_steps, f"must be <= train.steps={r.train.steps}; for a "
+                                                                  f"short run set scheduler.warmup_steps={short}"
+                                                                  + (" (or 0)" if short else ""))
 
 
 def _check_pipeline(c: _Checker, arch: LlamaConfig | None) -> None:
