@@ -168,8 +168,9 @@ def _moe(c: Collector) -> None:
         if c.get(m + "moe_frequency") == 1:
             c.ignore(m + "moe_frequency", "1 = an MoE block in every layer, as plait's mixtral family has")
         else:
-            c.unmap(m + "moe_frequency", "plait's mixtral family has an MoE block in every layer (1); "
-                                         "qwen3_moe's decoder_sparse_step is the Qwen3-MoE equivalent")
+            c.unmap(m + "moe_frequency", "plait's mixtral family has an MoE block in every layer (1), so the "
+                                         "recipe written describes a different model; qwen3_moe's "
+                                         "decoder_sparse_step is the Qwen3-MoE equivalent")
 
 
 def _fusions(c: Collector) -> None:
