@@ -250,8 +250,14 @@ def test_existing_output_needs_force(tmp_path: Path, capsys) -> None:
     assert main(["import-nxdt", str(SFT), "-o", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
     assert out.read_text() == "keep me\n"
-    assert main(["import-nxdt", str(SFT), "-o", str(out), "--force"]) == 0
-    assert load_recipe(out).parallel.tp == 8
+    # --force replaces only an earlier import's output, never a file of someone else's
+    assert main(["import-nxdt", str(SFT), "-o", str(out), "--force"]) == 2
+    assert "not written by plait import-nxdt" in capsys.readouterr().err
+    assert out.read_text() == "keep me\n"
+    ours = tmp_path / "imported.yaml"
+    assert main(["import-nxdt", str(LLAMA3), "-o", str(ours)]) == 0
+    assert main(["import-nxdt", str(SFT), "-o", str(ours), "--force"]) == 0
+    assert load_recipe(ours).parallel.tp == 8
 
 
 @pytest.mark.parametrize("changes", [

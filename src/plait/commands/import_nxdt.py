@@ -4,7 +4,8 @@ Without ``-o`` the recipe goes to standard output and the report to standard err
 ``plait import-nxdt c.yaml > recipe.yaml`` works; with ``-o`` the report goes to standard output.
 Exit status 0 when a recipe was produced (keys that could not be mapped are listed under
 "not mapped"); 2 with one line naming the file when the input is missing, not a mapping or not
-an NxDT config, or when the output file exists and ``--force`` is not given.
+an NxDT config, or when the output file exists and ``--force`` is not given (``--force`` replaces
+only a file an earlier import wrote: its first line is the import's header).
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+#: what the first line of every recipe this command writes says (see ImportResult.recipe_text)
+IMPORT_MARKER = "by plait import-nxdt"
+
+
+def _written_by_import(path: Path) -> bool:
+    """``path`` is a regular file whose first line is this command's header (an earlier import)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return IMPORT_MARKER in f.readline()
+    except OSError:
+        return False
+
+
 def _fail(message: str) -> int:
     print(f"plait import-nxdt: {message}", file=sys.stderr)
     return 2
@@ -40,6 +56,9 @@ def run(args) -> int:
         return _fail(f"{out}: exists; give --force to replace it, or another -o path")
     if out is not None and out.exists() and not out.is_file():
         return _fail(f"{out}: not a file; give a file path to -o")
+    if out is not None and out.exists() and not _written_by_import(out):
+        return _fail(f"{out}: exists and was not written by plait import-nxdt; plait does not replace it, even "
+                     f"with --force: give another -o path, or move it away yourself")
     try:
         data = read_nxdt(args.config)
     except NxdtConfigError as e:
