@@ -257,3 +257,15 @@ def test_plan_command_dry_run_tiny(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "rank 5 (" in out and "dry run: parameter bytes match the memory model" in out
+
+
+def test_moe_layouts_are_only_those_moe_runs():
+    """Mixtral: no sequence-parallel layout (MoE refuses it) and dp always a multiple of the recipe's
+    parallel.ep (expert parallelism folds over data parallelism)."""
+    from plait.plan.search import SearchOptions, enumerate_layouts
+
+    config = recipe_config("mixtral-8x7b.yaml")
+    layouts = enumerate_layouts(config, 64, seq_len=4096, options=SearchOptions(expert_parallel=8))
+    assert layouts
+    assert not any(layout.sequence_parallel for layout in layouts)
+    assert all(layout.dp % 8 == 0 for layout in layouts)

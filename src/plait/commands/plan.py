@@ -281,6 +281,7 @@ def run(args) -> int:
                             microbatches=args.microbatches, global_batch_size=global_batch, precision=precision,
                             memory_bytes=memory, headroom=args.headroom,
                             options=SearchOptions(kv_placement=recipe.parallel.kv_placement, partition=method,
+                                                  expert_parallel=recipe.parallel.ep,
                                                   partition_cost=recipe.parallel.partition_cost,
                                                   try_zero1=not args.no_zero1,
                                                   activation_checkpointing=("none",) if args.no_checkpointing

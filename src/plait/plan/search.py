@@ -95,6 +95,9 @@ class SearchOptions:
     #: context-parallel degrees tried (``None``: 1, and 2, 4, 8, 16 when ``seq_len`` is at least
     #: :data:`LONG_SEQ`; each must divide the world and give ``seq_len % (2 * cp) == 0``)
     context_parallel: tuple[int, ...] | None = None
+    #: the recipe's expert-parallel degree (MoE): a layout's dp must be a multiple of it (EP folds
+    #: over data parallelism); ep itself is not searched yet
+    expert_parallel: int = 1
 
 
 def _divisors(n: int) -> list[int]:
@@ -192,7 +195,8 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
             continue
         valid_kv, auto_kv = heads
         kv_factors = valid_kv if options.all_kv_replications else [auto_kv]
-        sp = tp > 1 and (seq_len // cp) % tp == 0
+        moe = bool(getattr(config, "moe_layer_ids", lambda: [])())  # MoE families refuse sequence parallelism
+        sp = tp > 1 and (seq_len // cp) % tp == 0 and not moe
         for pp in _divisors(world // (tp * cp)):
             if options.max_pp is not None and pp > options.max_pp:
                 continue
@@ -200,6 +204,10 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
                 reasons.add(f"pp={pp} (tp={tp}) exceeds the {layers} decoder layers")
                 continue
             dp = world // (tp * pp * cp)
+            if dp % options.expert_parallel:
+                reasons.add(f"tp={tp} pp={pp} gives dp={dp}, which parallel.ep={options.expert_parallel} does not "
+                            f"divide (expert parallelism folds over data parallelism)")
+                continue
             probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
             m = layout_microbatches(probe, micro_batch_size=micro_batch_size, microbatches=microbatches,
                                     global_batch_size=global_batch_size, seq_len=seq_len)
