@@ -103,3 +103,10 @@ def test_smollm2_is_converted_once_then_reused(tmp_path, monkeypatch):
     assert (first / "config.json").stat().st_mtime_ns == stamp
     recipe = load_recipe(DEFAULT_RECIPE, [f"model.hf_path={NAME}"])
     assert recipe.model.hf_path == NAME  # parsing alone converts nothing; validation resolves
+
+
+def test_a_misspelt_packaged_name_is_answered_with_the_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(packaged.PackagedModelError, match="did you mean the packaged model 'smollm2-135m-instruct'"):
+        model_directory("smollm2-135m-instruc")
+    assert model_directory("models/elsewhere") == tmp_path.joinpath("models/elsewhere").relative_to(tmp_path)

@@ -121,7 +121,8 @@ class ResolvedRecipe:
     def summary_line(self) -> str:
         p = self.recipe.parallel
         cp = f" cp={p.cp}" if p.cp > 1 else ""
-        return (f"tp={p.tp} pp={p.pp} dp={self.dp}{cp} (world {self.world_size}), "
+        ep = f" ep={p.ep}" if p.ep > 1 else ""
+        return (f"tp={p.tp} pp={p.pp} dp={self.dp}{cp}{ep} (world {self.world_size}), "
                 f"kv_replication={self.kv_replication}, "
                 f"{self.global_batch_size} x {self.recipe.data.seq_len} = {self.tokens_per_step} tokens/step, "
                 f"{self.recipe.train.steps} steps -> {self.output_dir}")

@@ -212,7 +212,8 @@ def _check_pipeline(c: _Checker, arch: LlamaConfig | None) -> None:
     if not c.ok("parallel.schedule", "parallel.microbatches"):
         return
     if p.vpp > 1 and p.schedule != "interleaved-1f1b":
-        c.add("parallel.schedule", p.schedule, f"vpp={p.vpp} needs the 'interleaved-1f1b' schedule")
+        c.add("parallel.schedule", p.schedule, f"vpp={p.vpp} needs the 'interleaved-1f1b' schedule; {p.schedule!r} "
+                                               f"supports only parallel.vpp=1")
         return
     try:
         validate_schedule(p.schedule, p.pp, p.microbatches, p.vpp)

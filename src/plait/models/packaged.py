@@ -10,6 +10,7 @@ shadowed.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import sys
@@ -38,7 +39,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 }
 
 
-class PackagedModelError(RuntimeError):
+class PackagedModelError(ValueError):
     """A packaged model whose package is missing or whose conversion failed."""
 
 
@@ -86,10 +87,17 @@ def packaged_model_dir(name: str, cache_root: str | os.PathLike | None = None) -
 
 def model_directory(value: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> Path:
     """A model directory argument: a packaged model's name resolves to its converted directory,
-    anything else is a path."""
+    anything else is a path. A path that does not exist but is close to a packaged name raises
+    :class:`PackagedModelError` suggesting the name."""
     if is_packaged_name(value):
         return packaged_model_dir(str(value), cache_root)
-    return Path(value).expanduser()
+    path = Path(value).expanduser()
+    if not path.exists():
+        close = difflib.get_close_matches(str(value), list(PACKAGED_MODELS), n=1)
+        if close:
+            raise PackagedModelError(f"{value}: no such directory; did you mean the packaged model {close[0]!r}? "
+                                     f"(packaged: {', '.join(PACKAGED_MODELS)})")
+    return path
 
 
 __all__ = ["PACKAGED_MODELS", "PackagedModel", "PackagedModelError", "is_packaged_name", "model_directory",
