@@ -124,3 +124,17 @@ def test_adapter_export_is_marked_and_never_replaces_foreign_files(setup, tmp_pa
     with pytest.raises(OutputDirError):
         save_peft_adapter([adapted], foreign, tp, str(root / "base"), replace=True)
     assert (foreign / "notes.txt").read_text() == "keep" and sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_eval_of_a_run_directory_names_its_model_directory(setup, tmp_path):
+    """``plait eval RUN_DIR`` (a run, not a model) is told where the run's model is."""
+    import shutil
+
+    from plait.data.errors import DataError
+    from plait.heldout import load_scoring_model
+
+    root, _, _ = setup
+    run = tmp_path / "run"
+    shutil.copytree(root / "base", run / "final")
+    with pytest.raises(DataError, match=f"its model is {run / 'final'}"):
+        load_scoring_model(run)

@@ -65,6 +65,10 @@ def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | N
     """``(model, tokenizer directory)``: a Hugging Face model directory, or a PEFT adapter directory
     (``adapter_config.json``) loaded onto ``base`` (default: the adapter's ``base_model_name_or_path``)."""
     path = model_directory(directory)
+    if not (path / "config.json").is_file() and not (path / ADAPTER_CONFIG).is_file():
+        final = path / "final"
+        if (final / "config.json").is_file() or (final / ADAPTER_CONFIG).is_file():
+            raise DataError(f"{path} is a run directory; its model is {final}: give that directory")
     if not (path / ADAPTER_CONFIG).is_file():
         return load_from_hf(path, single_process_mesh()), path
     if base is None:
