@@ -65,8 +65,11 @@ def run(args) -> int:
         spec, resolved = launch_spec(recipe, overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                      min_nodes=getattr(args, "min_nodes", None), rdzv_port=args.rdzv_port,
                                      max_restarts=args.max_restarts)
-    except (RecipeError, ValueError, FileNotFoundError) as e:
+    except RecipeError as e:
         print(f"plait launch: the recipe cannot run:\n{e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:  # an argument of the command, or a missing recipe file
+        print(f"plait launch: {e}", file=sys.stderr)
         return 2
     for warning in resolved.warnings:
         print(f"plait launch: warning: {warning}", file=sys.stderr)
