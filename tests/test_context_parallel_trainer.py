@@ -16,7 +16,15 @@ import torch
 import yaml
 
 from distributed import run_distributed
-from trainer_runs import corpus_dir, max_relative, merged_weights, run_checkpointed, run_recipe, weight_errors
+from trainer_runs import (
+    corpus_dir,
+    max_relative,
+    merged_weights,
+    run_checkpointed,
+    run_recipe,
+    train_and_gather,
+    weight_errors,
+)
 
 STEPS = 20
 BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
@@ -53,28 +61,18 @@ def _cp_worker(rank, world, recipe_yaml, prepared, steps):
     from plait.config import validate_recipe
     from plait.context_parallel.attention import ContextParallelAttention
     from plait.nn.attention import AttentionCore
-    from plait.parallel_state import full_state_dict
     from plait.tensor_parallel.attention import ParallelAttentionCore
     from plait.train.trainer import Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    batches, losses, norms = iter(trainer.loader), [], []
-    for _ in range(steps):
-        trainer.run_step(next(batches))
-        read = trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)
-        losses.append(read["loss"])
-        norms.append(read["grad_norm"])
-    trainer.loader.close()
-    weights = {}
-    for module in trainer.state.stages:
-        weights.update({k: v.float() for k, v in full_state_dict(module, trainer.tp).items()})
+    trained = train_and_gather(trainer, steps)
     kinds = (AttentionCore, ParallelAttentionCore)
     cores = [m for s in trainer.state.stages for m in s.modules() if isinstance(m, kinds)]
     switched = [isinstance(getattr(m, "context_parallel", None) or getattr(m, "attention_fn", None),
                            ContextParallelAttention) for m in cores]
     runtime = trainer.state.runtime
-    return {"losses": losses, "norms": norms, "weights": weights, "switched": switched,
+    return {**trained, "switched": switched,
             "split": runtime.split_batch is not None, "local_seq": runtime.act_shape[1]}
 
 

@@ -23,13 +23,10 @@ def corpus_dir(tmp_path_factory):
     return d
 
 
-def _train_worker(rank, world, recipe_yaml, prepared, steps):
-    from plait.config import validate_recipe
+def train_and_gather(trainer, steps: int) -> dict:
+    """``steps`` steps of ``trainer``: per-step losses and grad norms, and the full weights after."""
     from plait.parallel_state import full_state_dict
-    from plait.train.trainer import Trainer
 
-    torch.manual_seed(0)
-    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     batches, losses, norms = iter(trainer.loader), [], []
     for _ in range(steps):
         trainer.run_step(next(batches))
@@ -40,8 +37,16 @@ def _train_worker(rank, world, recipe_yaml, prepared, steps):
     weights = {}
     for module in trainer.state.stages:
         weights.update({k: v.float() for k, v in full_state_dict(module, trainer.tp).items()})
-    return {"losses": losses, "norms": norms, "weights": weights,
-            "memory": trainer.optimizer.memory_report()}
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def _train_worker(rank, world, recipe_yaml, prepared, steps):
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    return {**train_and_gather(trainer, steps), "memory": trainer.optimizer.memory_report()}
 
 
 def run_recipe(corpus, out_dir, items: list[str], world: int, steps: int) -> list[dict]:
