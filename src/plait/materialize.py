@@ -7,6 +7,14 @@ directory. One builder serves every model family (:mod:`plait.models.registry`; 
 class says which) and every layout: a rank holds a list of pipeline stages, one stage with every
 layer when there is no pipeline parallelism.
 
+With expert parallelism (``mesh.ep > 1``) the experts of other expert-group ranks are removed
+from the meta model (:func:`~plait.moe.expert_parallel.apply_expert_parallel`, which also installs
+the token exchange) after the Hugging Face names and shapes are checked against the full model and
+before anything is allocated: a rank allocates, initialises and reads only its own experts. Their
+initial values are those of one process without generating the others': the initialisation
+(:mod:`plait.init`) draws each parameter from a generator seeded by (seed, parameter name, block),
+not from one sequential stream, and experts keep their global names (``experts.5.w1.weight``).
+
 Every built model (and stage) carries ``rng_tracker``, the per-TP-rank random stream for dropout
 on sharded activations (:class:`~plait.tensor_parallel.random.TensorParallelRNG`), seeded from
 ``rng_seed`` (default: the build ``seed``) and the TP rank. The global generator, used for
@@ -28,6 +36,7 @@ from plait.models.hf_io import check_hf_tensors, load_hf_config, read_hf_tensors
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
 from plait.models.registry import family_of
+from plait.moe.expert_parallel import apply_expert_parallel
 from plait.nn.buffers import reset_buffers
 from plait.tensor_parallel.random import TensorParallelRNG
 
@@ -80,11 +89,13 @@ def build_model(config: Any, mesh: ParallelMesh, *, seed: int = 0, device: str |
 
     Weights come from ``hf_path`` (a Hugging Face directory, checked against the model before
     anything is allocated) when given, else from ``seed`` unless ``init=False``.
-    ``rng_seed`` seeds ``model.rng_tracker`` (default ``seed``).
+    ``rng_seed`` seeds ``model.rng_tracker`` (default ``seed``). With ``mesh.ep > 1`` the model
+    holds only this rank's experts and exchanges tokens over ``mesh.group("ep")``.
     """
     rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
     model = _meta_model(config, mesh, dtype, sequence_parallel, rng)
     tensors = check_hf_tensors(model, hf_path) if hf_path is not None else None
+    apply_expert_parallel([model], mesh.info("ep"))  # only this rank's experts from here on
     _allocate(model, device)
     if tensors is not None:
         read_hf_tensors(model, tensors)
@@ -114,8 +125,8 @@ def build_stages(config: Any, mesh: ParallelMesh, stage_layers: list[list[int]],
     computes exactly what the full model does.
 
     Weights come from ``hf_path`` when given: its names and shapes are checked once against the
-    full model, then each stage reads only its own tensors (its TP slices of them). Otherwise they
-    are the layout-invariant initial values of ``seed`` unless ``init=False``.
+    full model, then each stage reads only its own tensors (its TP slices of them, its experts).
+    Otherwise they are the layout-invariant initial values of ``seed`` unless ``init=False``.
 
     The stages share one ``rng_tracker`` seeded from ``rng_seed`` (default ``seed``) and the TP
     rank; pass a ``rng_seed`` that depends on the pipeline rank for streams that also differ
@@ -126,6 +137,7 @@ def build_stages(config: Any, mesh: ParallelMesh, stage_layers: list[list[int]],
     rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
     full = _meta_model(config, mesh, dtype, sequence_parallel, rng)
     tensors = check_hf_tensors(full, hf_path) if hf_path is not None else None
+    apply_expert_parallel([full], mesh.info("ep"))  # only this rank's experts from here on
     stages = []
     for s in range(mesh.pp_rank, num_stages, mesh.pp):
         stage = family.stage_cls(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)

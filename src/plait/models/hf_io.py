@@ -13,7 +13,10 @@ Why this shape:
   fast with the tensor name, both shapes and the config field most likely at fault, instead of a
   broadcast error deep inside a copy. Names and shapes are checked against the *full* model
   (:func:`check_hf_tensors`), so a pipeline stage reads only its own tensors
-  (:func:`read_hf_tensors`) without reporting the other stages' as unexpected.
+  (:func:`read_hf_tensors`) without reporting the other stages' as unexpected. The same holds
+  for expert parallelism: the builder checks the full model, then removes the other ranks'
+  experts before reading, so a rank opens the files with ``safe_open`` and reads the bytes of its
+  own experts and the dense tensors only (the other experts' headers are read for the check).
 * **Saving gathers one tensor at a time** over the TP group and rank 0 writes each safetensors
   shard as soon as it is complete, so peak host memory is one shard plus one tensor, not the model.
   Files go to a temporary directory that is renamed into place, so readers never see half a

@@ -3,6 +3,9 @@ to them by all-to-all.
 
 Which rank holds what: expert-group rank ``q`` holds experts ``q * E/ep .. (q+1) * E/ep - 1``
 (a contiguous range, under their global names, so checkpoints and logs see the usual names).
+The builder (:mod:`plait.materialize`) applies :func:`apply_expert_parallel` to the model while it
+is still on the meta device, so a rank never allocates, initialises or reads from a Hugging Face
+directory any expert but its own.
 
 The dispatch, with ``N = T * k`` assignments on each rank (sorted by global expert by the layer's
 plan) and ``slot = N`` rows reserved per peer (the most one rank can send to one peer, so the
@@ -91,16 +94,25 @@ def moe_layers_of(modules: list[nn.Module]) -> list[MoELayer]:
     return [m for module in modules for m in module.modules() if isinstance(m, MoELayer)]
 
 
+def local_experts(num_experts: int, ep: GroupInfo) -> range:
+    """The global indices of the experts expert-group rank ``ep.rank`` holds (a contiguous range)."""
+    if num_experts % ep.size:
+        raise ValueError(f"parallel.ep={ep.size} does not divide the {num_experts} experts of a layer")
+    local = num_experts // ep.size
+    return range(ep.rank * local, (ep.rank + 1) * local)
+
+
 def apply_expert_parallel(stages: list[nn.Module], ep: GroupInfo) -> None:
     """Keep this rank's experts in every MoE layer of ``stages`` and exchange tokens over ``ep``
-    (nothing to do at ``ep.size == 1``)."""
+    (nothing to do at ``ep.size == 1``).
+
+    Works on the meta device (how the builder calls it: the other experts are then never
+    allocated) as well as on an allocated model, and applying it twice changes nothing.
+    """
     if ep.size == 1:
         return
     for layer in moe_layers_of(stages):
-        if layer.num_experts % ep.size:
-            raise ValueError(f"parallel.ep={ep.size} does not divide the {layer.num_experts} experts of a layer")
-        local = layer.num_experts // ep.size
-        layer.experts.keep_only(range(ep.rank * local, (ep.rank + 1) * local))
+        layer.experts.keep_only(local_experts(layer.num_experts, ep))
         layer.dispatcher = AllToAllDispatcher(ep)
 
 

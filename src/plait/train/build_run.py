@@ -11,7 +11,8 @@ Order of construction (fixed, commented where it matters):
 
 1. mesh, precision policy, data;
 2. the global RNG seeded per (dp, pp) rank: dropout on replicated activations;
-3. stages built on the meta device and materialized (only this rank's shard of its stages),
+3. stages built on the meta device and materialized (only this rank's shard of its stages and,
+   with ``ep > 1``, only its experts, with the token exchange set up),
    from the layout-invariant initialisation or from ``model.hf_path``; their per-TP-rank
    dropout stream reseeded from the run seed;
 4. activation checkpointing (after the TP swap and the pipeline split, on the swapped modules);
@@ -50,7 +51,7 @@ from plait.mesh import ParallelMesh
 from plait.models.family import config_of
 from plait.models.llama.config import LlamaConfig
 from plait.moe import configure_moe
-from plait.moe.expert_parallel import apply_expert_parallel, expert_parameter_names
+from plait.moe.expert_parallel import expert_parameter_names
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy, policy_for
@@ -195,9 +196,8 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                                         target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
         if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
-    # MoE layers: this rank's experts and the token exchange (ep > 1), then the aux/z-loss weights,
-    # which carry the step's normalisation (both no-ops for dense models)
-    apply_expert_parallel(stages, mesh.info("ep"))
+    # MoE layers (the builder already kept this rank's experts and set up the token exchange when
+    # ep > 1): the aux/z-loss weights, which carry the step's normalisation (no-op for dense models)
     configure_moe(stages, r.moe, config, microbatches=r.parallel.microbatches)
     t = r.train
     if t.activation_checkpointing != "off":
