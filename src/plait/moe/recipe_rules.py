@@ -43,6 +43,16 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: 
     if cf is not None and cf <= 0:
         out.append(("moe.capacity_factor", cf, "must be > 0 (e.g. 1.25: each expert accepts 1.25x its balanced "
                                                "share), or null for dropless routing"))
+    if moe.router != "sigmoid":
+        default = MoeSection()
+        for key in ("router_bias_update_rate", "router_groups", "router_topk_groups"):
+            if getattr(moe, key) != getattr(default, key):
+                out.append((f"moe.{key}", getattr(moe, key), f"only the sigmoid router uses it (moe.router="
+                                                              f"{moe.router!r}); set moe.router: sigmoid or remove "
+                                                              f"moe.{key}"))
+    if moe.router_topk_groups > moe.router_groups:
+        out.append(("moe.router_topk_groups", moe.router_topk_groups,
+                    f"must be <= moe.router_groups={moe.router_groups}"))
     if arch is None:
         return out
     if not is_moe_config(arch):
@@ -57,6 +67,15 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: 
     if ep > 1 and experts % ep:
         valid = [e for e in range(1, experts + 1) if experts % e == 0]
         out.append(("parallel.ep", ep, f"must divide the {experts} experts of each MoE layer; valid: {valid}"))
+    groups = moe.router_groups
+    if experts % groups:
+        valid = [g for g in range(1, experts + 1) if experts % g == 0]
+        out.append(("moe.router_groups", groups, f"must divide the {experts} experts of each MoE layer; "
+                                                 f"valid: {valid}"))
+    elif moe.router_topk_groups <= groups and moe.router_topk_groups * (experts // groups) < arch.num_experts_per_tok:
+        out.append(("moe.router_topk_groups", moe.router_topk_groups,
+                    f"its groups hold {moe.router_topk_groups * (experts // groups)} experts, fewer than "
+                    f"model.num_experts_per_tok={arch.num_experts_per_tok}; raise it"))
     if tp > 1 and getattr(parallel, "sequence_parallel", False):
         out.append(("parallel.sequence_parallel", True, f"not available for MoE models (model.family={family!r}) "
                                                         f"with parallel.tp={tp}: the routers would see sequence "

@@ -21,12 +21,25 @@ class MoeSection(BaseModel):
     aux_loss_coef: Float | None = Field(
         default=None, ge=0, description="Weight of the Switch/Mixtral load-balancing loss, averaged over MoE layers; "
                                         "null = the model's router_aux_loss_coef (0.001 in Hugging Face's configs)")
-    aux_loss_scope: Literal["micro_batch"] = Field(
-        default="micro_batch", description="Tokens the load-balancing statistics are taken over: each "
-                                           "micro-batch of each rank (Hugging Face, Megatron's default); a "
-                                           "global-batch scope is not available yet")
+    aux_loss_scope: Literal["micro_batch", "global_batch"] = Field(
+        default="micro_batch", description="Tokens the load shares f_i of the load-balancing loss are counted "
+                                           "over: micro_batch = each micro-batch of each rank (Hugging Face, "
+                                           "Megatron's default); global_batch = the step's micro-batches so far "
+                                           "on every data-parallel replica (Megatron's global aux loss); the "
+                                           "router probabilities P_i stay the micro-batch's")
     z_loss_coef: Float = Field(default=0.0, ge=0, description="Weight of the router z-loss (ST-MoE), averaged "
                                                               "over MoE layers; 0 = off")
+    router: Literal["softmax", "sigmoid"] | None = Field(
+        default=None, description="softmax = softmax top-k (Mixtral, Qwen3-MoE); sigmoid = sigmoid scores with an "
+                                  "expert bias moved after each step towards balanced load (DeepSeek-V3's "
+                                  "auxiliary-loss-free balancing); null = the family's (softmax)")
+    router_bias_update_rate: Float = Field(
+        default=0.001, ge=0, description="Sigmoid router: the expert bias moves by this much per step (up for "
+                                         "experts below the mean load, down above it); 0 = a fixed bias")
+    router_groups: int = Field(default=1, ge=1, description="Sigmoid router: expert groups (must divide the "
+                                                            "experts); 1 = no group limit")
+    router_topk_groups: int = Field(default=1, ge=1, description="Sigmoid router: groups each token may choose "
+                                                                 "experts from (<= router_groups)")
     capacity_factor: Float | None = Field(
         default=None, description="Assignments an expert accepts per micro-batch, as a multiple of the "
                                   "balanced share (tokens * top_k / experts); the lowest-weight ones over it are "

@@ -7,6 +7,11 @@ the gradients, hence ``coef / (microbatches * moe_layers)`` per layer and micro-
 step's objective ``loss + coef * mean over micro-batches, ranks and MoE layers of the per-layer
 loss``. Pipeline stages need nothing more: each adds its own layers' gradients, and a stage
 without MoE layers adds none.
+
+``moe.router: sigmoid`` replaces each layer's router by a sigmoid one over the same weight (before
+the optimizer and a checkpoint restore see the model); the global-batch scope and the sigmoid
+router's bias update also need each step's load over the data-parallel replicas, which
+:func:`plait.moe.step_load.attach_load_balancing` adds (the trainer calls it, after this).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.moe.section import MoeSection
-from plait.nn.moe import MoELayer, MoEStats
+from plait.nn.moe import MoELayer, MoEStats, SigmoidTopKRouter, sigmoid_router_from
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[tuple[str, MoELayer]]:
@@ -39,10 +44,21 @@ def configure_moe(stages: list[nn.Module], section: MoeSection, config: Any, *, 
         layer.aux_loss_scale = coef / (microbatches * count)
         layer.z_loss_scale = section.z_loss_coef / (microbatches * count)
         layer.capacity_factor = section.capacity_factor
+        if section.router == "sigmoid" and not isinstance(layer.gate, SigmoidTopKRouter):
+            layer.gate = sigmoid_router_from(layer.gate, num_groups=section.router_groups,
+                                             topk_groups=section.router_topk_groups)
+        if section.aux_loss_scope == "global_batch" and layer.aux_loss_scale:
+            layer.load_tracker = _unattached  # attach_load_balancing gives it the step's counter
         if stats:
             device = next(layer.parameters()).device
             layer.stats = MoEStats.zeros(layer.num_experts, device)
     return layers
+
+
+def _unattached(routed: torch.Tensor, tokens: int) -> torch.Tensor:
+    raise RuntimeError("moe.aux_loss_scope=global_batch needs the step's load counter: call "
+                       "plait.moe.step_load.attach_load_balancing after configure_moe and its start_step() "
+                       "before each step")
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from plait.lora import save_peft_adapter
 from plait.models.flops import mfu, model_flops_per_token
 from plait.moe import is_moe_config, moe_layers, read_moe_stats
 from plait.moe.load_map import MOE_LOAD_FILE, append_load, plot_load_map
+from plait.moe.step_load import attach_load_balancing
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
 from plait.train.evaluation import evaluate, evaluate_preference
@@ -83,6 +84,9 @@ class Trainer:
                                   microbatches=r.parallel.microbatches, prefetch=r.data.prefetch,
                                   start_step=st.start_step)
         self.metrics = RunningMetrics(st.device)
+        # MoE: the step's expert load over the replicas (global-batch aux loss, sigmoid router bias); None if unused
+        self.load_balancing = attach_load_balancing(st.stages, r.moe, st.mesh.info("dp_cp"),
+                                                    microbatches=r.parallel.microbatches)
         self.peak_flops = self._measure_peak_once()
         self.is_writer = rank == 0
         self.sinks = self._build_sinks() if self.is_writer else None
@@ -213,8 +217,12 @@ class Trainer:
         """
         r, st = self.recipe, self.state
         skip = r.train.nonfinite == "skip"
+        if self.load_balancing is not None:
+            self.load_balancing.start_step()
         loss, norm = train_step(st.runtime, st.optimizer, batch, grad_clip=r.optimizer.grad_clip,
                                 skip_nonfinite=skip, watch=self.watch)
+        if self.load_balancing is not None:  # after the optimizer step: the sigmoid routers' expert biases
+            self.load_balancing.finish_step(norm)
         self.watchdog.step += 1
         lr = st.scheduler.get_last_lr()[0]
         assert isinstance(lr, float), "the schedule scales optimizer.lr, a Python float (no host read)"

@@ -16,7 +16,10 @@ expert class (its projection names) and the sizes. Steps of :meth:`MoELayer.forw
 
 Training knobs are plain attributes (off by default, so a bare model is Hugging Face's
 inference computation): ``capacity_factor``, ``aux_loss_scale``, ``z_loss_scale``, ``dispatcher``,
-``stats`` (device-side load counters read at logging time).
+``stats`` (device-side load counters read at logging time), ``load_tracker`` (sees each training
+forward's expert counts and says which load shares ``f`` the aux loss uses: the step's running,
+all-reduced ones under the global-batch scope; injected by :mod:`plait.moe.step_load`, like the
+expert-parallel ``dispatcher``, so this layer holds no collective).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from plait.nn.moe.router import Routing
 
 #: ``dispatcher(rows [N, H] sorted by expert, plan, experts) -> [N, H]`` expert outputs in the same order
 Dispatcher = Callable[[torch.Tensor, DispatchPlan, Experts], torch.Tensor]
+#: ``load_tracker(routed [E] int64 assignments of this forward, tokens T) -> [E]`` fp32 load shares ``f``
+#: of the aux loss (assignments per token, no gradient)
+LoadTracker = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def local_dispatch(rows: torch.Tensor, plan: DispatchPlan, experts: Experts) -> torch.Tensor:
@@ -88,6 +94,7 @@ class MoELayer(nn.Module):
         self.z_loss_scale = 0.0
         self.dispatcher: Dispatcher = local_dispatch
         self.stats: MoEStats | None = None
+        self.load_tracker: LoadTracker | None = None
 
     def route(self, flat: torch.Tensor) -> tuple[Routing, DispatchPlan]:
         routing: Routing = self.gate(flat)
@@ -120,9 +127,11 @@ class MoELayer(nn.Module):
 
     def _losses(self, y: torch.Tensor, routing: Routing, plan: DispatchPlan) -> torch.Tensor:
         want_stats = self.training and self.stats is not None
-        if not (self.aux_loss_scale or self.z_loss_scale or want_stats):
+        tracker = self.load_tracker if self.training and torch.is_grad_enabled() else None  # training forwards only
+        if not (self.aux_loss_scale or self.z_loss_scale or want_stats or tracker is not None):
             return y
-        aux = load_balancing_loss(routing.probs, routing.experts, plan.routed)
+        share = None if tracker is None else tracker(plan.routed, routing.probs.shape[0])
+        aux = load_balancing_loss(routing.probs, routing.experts, plan.routed, share=share)
         z = router_z_loss(routing.logits)
         if want_stats and self.stats is not None:
             s = self.stats

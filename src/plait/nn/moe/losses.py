@@ -5,7 +5,9 @@ training loss's path.
   ``E * sum_i f_i * P_i`` over one micro-batch's ``T`` tokens, where ``f_i`` is the share of the
   ``T * k`` routing assignments that chose expert ``i`` (counted, no gradient; Hugging Face divides
   by ``T``, so a perfectly balanced router scores ``k``) and ``P_i`` the mean router probability
-  of expert ``i`` (differentiable).
+  of expert ``i`` (differentiable). ``f`` may also be given (``share``): the global-batch scope
+  counts it over more tokens than the micro-batch's (:mod:`plait.moe.step_load`), while ``P``
+  stays this micro-batch's.
 - :func:`router_z_loss`: ST-MoE's ``mean_t logsumexp(logits_t)^2``, which keeps router logits small.
 
 Each MoE layer adds ``scale * loss`` to the objective through :func:`add_loss_gradient`: an
@@ -29,15 +31,18 @@ def assignments_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Ten
         0, flat, torch.ones_like(flat))
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor | None = None,
+                        share: torch.Tensor | None = None) -> torch.Tensor:
     """Switch/Mixtral auxiliary loss of one micro-batch: ``probs`` ``[T, E]`` (fp32),
-    ``experts`` ``[T, k]``; ``counts`` ``[E]`` may be passed when already computed."""
+    ``experts`` ``[T, k]``; ``counts`` ``[E]`` may be passed when already computed. ``share`` ``[E]``
+    (no gradient), when given, is ``f`` itself (assignments per token over whatever tokens the
+    caller counted) and replaces ``counts / T``."""
     tokens, num_experts = probs.shape
-    if counts is None:
-        counts = assignments_per_expert(experts, num_experts)
-    share = counts.to(probs.dtype) / tokens
-    return num_experts * (share * probs.mean(dim=0)).sum()
+    if share is None:
+        if counts is None:
+            counts = assignments_per_expert(experts, num_experts)
+        share = counts.to(probs.dtype) / tokens
+    return num_experts * (share.to(probs.dtype) * probs.mean(dim=0)).sum()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:

@@ -122,12 +122,28 @@ class SigmoidTopKRouter(nn.Module):
                 f"topk_groups={self.topk_groups}, scale={self.scale}")
 
 
+def sigmoid_router_from(router: nn.Module, *, num_groups: int = 1, topk_groups: int = 1) -> SigmoidTopKRouter:
+    """A :class:`SigmoidTopKRouter` over ``router``'s weight (the same parameter, so loaded weights
+    and optimizer entries carry over) with its expert count, top-k and renormalisation, and a zero
+    bias: how a recipe turns a family's softmax router into a sigmoid one."""
+    weight = router.weight
+    assert isinstance(weight, nn.Parameter), "a router has a weight parameter [E, H]"
+    new = SigmoidTopKRouter(weight.shape[1], weight.shape[0], int(router.top_k),
+                            renormalize=bool(getattr(router, "renormalize", True)), num_groups=num_groups,
+                            topk_groups=topk_groups, device=weight.device, dtype=weight.dtype)
+    new.weight = weight
+    return new
+
+
 @torch.no_grad()
-def update_expert_bias(router: SigmoidTopKRouter, tokens_per_expert: torch.Tensor, rate: float) -> None:
+def update_expert_bias(router: SigmoidTopKRouter, tokens_per_expert: torch.Tensor, rate: float,
+                       enabled: torch.Tensor | None = None) -> None:
     """One auxiliary-loss-free balancing update, after an optimizer step: raise the bias of
     under-loaded experts and lower it for over-loaded ones by ``rate`` (the sign of the load
     error, so the step size does not depend on the batch size). ``tokens_per_expert`` ``[E]`` is the
     step's load summed over micro-batches and data-parallel ranks (the same on every rank, so the
-    biases stay identical). Stays on the device."""
+    biases stay identical). ``enabled`` (a device bool) can cancel the update without a host read
+    (a skipped step). Stays on the device."""
     load = tokens_per_expert.float()
-    router.expert_bias.add_(rate * torch.sign(load.mean() - load))
+    delta = rate * torch.sign(load.mean() - load)
+    router.expert_bias.add_(delta if enabled is None else delta * enabled)
