@@ -8,8 +8,10 @@ bucket; when a bucket's last gradient has arrived its reduction is started async
 it runs while backward computes the gradients of earlier layers:
 
 * plain data parallelism: an all-reduce of the bucket (every rank keeps the averaged bucket);
-* ZeRO-1: a reduce-scatter of the bucket into a shard-sized buffer (each rank keeps the
-  averaged gradients of the range whose optimizer state it owns).
+* ZeRO-1: each rank needs only the averaged gradients of the range whose optimizer state it
+  owns; how they get there depends on the backend (:mod:`plait.data_parallel.collectives`):
+  NCCL reduce-scatters the bucket into a shard-sized buffer, gloo all-reduces it in place (its
+  emulated reduce-scatter is slower) and the owned shard is read from the gradient buffer itself.
 
 Gradients are divided by the data-parallel degree before the sum, so the result is the mean.
 :meth:`GradSync.finish` starts whatever has not started (buckets whose parameters received no
@@ -29,7 +31,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from plait.comm.primitives import GroupInfo, all_reduce, reduce_scatter_single
+from plait.comm.primitives import GroupInfo, all_reduce
+from plait.data_parallel.collectives import ShardCollectives, collectives_for
 from plait.data_parallel.layout import Bucket, BufferLayout
 
 
@@ -45,18 +48,38 @@ class GradSync:
         self.views = {id(e.param): self.data[e.start:e.end] for e in layout.entries}
         self._entry = {id(e.param): e for e in layout.entries}
         if zero:
-            shard_sizes = [b.numel // b.shards for b in layout.buckets]
-            self.shard_data = torch.zeros(sum(shard_sizes), dtype=grad_dtype, device=device)
+            # the reduced owned shard of each bucket: its own slice of ``data`` where the backend's
+            # collective reduces in place (gloo), else a slice of one separate shard buffer
+            self.collectives = {id(g): collectives_for(g) for g in (dp, expert_dp) if g is not None}
+            separate = [b for b in layout.buckets if not self._in_place(b)]
+            self.shard_data = torch.zeros(sum(b.numel // b.shards for b in separate), dtype=grad_dtype, device=device)
             self.shard_views, at = [], 0
-            for size in shard_sizes:
-                self.shard_views.append(self.shard_data[at:at + size])
-                at += size
+            for b in layout.buckets:
+                size = b.numel // b.shards
+                if self._in_place(b):
+                    group = self._group(b)
+                    lo, hi = b.shard_range(group.rank if group.size > 1 else 0, b.shards)
+                    self.shard_views.append(self.data[lo:hi])
+                else:
+                    self.shard_views.append(self.shard_data[at:at + size])
+                    at += size
         self._final: set[int] = set()
         self._done: set[int] = set()
         self._remaining = [len(b.entries) for b in layout.buckets]
         self._launched = [False] * len(layout.buckets)
         self._works: list = []
         self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in layout.entries]
+
+    def _group(self, bucket: Bucket) -> GroupInfo:
+        """The group ``bucket`` is reduced (and, with ZeRO-1, sharded) over."""
+        return self.expert_dp if bucket.expert and self.expert_dp is not None else self.dp
+
+    def _collectives(self, bucket: Bucket) -> ShardCollectives:
+        return self.collectives[id(self._group(bucket))]
+
+    def _in_place(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s reduced owned shard is its slice of the gradient buffer."""
+        return self._collectives(bucket).reduces_in_place
 
     # ------------------------------------------------------------------ backward side
     def mark_final(self, modules: list[nn.Module] | None = None) -> None:
@@ -104,15 +127,15 @@ class GradSync:
         flat.div_(self.dp.size)
         if bucket.expert and self.expert_dp is not None:
             if self.expert_dp.size > 1 and self.zero:
-                self._works.append(reduce_scatter_single(self.shard_views[bucket.index], flat,
-                                                         group=self.expert_dp.group, async_op=True))
+                self._works.append(self._collectives(bucket).reduce(flat, self.shard_views[bucket.index],
+                                                                    self.expert_dp))
             elif self.expert_dp.size > 1:
                 self._works.append(all_reduce(flat, self.expert_dp.group, async_op=True))
-            elif self.zero:  # one replica per expert: its shard is the whole bucket
+            elif self.zero and not self._in_place(bucket):  # one replica per expert: its shard is the whole bucket
                 self.shard_views[bucket.index].copy_(flat)
             return
         if self.zero:
-            work = reduce_scatter_single(self.shard_views[bucket.index], flat, group=self.dp.group, async_op=True)
+            work = self._collectives(bucket).reduce(flat, self.shard_views[bucket.index], self.dp)
         else:
             work = all_reduce(flat, self.dp.group, async_op=True)
         self._works.append(work)
@@ -129,7 +152,7 @@ class GradSync:
         for work in self._works:
             work.wait()
         self._works.clear()
-        if self.zero and self.dp.size == 1:
+        if self.zero and self.dp.size == 1 and self.shard_data.numel():
             self.shard_data.copy_(self.data)
         self._final.clear()
         self._done.clear()
@@ -138,6 +161,8 @@ class GradSync:
 
     def zero_(self) -> None:
         self.data.zero_()
+        if self.zero:
+            self.shard_data.zero_()
 
     def reduced_view(self, start: int, end: int) -> torch.Tensor:
         """The reduced gradient of flat range ``[start, end)`` on this rank (after :meth:`finish`).
@@ -147,7 +172,7 @@ class GradSync:
         if not self.zero:
             return self.data[start:end]
         for b in self.layout.buckets:
-            group = self.expert_dp if b.expert and self.expert_dp is not None else self.dp
+            group = self._group(b)
             lo, hi = b.shard_range(group.rank if group.size > 1 else 0, b.shards)
             if lo <= start and end <= hi:
                 return self.shard_views[b.index][start - lo:end - lo]

@@ -31,6 +31,7 @@ from torch import nn
 from plait.comm.primitives import GroupInfo, all_gather_single
 from plait.data_parallel.grad_sync import GradSync
 from plait.data_parallel.layout import Bucket, BufferLayout, Segment, plan_buffer
+from plait.optim.flat_adamw import FlatAdamW, FlatRun
 from plait.optim.lowp_adamw import LowPrecisionAdamW
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
 from plait.precision import PrecisionPolicy
@@ -56,6 +57,17 @@ def _tied_names(modules: list[nn.Module], pp: GroupInfo | None) -> frozenset[str
     if pp is None or pp.size == 1:
         return frozenset()
     return frozenset().union(*(shared_across_stages(m) for m in modules))
+
+
+def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether 1-D view ``b`` starts where ``a`` ends, in the same storage."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
+            and a.storage_offset() + a.numel() == b.storage_offset())
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The 1-D view covering ``a`` then ``b`` (which continues it, see :func:`_continues`)."""
+    return a.as_strided((a.numel() + b.numel(),), (1,), a.storage_offset())
 
 
 class DistributedOptimizer:
@@ -163,9 +175,27 @@ class DistributedOptimizer:
         if self.policy.master_dtype == torch.bfloat16:
             return LowPrecisionAdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
                                      stochastic_rounding=self.policy.stochastic_rounding, seed=hyper.seed)
+        if hasattr(torch, "_fused_adamw_") and self.segments:
+            return FlatAdamW(groups, self._flat_runs(), lr=hyper.lr, betas=hyper.betas, eps=hyper.eps)
         if "fused" in inspect.signature(torch.optim.AdamW).parameters:
             return torch.optim.AdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, fused=True)
         return torch.optim.AdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps)
+
+    def _flat_runs(self) -> list[FlatRun]:
+        """The owned range of every bucket as (values, reduced gradients), adjacent ranges merged
+        where values and gradients both continue in memory (the whole buffer without ZeRO-1)."""
+        runs: list[FlatRun] = []
+        for b in self.layout.buckets:
+            lo, hi = self._owned_range(b)
+            values = self.master_views[b.index] if self.has_master else self.param_data[lo:hi]
+            grads = self.grads.reduced_view(lo, hi)
+            members = [self.main_params[i] for i, s in enumerate(self.segments) if s.bucket is b]
+            last = runs[-1] if runs else None
+            if last is not None and _continues(last.values, values) and _continues(last.grads, grads):
+                runs[-1] = FlatRun(_joined(last.values, values), _joined(last.grads, grads), last.members + members)
+            else:
+                runs.append(FlatRun(values, grads, members))
+        return runs
 
     # ------------------------------------------------------------------ the step
     @property
@@ -229,27 +259,24 @@ class DistributedOptimizer:
         else:
             self.inner.step()
         if self.has_master or self.zero:
-            works, staged = [], []
+            works = []
             for b in self.layout.buckets:
                 master = self.master_views[b.index] if self.has_master else None
                 if self.zero and b.shards == 1:  # one replica per expert: the whole bucket is owned
                     if master is not None:
                         self.param_data[b.start:b.end].copy_(master)
-                elif self.zero:  # the owned shard, staged (all-gather input and output must not overlap)
-                    lo, hi = self._owned_range(b)
-                    owned = master if master is not None else self.param_data[lo:hi]
-                    src = owned.to(self.policy.param_dtype, copy=True)
-                    staged.append(src)
-                    works.append(all_gather_single(self.param_data[b.start:b.end], src,
-                                                   group=self._shard_group(b).group, async_op=True))
+                elif self.zero:  # the owned shard is in place; the backend's collectives fill the rest
+                    if master is not None:
+                        lo, hi = self._owned_range(b)
+                        self.param_data[lo:hi].copy_(master)
+                    group = self._shard_group(b)
+                    works += self.grads.collectives[id(group)].gather(self.param_data[b.start:b.end], group)
                 else:
                     assert master is not None, "without ZeRO-1 the weights are published only from a master copy"
                     self.param_data[b.start:b.end].copy_(master)
             for work in works:
                 work.wait()
         self.grads.zero_()
-        if self.zero:
-            self.grads.shard_data.zero_()
 
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, int]:
@@ -329,6 +356,9 @@ class DistributedOptimizer:
                 src = state.get("master")
                 main.copy_((src if src is not None else s.entry.param).reshape(-1)[a:z])
             new: dict = {k: state[k].reshape(-1)[a:z].to(main.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}
+            if isinstance(self.inner, FlatAdamW):  # the state is a view of the flat moments: copy into it
+                self.inner.set_state(main, new["exp_avg"], new["exp_avg_sq"], step)
+                continue
             lowp = self.policy.master_dtype == torch.bfloat16
             new["step"] = step if lowp else torch.tensor(float(step), dtype=torch.float32, device=main.device)
             self.inner.state[main] = new
