@@ -71,3 +71,35 @@ def causal_work(split: SequenceSplit, rank: int) -> int:
     n = split.chunk_len
     pairs = {"full": n * n, "diagonal": n * (n + 1) // 2}
     return sum(pairs[p.kind] for step in ring_plan(split, rank) for p in step.pieces)
+
+
+# ------------------------------------------------------------------------------ memory terms
+#: fp32 score-sized tensors alive at once in :func:`plait.context_parallel.blocks.piece_backward`:
+#: the scores ``s``, the probabilities ``p``, ``dp = dout @ v^T``, ``dp - delta`` and
+#: ``ds = p * (dp - delta)`` (``s`` stays referenced until the piece returns). The forward of a
+#: piece holds at most three (scores, ``s - lse``, ``exp``), so the backward is the peak.
+BACKWARD_SCORE_TENSORS = 5
+
+
+def piece_scores_bytes(micro_batch_size: int, local_seq: int, q_heads: int) -> int:
+    """Bytes of one piece's fp32 scores ``[batch, kv_heads, group, n, n]`` (``n = local_seq / 2``,
+    the chunk length; ``q_heads = kv_heads * group``, the rank's local query heads)."""
+    n = local_seq // 2
+    return 4 * micro_batch_size * q_heads * n * n
+
+
+def attention_workspace_bytes(micro_batch_size: int, local_seq: int, q_heads: int) -> int:
+    """The transient peak of the CPU math kernel while it computes one piece's backward (ring and
+    all-gather alike): :data:`BACKWARD_SCORE_TENSORS` fp32 score tensors and the diagonal piece's
+    boolean causal mask (``n * n`` bytes). Quadratic in the chunk length, so it falls as
+    ``1 / cp^2``; a flash kernel returning the LSE would keep only ``O(n)`` of it. Not saved for
+    backward: it exists during one piece at a time, in the attention backward of each layer."""
+    n = local_seq // 2
+    return BACKWARD_SCORE_TENSORS * piece_scores_bytes(micro_batch_size, local_seq, q_heads) + n * n
+
+
+def ring_buffer_bytes(micro_batch_size: int, local_seq: int, kv_width: int) -> int:
+    """The ring's blocks in flight during one layer's attention backward, fp32: the K/V block at hand
+    and the one arriving, the dK/dV accumulator arriving, the one leaving and the block's own
+    (``5 * 2 * B * (S / cp) * k * 4``, ``k = kv_heads * head_dim`` of the rank)."""
+    return 5 * 2 * micro_batch_size * local_seq * kv_width * 4

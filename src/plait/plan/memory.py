@@ -61,8 +61,12 @@ Context parallelism (``Layout.cp``): every activation term is priced at the rank
 over the ``dp * cp`` ranks that average gradients; ``comm_buffers`` adds the ring's blocks in flight
 during one layer's attention backward (the K/V block at hand and the one arriving, the dK/dV
 accumulator arriving, the one leaving and the block's own, fp32: ``5 * 2 * B * (S / cp) * k * 4``).
-plait's CPU kernel also materialises each piece's scores (``(S / 2cp)^2`` per local query head,
-fp32) as a transient, which is not priced (a flash kernel has none).
+plait's attention kernel (CPU math, :mod:`plait.context_parallel.blocks`) materialises each piece's
+scores (``(S / 2cp)^2`` per local query head, fp32): a piece's backward holds five such tensors and
+the diagonal mask (:func:`plait.context_parallel.plan.attention_workspace_bytes`), priced as a
+``backward_transient`` less what the micro-batch has released before the last layer's attention
+backward (the saved softmax, the final norm and head input, and without checkpointing the last
+layer's MLP half). Measured within 5% at cp=2/4 (docs/context_parallel.md).
 
 After the last backward (activations gone) the step phase needs the gradient buffer plus
 ``step_buffers``, the largest of these transients (they do not overlap in time):
@@ -98,6 +102,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
+from plait.context_parallel.plan import attention_workspace_bytes, ring_buffer_bytes
 from plait.models.llama.config import LlamaConfig
 from plait.pipeline.layout import plan_partition
 from plait.pipeline.schedules import compute_order
@@ -434,6 +439,14 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
         # (counted in logits_saved) is released by then, or reused as the gradient in place
         head = sh.vocab * h * (p + c_a) + (c - 4) * N * sh.vocab
         bwd = max(bwd, loss_bwd, head)
+    if layout.cp > 1 and chunk.layers:  # the ring kernel's piece scores, first in the last layer's attention backward
+        released = 0  # what this micro-batch has freed by then: softmax, final norm, head input, last MLP half
+        if chunk.last:
+            released += logits + B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
+        if layout.activation_checkpointing == "none":
+            n_mlp = 2 if (pb.autocast and sh.tp == 1) else 1
+            released += B * S_r * h * (4 + r) + 4 * B * S_r + n_mlp * B * S_r * h * c + 4 * B * S * sh.intermediate * c
+        bwd = max(bwd, attention_workspace_bytes(B, S, sh.q_heads) - released)
     end = sh.vocab * h * p if chunk.first else 0
     grads = chunk_parameter_count(config, sh, chunk) * g
     return ChunkCost(act, copies, logits, grads, fwd, bwd, end)
@@ -659,7 +672,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
             extra_layer += 2 * layer_matmul_parameter_count(config, sh)
     peak = schedule_peak(layout, m, pp_rank, costs, chunks, act_bytes=act_bytes, extra_layer=extra_layer)
     tp_gather = B * S * sh.hidden * pb.compute if (layout.sequence_parallel and layout.tp > 1) else 0
-    ring = 5 * 2 * B * S * sh.kv * 4 if layout.cp > 1 else 0  # S is the local sequence here
+    ring = ring_buffer_bytes(B, S, sh.kv) if layout.cp > 1 else 0  # S is the local sequence here
     # step phase, one transient at a time: the norm's fp32 copies of bf16 gradients, the bf16
     # optimizer's fp32 working copies of its largest segment, ZeRO-1's all-gather staging
     norm_copies = 4 * owned if pb.grad < 4 else 0

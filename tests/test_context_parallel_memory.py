@@ -1,0 +1,120 @@
+"""The planner's context-parallel memory terms (plait.context_parallel.plan, plait.plan.memory).
+
+The ring kernel's transient (:func:`attention_workspace_bytes`) is checked against the tensors a
+piece's backward really keeps alive (a dispatch mode holding a weak reference to every storage an op
+creates, peak over the ops), and the estimate's use of it as data. The measured per-rank peak at
+cp=1/2/4 against the estimate is ``bench/measure_memory.py --cp`` (docs/context_parallel.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from plait.context_parallel.piecewise import backward_block
+from plait.context_parallel.plan import (
+    BACKWARD_SCORE_TENSORS,
+    attention_workspace_bytes,
+    piece_scores_bytes,
+    pieces,
+    ring_buffer_bytes,
+)
+from plait.context_parallel.ring import backward_inputs
+from plait.context_parallel.split import SequenceSplit
+from plait.models.llama.config import LlamaConfig
+from plait.plan.layout import Layout
+from plait.plan.memory import chunk_cost, estimate_memory, rank_chunks
+
+MiB = 1024**2
+
+
+class _PeakStorages(TorchDispatchMode):
+    """Peak bytes of the storages ops create, alive at once (checked after every op); the storages of
+    ``inputs`` (which views of them share) are not counted."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.skip = {t.untyped_storage().data_ptr() for t in inputs}
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.skip:
+                ref = StorageWeakRef(t.untyped_storage())
+                self.refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        self.peak = max(self.peak, sum(n for ref, n in self.refs.values() if not ref.expired()))
+        return out
+
+
+def test_workspace_term_is_the_piece_backward_peak():
+    """One diagonal piece's backward: the peak of what it allocates is the priced workspace (five fp32
+    score tensors and the causal mask) plus the small per-token gradients."""
+    b, kvh, g, n, d = 1, 2, 2, 96, 4
+    split = SequenceSplit(2 * n, 1)  # one rank: its two chunks meet in one full and two diagonal pieces
+    torch.manual_seed(0)
+    q = torch.randn(b, kvh * g, 2 * n, d)
+    kv = torch.randn(2, b, kvh, 2 * n, d)
+    out, grad = torch.randn(b, kvh, g, 2 * n, d), torch.randn(b, kvh * g, 2 * n, d)
+    lse = torch.randn(b, kvh, g, 2 * n)
+    qg, dout, delta, dq = backward_inputs(q, kvh, out, grad)
+    diagonal = tuple(p for p in pieces(split, 0, 0) if p.kind == "diagonal")[:1]
+    with _PeakStorages([qg, kv, dout, lse, delta, dq]) as mode:
+        backward_block(qg, kv, dout, lse, delta, diagonal, split, None, 0.5, dq)
+    term = attention_workspace_bytes(b, 2 * n, kvh * g)
+    assert term == BACKWARD_SCORE_TENSORS * 4 * b * kvh * g * n * n + n * n
+    small = 4 * (2 * b * kvh * 2 * n * d + 4 * b * kvh * g * n * d)  # dkv, dq/dk/dv of the piece
+    assert term <= mode.peak <= term + small, (mode.peak, term)
+
+
+def test_workspace_and_ring_terms_as_data():
+    assert piece_scores_bytes(2, 8192, 8) == 4 * 2 * 8 * 4096 * 4096
+    assert attention_workspace_bytes(1, 4096, 4) == 5 * 4 * 4 * 2048**2 + 2048**2
+    assert ring_buffer_bytes(1, 4096, 64) == 5 * 2 * 4096 * 64 * 4
+    # quadratic in the chunk: doubling cp at a fixed sequence quarters it (up to the mask)
+    assert attention_workspace_bytes(1, 8192 // 4, 4) * 4 == pytest.approx(attention_workspace_bytes(1, 8192 // 2, 4),
+                                                                            rel=0.01)
+
+
+CP_DEMO = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_estimate_prices_the_ring_workspace_less_what_is_released(cp):
+    """At cp > 1 the backward transient is the workspace less what the micro-batch has freed before
+    the last layer's attention backward; at cp = 1 (SDPA) nothing of it is priced."""
+    S, local = 8192, 8192 // cp
+    layout = Layout(cp=cp)
+    (chunk,) = rank_chunks(CP_DEMO, layout, local, 0)
+    cost = chunk_cost(CP_DEMO, layout, "fp32", chunk, 1, local)
+    plain = chunk_cost(CP_DEMO, Layout(), "fp32", chunk, 1, local)  # the same local tokens without cp
+    h, i, N = 128, 256, local
+    released = (4 * N * 2048 + (N * h * 8 + 4 * N + N * h * 4)  # softmax, final norm, head input
+                + (N * h * 8 + 4 * N + N * h * 4 + 4 * N * i * 4))  # last layer: norm, gate/up input, MLP
+    assert cost.backward_transient == max(plain.backward_transient,
+                                          attention_workspace_bytes(1, local, 4) - released)
+    assert cost.backward_transient > plain.backward_transient  # the scores dominate at this size
+    est = estimate_memory(CP_DEMO, layout, precision="fp32", micro_batch_size=1, seq_len=S, microbatches=1)
+    assert est.workspace == cost.backward_transient
+    assert est.comm_buffers == ring_buffer_bytes(1, local, 64)
+    one = estimate_memory(CP_DEMO, Layout(), precision="fp32", micro_batch_size=1, seq_len=S, microbatches=1)
+    assert one.comm_buffers == 0 and one.workspace == 8 * S * 2048  # SDPA: the loss backward, no score workspace
+
+
+def test_selective_checkpointing_releases_only_the_head():
+    layout = Layout(cp=2, activation_checkpointing="selective")
+    (chunk,) = rank_chunks(CP_DEMO, layout, 4096, 0)
+    cost = chunk_cost(CP_DEMO, layout, "fp32", chunk, 1, 4096)
+    N, h = 4096, 128
+    released = 4 * N * 2048 + N * h * 8 + 4 * N + N * h * 4
+    assert cost.backward_transient == attention_workspace_bytes(1, 4096, 4) - released
+    full = chunk_cost(CP_DEMO, dataclasses.replace(layout, activation_checkpointing="none"), "fp32", chunk, 1, 4096)
+    assert full.backward_transient < cost.backward_transient
