@@ -88,8 +88,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bool):
-    """(step, optimizer-state bytes fn, master bytes fn) of plait's DP / ZeRO-1 path."""
+def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bool, collectives=None):
+    """(step, optimizer-state bytes fn, master bytes fn) of plait's DP / ZeRO-1 path; ``collectives``
+    forces ZeRO-1's strategy (default: plait's choice for the backend)."""
     from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
     from plait.materialize import build_stages
     from plait.precision import policy_for
@@ -99,7 +100,8 @@ def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bo
     policy = policy_for("fp32")
     stages = build_stages(config, mesh, [list(range(config.num_hidden_layers))], seed=seed)  # what the trainer runs
     opt = DistributedOptimizer(stages, policy, OptimizerHyper(lr=LR, weight_decay=0.0, betas=BETAS, eps=EPS),
-                               dp=mesh.info("dp"), tp=mesh.info("tp"), zero=zero, bucket_mb=25.0, overlap=overlap)
+                               dp=mesh.info("dp"), tp=mesh.info("tp"), zero=zero, bucket_mb=25.0, overlap=overlap,
+                               collectives=collectives)
     runtimes: dict[tuple[int, int], object] = {}
 
     def run(ids: torch.Tensor) -> torch.Tensor:
@@ -149,11 +151,13 @@ def time_collectives(numel: int, repeats: int = 5) -> list[list[str]]:
     shard = torch.empty(full.numel() // world)
     gathered = torch.empty_like(full)
     ops = {
-        "all-reduce (plait DP, DDP)": lambda: dist.all_reduce(full),
-        "reduce-scatter (plait ZeRO-1)": lambda: dist.reduce_scatter_tensor(shard, full),
-        "all-gather (plait ZeRO-1)": lambda: dist.all_gather_into_tensor(gathered, shard),
+        "all-reduce (plait DP, DDP; plait ZeRO-1 on gloo, in place)": lambda: dist.all_reduce(full),
+        "reduce-scatter (plait ZeRO-1 on NCCL)": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all-gather (plait ZeRO-1 on NCCL)": lambda: dist.all_gather_into_tensor(gathered, shard),
         "broadcast from one rank (ZeroRedundancyOptimizer's parameter sync, all owners together)":
             lambda: dist.broadcast(full, 0),
+        "one broadcast per owner of its 1/n, in place (plait ZeRO-1 on gloo)": lambda: [
+            w.wait() for w in [dist.broadcast(c, r, async_op=True) for r, c in enumerate(full.chunk(world))]],
     }
     rows = []
     for name, op in ops.items():
@@ -188,6 +192,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         "plait ZeRO-1": plait_side(config, mesh, args.seed, zero=True, overlap=True),
         "DDP + ZeroRedundancyOptimizer": torch_side(config, mesh, args.seed, zero=True),
     }
+    if not args.skip_rs_ag:
+        from plait.data_parallel.collectives import ShardCollectives
+
+        sides["plait ZeRO-1, reduce-scatter + all-gather"] = plait_side(config, mesh, args.seed, zero=True,
+                                                                       overlap=True, collectives=ShardCollectives())
     if not args.skip_no_overlap:
         sides["plait DP, overlap off"] = plait_side(config, mesh, args.seed, zero=False, overlap=False)
     results = {name: Result(name) for name in sides}
@@ -244,6 +253,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     pairs = [("plait DP", "DDP"), ("plait ZeRO-1", "DDP + ZeroRedundancyOptimizer")]
     if not args.skip_no_overlap:
         pairs.append(("plait DP, overlap off", "DDP"))
+    if not args.skip_rs_ag:
+        pairs.append(("plait ZeRO-1, reduce-scatter + all-gather", "DDP + ZeroRedundancyOptimizer"))
     log()
     for ours, theirs in pairs:
         log(markdown_table(comparison_header(f"{ours} vs {theirs}", "peer"),
@@ -265,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(parser)
     parser.add_argument("--skip-no-overlap", action="store_true",
                         help="leave out the plait DP run with overlap_grad_reduce=false")
+    parser.add_argument("--skip-rs-ag", action="store_true",
+                        help="leave out plait ZeRO-1 forced to reduce-scatter + all-gather (NCCL's collectives; "
+                             "on gloo plait all-reduces in place and broadcasts per owner instead)")
     parser.add_argument("--skip-collectives", action="store_true",
                         help="leave out the timing of each gloo collective on a model-sized buffer")
     args = resolve_args(parser.parse_args(argv))

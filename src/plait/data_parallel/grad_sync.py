@@ -41,7 +41,9 @@ class GradSync:
 
     def __init__(self, layout: BufferLayout, *, grad_dtype: torch.dtype, device: torch.device, dp: GroupInfo,
                  zero: bool, overlap: bool = True, tied: GroupInfo | None = None,
-                 expert_dp: GroupInfo | None = None) -> None:
+                 expert_dp: GroupInfo | None = None, collectives: ShardCollectives | None = None) -> None:
+        """``collectives`` forces ZeRO-1's strategy on every group (default: chosen per backend,
+        :func:`~plait.data_parallel.collectives.collectives_for`)."""
         self.layout, self.dp, self.zero, self.overlap, self.tied = layout, dp, zero, overlap, tied
         self.expert_dp = expert_dp
         self.data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
@@ -50,7 +52,7 @@ class GradSync:
         if zero:
             # the reduced owned shard of each bucket: its own slice of ``data`` where the backend's
             # collective reduces in place (gloo), else a slice of one separate shard buffer
-            self.collectives = {id(g): collectives_for(g) for g in (dp, expert_dp) if g is not None}
+            self.collectives = {id(g): collectives or collectives_for(g) for g in (dp, expert_dp) if g is not None}
             separate = [b for b in layout.buckets if not self._in_place(b)]
             self.shard_data = torch.zeros(sum(b.numel // b.shards for b in separate), dtype=grad_dtype, device=device)
             self.shard_views, at = [], 0

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.primitives import GroupInfo, all_gather_single
+from plait.data_parallel.collectives import ShardCollectives
 from plait.data_parallel.grad_sync import GradSync
 from plait.data_parallel.layout import Bucket, BufferLayout, Segment, plan_buffer
 from plait.optim.flat_adamw import FlatAdamW, FlatRun
@@ -77,7 +78,7 @@ class DistributedOptimizer:
                  dp: GroupInfo, tp: GroupInfo, pp: GroupInfo | None = None, tied: GroupInfo | None = None,
                  zero: bool = False, bucket_mb: float = 25.0, overlap: bool = True,
                  ep: GroupInfo | None = None, expert_dp: GroupInfo | None = None,
-                 expert_names: frozenset[str] = frozenset()) -> None:
+                 expert_names: frozenset[str] = frozenset(), collectives: ShardCollectives | None = None) -> None:
         # expert parallelism: ``expert_names`` differ between the ``ep`` ranks and are reduced over
         # ``expert_dp`` (see GradSync); at ep=1 they are ordinary parameters
         if ep is None or ep.size == 1:
@@ -112,7 +113,8 @@ class DistributedOptimizer:
             self.shard, expert_dp.rank if zero and expert_dp else None)
         self._build_weights(device)
         self.grads = GradSync(self.layout, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
-                              overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp)
+                              overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp,
+                              collectives=collectives)
         self.inner = self._build_inner(hyper)
 
     # ------------------------------------------------------------------ construction
