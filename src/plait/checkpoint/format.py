@@ -14,7 +14,8 @@
 
 Tensor names are ``<kind>/<parameter name>`` with kind ``model`` (the weights in the model's
 dtype), ``master`` (fp32 master weights, bf16-mixed only), ``exp_avg`` and ``exp_avg_sq``
-(AdamW moments), so the optimizer state is keyed by parameter, not by rank or layout. A slice
+(AdamW moments), so the optimizer state is keyed by parameter, not by rank or layout, and
+``buffer`` (module state outside the optimizer that a module lists in ``checkpoint_buffers``). A slice
 covers ``[start, start + length)`` of the full tensor along ``dim`` (``dim`` null: the whole
 tensor). Loading needs no pickle: JSON and safetensors only.
 """
@@ -31,7 +32,7 @@ from typing import Any
 FORMAT = "plait-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-KINDS = ("model", "master", "exp_avg", "exp_avg_sq")
+KINDS = ("model", "master", "exp_avg", "exp_avg_sq", "buffer")
 
 
 class CheckpointError(RuntimeError):

@@ -17,6 +17,7 @@ import torch
 
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.reader import CheckpointReader
+from plait.checkpoint.writer import checkpointed_buffers
 from plait.parallel_state import named_parameters_with_specs
 from plait.train.run_state import RunState
 
@@ -61,6 +62,9 @@ def restore(state: RunState, directory: str | Path) -> int:
         for _, name, p, spec in params:
             kind = "master" if reader.has("master", name) else "model"
             reader.read_into(kind, name, p, spec)
+        for name, buf in checkpointed_buffers(state.modules):  # kept as they are when the checkpoint has none
+            if reader.has("buffer", name):
+                reader.read_into("buffer", name, buf)
         opt = state.optimizer
         with_state = all(reader.has("exp_avg", name) for _, name, _, _ in params)
         if with_state:

@@ -8,6 +8,9 @@ Who writes what (decided locally, without communication, from the layout):
 * the last pipeline stage's copy of a tied embedding: nobody (the first stage writes it);
 * the data-parallel replicas split the parameters between them round-robin, so the write
   work is spread over DP ranks.
+* a module's state outside the optimizer that it names in ``checkpoint_buffers`` (a sigmoid
+  router's expert bias), kind ``buffer``: identical on every replica, written by the first
+  data-parallel and TP rank.
 
 Saving has two halves. :meth:`CheckpointWriter.snapshot` (every rank, in the training loop)
 copies what this rank writes into host memory; under ZeRO-1 it all-gathers the optimizer state
@@ -52,6 +55,18 @@ from plait.outputs.permissions import apply_umask
 from plait.parallel_state import named_parameters_with_specs, writes_copy
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def checkpointed_buffers(modules: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """``(qualified name, buffer)`` of every buffer a module of ``modules`` lists in its
+    ``checkpoint_buffers`` class attribute: state that is neither a parameter nor rebuilt from the
+    config (e.g. an expert bias moved after each step), saved so that a resume is exact."""
+    out = []
+    for module in modules:
+        for prefix, sub in module.named_modules():
+            for name in getattr(sub, "checkpoint_buffers", ()):
+                out.append((f"{prefix}.{name}" if prefix else name, getattr(sub, name)))
+    return out
 
 
 @dataclass
@@ -107,6 +122,9 @@ class CheckpointWriter:
             tensors = {"model": entry.param.detach(), **states}
             for kind, local in tensors.items():
                 self._add(snap, fname, kind, name, local, spec)
+        if dp.rank == 0 and mesh.info("tp").rank == 0:
+            for name, buf in checkpointed_buffers(modules):
+                self._add(snap, fname, "buffer", name, buf.detach(), None)
         for key, value in rng.items():
             snap.tensors[f"rng/{key}"] = value.detach().cpu().clone()
         if torch.cuda.is_available():

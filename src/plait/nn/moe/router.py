@@ -79,6 +79,9 @@ class SigmoidTopKRouter(nn.Module):
     loss are the scores normalised over experts per token.
     """
 
+    #: saved by training checkpoints (:func:`plait.checkpoint.writer.checkpointed_buffers`): resume is exact
+    checkpoint_buffers = ("expert_bias",)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, renormalize: bool = True,
                  scale: float = 1.0, num_groups: int = 1, topk_groups: int = 1, device=None, dtype=None) -> None:
         super().__init__()
@@ -127,8 +130,9 @@ def sigmoid_router_from(router: nn.Module, *, num_groups: int = 1, topk_groups: 
     and optimizer entries carry over) with its expert count, top-k and renormalisation, and a zero
     bias: how a recipe turns a family's softmax router into a sigmoid one."""
     weight = router.weight
-    assert isinstance(weight, nn.Parameter), "a router has a weight parameter [E, H]"
-    new = SigmoidTopKRouter(weight.shape[1], weight.shape[0], int(router.top_k),
+    top_k = router.top_k
+    assert isinstance(weight, nn.Parameter) and isinstance(top_k, int), "a router has weight [E, H] and top_k"
+    new = SigmoidTopKRouter(weight.shape[1], weight.shape[0], top_k,
                             renormalize=bool(getattr(router, "renormalize", True)), num_groups=num_groups,
                             topk_groups=topk_groups, device=weight.device, dtype=weight.dtype)
     new.weight = weight
