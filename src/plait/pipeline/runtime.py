@@ -12,6 +12,18 @@ when the matching gradient comes back (the send is then known to be complete; gl
 complete only once it is waited on), so at most the schedule's in-flight microbatches are held.
 Sent input gradients are still kept until the end of the step.
 
+Receives are pre-posted (gloo): the runtime keeps the next ``prepost_receives`` receives of its
+task list posted as ``irecv`` ahead of the tasks that consume them, so a message arrives while the
+rank computes instead of after it reaches the receive (gloo moves data only once the receiver has
+posted its buffer). The order in which receives are *waited on* is the task list's, so a schedule
+that is deadlock-free with blocking receives stays so. On backends that serialise a pair's
+point-to-point operations on one stream (NCCL), an early receive could hold back a send the peer
+needs first, so there receives stay blocking at their place in the list. Receive buffers come
+from a pool kept across steps and go back to it only once every task of their (microbatch,
+chunk) has run: after the last ``SendGradient``/``Backward`` and, with a split backward, the
+``WeightGrad``, whose deferred products may hold the received tensors themselves (the output
+gradient of a stage's last projection *is* the received gradient).
+
 Zero-bubble schedules (``zb-h1``) split each backward: the runtime attaches a
 :class:`~plait.tensor_parallel.weight_grad.WeightGradQueue` to the stages' column/row-parallel
 layers, runs each ``Backward`` (B) inside ``queue.collect((microbatch, chunk))`` so those layers
@@ -104,6 +116,12 @@ class PipelineRuntime:
         if schedule in SPLIT_BACKWARD_SCHEDULES:
             self.weight_grads = WeightGradQueue()
             self._deferred = [attach_weight_grad_queue(stage, self.weight_grads) for stage in stages]
+        #: receives kept posted ahead of the tasks that wait on them (0: each receive blocks at its
+        #: place in the list); only for gloo, see the module doc
+        backend = dist.get_backend(self.pp_group) if self.pp_group is not None else ""
+        self.prepost_receives = 2 if backend == "gloo" else 0
+        #: free receive buffers (all of ``act_shape`` and ``dtype``), reused across micro-batches and steps
+        self._pool: list[torch.Tensor] = []
         #: the last stage's loss per micro-batch, when it is not the output module's next-token loss
         self.loss_head: LossHead | None = None
         #: run over each batch (already on the device) before the schedule: a reference model's pass
@@ -169,16 +187,14 @@ class PipelineRuntime:
         pending: list = []
         act_sends: dict[tuple[int, int], tuple] = {}
         tasks = self.tasks if train else self._forward_only_tasks()
+        receives = _Receives(self, list(tasks), train)
         for index, task in enumerate(tasks):
             if isinstance(task, T.ReduceGradients):
                 continue
             key = (task.microbatch, task.chunk)
             stage_id = self._global_stage(task.chunk)
             if isinstance(task, T.RecvActivation):
-                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-                dist.recv(buf, src=self._peer(stage_id - 1), group=self.pp_group,
-                          tag=self._tag(0, task.microbatch, stage_id))
-                received[key] = buf
+                received[key] = receives.take(index)
             elif isinstance(task, T.Forward):
                 stage = self.stages[task.chunk]
                 x = ids[task.microbatch] if stage.first else received.pop(key)
@@ -203,10 +219,7 @@ class PipelineRuntime:
                                   tag=self._tag(0, task.microbatch, stage_id + 1))
                 act_sends[key] = (work, out)
             elif isinstance(task, T.RecvGradient):
-                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-                dist.recv(buf, src=self._peer(stage_id + 1), group=self.pp_group,
-                          tag=self._tag(1, task.microbatch, stage_id))
-                state[key].output_grad = buf
+                state[key].output_grad = receives.take(index)
                 # The gradient exists only because the next stage received this activation, so the
                 # send is complete: wait (returns at once) and release the sent buffer now.
                 sent = act_sends.pop(key, None)
@@ -239,6 +252,8 @@ class PipelineRuntime:
                 pending.append(dist.isend(grad, dst=self._peer(stage_id - 1), group=self.pp_group,
                                           tag=self._tag(1, task.microbatch, stage_id - 1)))
                 pending.append(grad)
+            receives.task_done(index, key)
+        receives.finish()
         if self.weight_grads is not None and (left := self.weight_grads.pending()):
             raise RuntimeError(f"the schedule left deferred weight gradients unrun: {left}")
         for work, _ in act_sends.values():  # evaluation (no gradients come back) and the last sends
@@ -259,6 +274,15 @@ class PipelineRuntime:
         elif self.before_last_backward is not None and weights == split:
             self.before_last_backward(chunk)
 
+    def _post_receive(self, task: T.RecvActivation | T.RecvGradient) -> tuple[dist.Work | None, torch.Tensor]:
+        """Issue ``task``'s receive into a pooled buffer: ``(work, buffer)``."""
+        buf = self._pool.pop() if self._pool else torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+        stage = self._global_stage(task.chunk)
+        grad = isinstance(task, T.RecvGradient)
+        work = dist.irecv(buf, src=self._peer(stage + 1 if grad else stage - 1), group=self.pp_group,
+                          tag=self._tag(int(grad), task.microbatch, stage))
+        return work, buf
+
     def _forward_only_tasks(self) -> list[T.Task]:
         """Forward-only order for evaluation: microbatch by microbatch, chunk by chunk."""
         out: list[T.Task] = []
@@ -271,3 +295,55 @@ class PipelineRuntime:
                 if s < self.num_stages - 1:
                     out.append(T.SendActivation(mb, chunk))
         return out
+
+
+class _Receives:
+    """One step's receives: posted ``runtime.prepost_receives`` ahead in task-list order, waited on
+    at their own task, their buffers returned to the runtime's pool after the last task of their
+    (microbatch, chunk) in training (evaluation drops them: a forward-only stage may send a view
+    of its input)."""
+
+    def __init__(self, runtime: PipelineRuntime, tasks: list[T.Task], train: bool) -> None:
+        self.runtime, self.tasks, self.train = runtime, tasks, train
+        self.order = [i for i, t in enumerate(tasks) if isinstance(t, T.RECV_TASKS)]
+        self.next = 0  # position in ``order`` of the first receive not yet posted
+        self.posted: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}
+        self.held: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.last: dict[tuple[int, int], int] = {}
+        if train:
+            for i, t in enumerate(tasks):
+                if not isinstance(t, T.ReduceGradients):
+                    self.last[(t.microbatch, t.chunk)] = i
+        self._post_ahead()
+
+    def _post_ahead(self) -> None:
+        while self.next < len(self.order) and len(self.posted) < self.runtime.prepost_receives:
+            self._post(self.order[self.next])
+
+    def _post(self, index: int) -> None:
+        task = self.tasks[index]
+        assert isinstance(task, T.RECV_TASKS)
+        self.posted[index] = self.runtime._post_receive(task)
+        self.next += 1
+
+    def take(self, index: int) -> torch.Tensor:
+        """The received tensor of the receive task at ``index`` (waits for it)."""
+        while index not in self.posted:  # not pre-posted (depth 0, or the window is behind)
+            self._post(self.order[self.next])
+        work, buf = self.posted.pop(index)
+        if work is not None:
+            work.wait()
+        self._post_ahead()
+        if self.train:
+            task = self.tasks[index]
+            assert isinstance(task, T.RECV_TASKS)
+            self.held.setdefault((task.microbatch, task.chunk), []).append(buf)
+        return buf
+
+    def task_done(self, index: int, key: tuple[int, int]) -> None:
+        """After task ``index``: when it was the last of ``key``, its buffers are free again."""
+        if self.last.get(key) == index and key in self.held:
+            self.runtime._pool.extend(b.detach() for b in self.held.pop(key))
+
+    def finish(self) -> None:
+        assert not self.posted, f"receives posted but never waited on: {sorted(self.posted)}"
