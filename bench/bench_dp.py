@@ -88,7 +88,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bool, collectives=None):
+def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bool, collectives=None,
+               prefetch: bool = False):
     """(step, optimizer-state bytes fn, master bytes fn) of plait's DP / ZeRO-1 path; ``collectives``
     forces ZeRO-1's strategy (default: plait's choice for the backend)."""
     from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
@@ -101,7 +102,7 @@ def plait_side(config, mesh: ParallelMesh, seed: int, *, zero: bool, overlap: bo
     stages = build_stages(config, mesh, [list(range(config.num_hidden_layers))], seed=seed)  # what the trainer runs
     opt = DistributedOptimizer(stages, policy, OptimizerHyper(lr=LR, weight_decay=0.0, betas=BETAS, eps=EPS),
                                dp=mesh.info("dp"), tp=mesh.info("tp"), zero=zero, bucket_mb=25.0, overlap=overlap,
-                               collectives=collectives)
+                               collectives=collectives, prefetch_params=prefetch)
     runtimes: dict[tuple[int, int], object] = {}
 
     def run(ids: torch.Tensor) -> torch.Tensor:
@@ -192,6 +193,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         "plait ZeRO-1": plait_side(config, mesh, args.seed, zero=True, overlap=True),
         "DDP + ZeroRedundancyOptimizer": torch_side(config, mesh, args.seed, zero=True),
     }
+    if not args.skip_prefetch:
+        sides["plait ZeRO-1, prefetch"] = plait_side(config, mesh, args.seed, zero=True, overlap=True, prefetch=True)
     if not args.skip_rs_ag:
         from plait.data_parallel.collectives import ShardCollectives
 
@@ -253,6 +256,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     pairs = [("plait DP", "DDP"), ("plait ZeRO-1", "DDP + ZeroRedundancyOptimizer")]
     if not args.skip_no_overlap:
         pairs.append(("plait DP, overlap off", "DDP"))
+    if not args.skip_prefetch:
+        pairs.append(("plait ZeRO-1, prefetch", "DDP + ZeroRedundancyOptimizer"))
     if not args.skip_rs_ag:
         pairs.append(("plait ZeRO-1, reduce-scatter + all-gather", "DDP + ZeroRedundancyOptimizer"))
     log()
@@ -276,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(parser)
     parser.add_argument("--skip-no-overlap", action="store_true",
                         help="leave out the plait DP run with overlap_grad_reduce=false")
+    parser.add_argument("--skip-prefetch", action="store_true",
+                        help="leave out plait ZeRO-1 with prefetch_params=True (parameter gathers left in flight, "
+                             "awaited per module by the next forward)")
     parser.add_argument("--skip-rs-ag", action="store_true",
                         help="leave out plait ZeRO-1 forced to reduce-scatter + all-gather (NCCL's collectives; "
                              "on gloo plait all-reduces in place and broadcasts per owner instead)")

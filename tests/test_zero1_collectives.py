@@ -1,5 +1,6 @@
 """ZeRO-1's per-backend collectives: on gloo the in-place all-reduce and per-owner broadcasts train
-exactly like reduce-scatter + all-gather, and like plain data parallelism."""
+exactly like reduce-scatter + all-gather, and like plain data parallelism; so does leaving the
+parameter gathers in flight into the next forward (``prefetch_params``)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ class Net(nn.Module):
         return self.b(self.norm(self.a(x))).square().mean()
 
 
-def _train(rank, world, preset, zero, collectives, steps=4):
+def _train(rank, world, preset, zero, collectives, steps=4, prefetch=False):
     import torch.distributed as dist
 
     model = Net()
     dp = GroupInfo(dist.group.WORLD, rank, world)
     solo = GroupInfo(None, 0, 1)
     opt = DistributedOptimizer([model], policy_for(preset), HYPER, dp=dp, tp=solo, zero=zero,
-                               bucket_mb=100 * 4 / 2**20, collectives=collectives)
+                               bucket_mb=100 * 4 / 2**20, collectives=collectives, prefetch_params=prefetch)
     for step in range(steps):
         for mb in range(2):
             if mb == 1:
@@ -47,6 +48,10 @@ def _train(rank, world, preset, zero, collectives, steps=4):
         opt.grads.finish()
         opt.clip_(opt.grad_norm(), 0.5)
         opt.step()
+        if prefetch:  # the gathers are left in flight; each module's forward pre-hook awaits its buckets
+            assert len(opt._pending) == len(opt.layout.buckets)
+    if prefetch:  # state_dict() awaits every gather
+        return {n: p.float().clone() for n, p in model.state_dict().items()}, opt
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}, opt
 
 
@@ -57,7 +62,8 @@ def _worker(rank, world, preset):
     plain, _ = _train(rank, world, preset, zero=False, collectives=None)
     auto, opt = _train(rank, world, preset, zero=True, collectives=None)
     forced, forced_opt = _train(rank, world, preset, zero=True, collectives=ShardCollectives())
-    return {"chosen": type(chosen).__name__, "plain": plain, "auto": auto, "forced": forced,
+    prefetched, _ = _train(rank, world, preset, zero=True, collectives=None, prefetch=True)
+    return {"chosen": type(chosen).__name__, "plain": plain, "auto": auto, "forced": forced, "prefetched": prefetched,
             "buckets": len(opt.layout.buckets), "padding": opt.layout.padding,
             "shard_buffer": opt.grads.shard_data.numel(), "forced_shard_buffer": forced_opt.grads.shard_data.numel(),
             "in_place": all(v.untyped_storage().data_ptr() == opt.grads.data.untyped_storage().data_ptr()
@@ -75,6 +81,8 @@ def test_gloo_zero1_trains_like_reduce_scatter_all_gather_and_like_plain_dp(pres
         for name, w in r["auto"].items():
             # two ranks: both algorithms add the same two numbers, so the results are bitwise equal
             assert torch.equal(w, r["forced"][name]), name
+            # gathers left in flight into the next forward: the same weights (every forward waited)
+            assert torch.equal(w, r["prefetched"][name]), name
             # plain DP sums the squared-gradient norm in another order (the clip factor differs in
             # the last bit) and steps one flat run instead of one per shard (tests/test_fused_adamw.py):
             # round-off only, a few fp32 ulps after 4 steps; a bf16 weight can round to its neighbour

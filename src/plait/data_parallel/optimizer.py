@@ -78,7 +78,8 @@ class DistributedOptimizer:
                  dp: GroupInfo, tp: GroupInfo, pp: GroupInfo | None = None, tied: GroupInfo | None = None,
                  zero: bool = False, bucket_mb: float = 25.0, overlap: bool = True,
                  ep: GroupInfo | None = None, expert_dp: GroupInfo | None = None,
-                 expert_names: frozenset[str] = frozenset(), collectives: ShardCollectives | None = None) -> None:
+                 expert_names: frozenset[str] = frozenset(), collectives: ShardCollectives | None = None,
+                 prefetch_params: bool = False) -> None:
         # expert parallelism: ``expert_names`` differ between the ``ep`` ranks and are reduced over
         # ``expert_dp`` (see GradSync); at ep=1 they are ordinary parameters
         if ep is None or ep.size == 1:
@@ -116,6 +117,14 @@ class DistributedOptimizer:
                               overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp,
                               collectives=collectives)
         self.inner = self._build_inner(hyper)
+        #: ZeRO-1 gathers still in flight, per bucket index (only with ``prefetch_params``)
+        self._pending: dict[int, list] = {}
+        #: leave ZeRO-1's parameter gathers in flight after :meth:`step`, awaited by each module's
+        #: forward (overlapping them with the next forward); then every read of the weights outside
+        #: a forward must call :meth:`wait_params` first
+        self.prefetch_params = prefetch_params and zero
+        if self.prefetch_params:
+            self._register_prefetch_hooks(modules)
 
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
@@ -184,19 +193,22 @@ class DistributedOptimizer:
         return torch.optim.AdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps)
 
     def _flat_runs(self) -> list[FlatRun]:
-        """The owned range of every bucket as (values, reduced gradients), adjacent ranges merged
-        where values and gradients both continue in memory (the whole buffer without ZeRO-1)."""
+        """The owned range of every bucket as (values, reduced gradients); without ZeRO-1 adjacent
+        ranges are merged where values and gradients both continue in memory (the whole buffer)."""
         runs: list[FlatRun] = []
+        self._run_buckets: list[list[Bucket]] = []
         for b in self.layout.buckets:
             lo, hi = self._owned_range(b)
             values = self.master_views[b.index] if self.has_master else self.param_data[lo:hi]
             grads = self.grads.reduced_view(lo, hi)
             members = [self.main_params[i] for i, s in enumerate(self.segments) if s.bucket is b]
-            last = runs[-1] if runs else None
+            last = runs[-1] if runs and not self.zero else None  # ZeRO-1: one run per bucket, published in turn
             if last is not None and _continues(last.values, values) and _continues(last.grads, grads):
                 runs[-1] = FlatRun(_joined(last.values, values), _joined(last.grads, grads), last.members + members)
+                self._run_buckets[-1].append(b)
             else:
                 runs.append(FlatRun(values, grads, members))
+                self._run_buckets.append([b])
         return runs
 
     # ------------------------------------------------------------------ the step
@@ -247,38 +259,94 @@ class DistributedOptimizer:
         ``found_inf`` (a device scalar, 1.0 = skip): the fused AdamW skips the whole update on the
         device, without a host read, and leaves its step counters as they were; the low-precision
         AdamW reads the flag on the host (one read per step, only when skipping is enabled).
+
+        Publishing overlaps the update: with the flat fused AdamW each bucket's owned range is
+        updated in turn, in the order the next forward needs the weights (last bucket first: the
+        buffer is in reverse registration order), and its gather starts at once while the next
+        range updates. The gathers are awaited here, or with ``prefetch_params`` by the forward
+        pre-hook of each module that holds the bucket's parameters (see :meth:`wait_params`).
         """
-        if found_inf is not None and getattr(self.inner, "defaults", {}).get("fused"):
-            # the fused AdamW reads ``found_inf`` off itself (the GradScaler protocol); torch's
-            # Optimizer stub does not declare that attribute
-            self.inner.found_inf = found_inf.to(torch.float32).reshape(())  # type: ignore[attr-defined]
+        self.wait_params()  # a gather still in flight reads the owned ranges this step rewrites
+        publish = self.has_master or self.zero
+        pending: dict[int, list] = {}
+
+        def after_run(i: int) -> None:
+            for b in self._run_buckets[i]:
+                pending[b.index] = self._publish(b)
+
+        if isinstance(self.inner, FlatAdamW):
+            if found_inf is not None:  # read off the optimizer, as torch's fused AdamW does (GradScaler protocol)
+                self.inner.found_inf = found_inf.to(torch.float32).reshape(())  # type: ignore[attr-defined]
             try:
-                self.inner.step()
+                order = list(reversed(range(len(self._run_buckets))))
+                self.inner.step_runs(after_run if publish else None, order=order)
             finally:
-                del self.inner.found_inf  # type: ignore[attr-defined]
-        elif found_inf is not None and bool(found_inf.item()):
-            pass  # skip: weights, moments and step counts stay as they were
+                if found_inf is not None:
+                    del self.inner.found_inf  # type: ignore[attr-defined]
         else:
-            self.inner.step()
-        if self.has_master or self.zero:
-            works = []
-            for b in self.layout.buckets:
-                master = self.master_views[b.index] if self.has_master else None
-                if self.zero and b.shards == 1:  # one replica per expert: the whole bucket is owned
-                    if master is not None:
-                        self.param_data[b.start:b.end].copy_(master)
-                elif self.zero:  # the owned shard is in place; the backend's collectives fill the rest
-                    if master is not None:
-                        lo, hi = self._owned_range(b)
-                        self.param_data[lo:hi].copy_(master)
-                    group = self._shard_group(b)
-                    works += self.grads.collectives[id(group)].gather(self.param_data[b.start:b.end], group)
-                else:
-                    assert master is not None, "without ZeRO-1 the weights are published only from a master copy"
-                    self.param_data[b.start:b.end].copy_(master)
+            if found_inf is not None and getattr(self.inner, "defaults", {}).get("fused"):
+                self.inner.found_inf = found_inf.to(torch.float32).reshape(())  # type: ignore[attr-defined]
+                try:
+                    self.inner.step()
+                finally:
+                    del self.inner.found_inf  # type: ignore[attr-defined]
+            elif found_inf is not None and bool(found_inf.item()):
+                pass  # skip: weights, moments and step counts stay as they were
+            else:
+                self.inner.step()
+            if publish:
+                for b in reversed(self.layout.buckets):
+                    pending[b.index] = self._publish(b)
+        self._pending = {i: works for i, works in pending.items() if works}
+        if not self.prefetch_params:
+            self.wait_params()
+        self.grads.zero_()
+
+    def _publish(self, b: Bucket) -> list:
+        """Write bucket ``b``'s updated owned range into the weights and start sharing it (ZeRO-1);
+        returns the work handles."""
+        master = self.master_views[b.index] if self.has_master else None
+        if self.zero and b.shards > 1:  # the owned shard is in place; the backend's collectives fill the rest
+            if master is not None:
+                lo, hi = self._owned_range(b)
+                self.param_data[lo:hi].copy_(master)
+            group = self._shard_group(b)
+            return self.grads.collectives[id(group)].gather(self.param_data[b.start:b.end], group)
+        # without ZeRO-1, or one replica per expert (the whole bucket is owned): only a master to copy
+        assert master is not None, "without ZeRO-1 the weights are published only from a master copy"
+        self.param_data[b.start:b.end].copy_(master)
+        return []
+
+    def wait_params(self) -> None:
+        """Wait for every parameter gather still in flight (``prefetch_params``): call before reading
+        the weights outside a forward (the optimizer's own methods and ``state_dict()`` do)."""
+        pending, self._pending = self._pending, {}
+        for works in pending.values():
             for work in works:
                 work.wait()
-        self.grads.zero_()
+
+    def _await_buckets(self, buckets: tuple[int, ...]) -> None:
+        """Forward pre-hook body: wait for the gathers of ``buckets`` (the module's own parameters)."""
+        if not self._pending:
+            return
+        for i in buckets:
+            for work in self._pending.pop(i, ()):
+                work.wait()
+
+    def _register_prefetch_hooks(self, modules: list[nn.Module]) -> None:
+        """Hooks that make a deferred gather land before its weights are read: a forward pre-hook on
+        every module that holds parameters itself (tied weights are held by both modules), and a
+        ``state_dict`` pre-hook on the top modules."""
+        bucket_of = {id(e.param): e.bucket for e in self.layout.entries}
+        self._hooks = []
+        for module in modules:
+            for sub in module.modules():
+                buckets = tuple(sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False)
+                                        if id(p) in bucket_of}))
+                if buckets:
+                    self._hooks.append(sub.register_forward_pre_hook(
+                        lambda _m, _a, buckets=buckets: self._await_buckets(buckets)))
+            self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_params()))
 
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, int]:
@@ -312,6 +380,7 @@ class DistributedOptimizer:
         Under ZeRO-1 each bucket's owned ranges are all-gathered over the data-parallel group, so
         every DP rank must run the whole iteration (collective); memory grows by one bucket at a time.
         """
+        self.wait_params()
         kinds = self.state_kinds()
         if not self.zero:  # every segment is a whole parameter: hand out views, no copy
             for i, s in enumerate(self.segments):
@@ -351,6 +420,7 @@ class DistributedOptimizer:
         """Set one parameter's optimizer state from local-shape tensors (``exp_avg``, ``exp_avg_sq``,
         optionally ``master``). The model weights must already hold the loaded values: without a
         ``master`` tensor the master copy is taken from them."""
+        self.wait_params()
         for i in self._segments_of(name):
             s, main = self.segments[i], self.main_params[i]
             a, z = s.start - s.entry.start, s.end - s.entry.start
@@ -375,6 +445,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def sync_master_from_weights(self) -> None:
         """Copy the model weights into the master copy (after loading weights without optimizer state)."""
+        self.wait_params()
         if not self.has_master:
             return
         for i, s in enumerate(self.segments):

@@ -87,9 +87,17 @@ class FlatAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.step_runs()
+        return loss
+
+    @torch.no_grad()
+    def step_runs(self, after_run: Callable[[int], None] | None = None, order: list[int] | None = None) -> None:
+        """One step, run by run in ``order`` (default: as given), calling ``after_run(i)`` as soon as
+        run ``i`` is updated, so a caller can start communicating it while later runs update."""
         found_inf = getattr(self, "found_inf", None)  # the GradScaler protocol of the fused optimizers
         if not self.runs:
-            return loss
+            return
+        order = list(range(len(self.runs))) if order is None else order
         torch._foreach_add_(self.run_steps, 1)
         groups = self.param_groups
         same = {(g["lr"], tuple(g["betas"]), g["eps"]) for g in groups}
@@ -103,10 +111,18 @@ class FlatAdamW(torch.optim.Optimizer):
                     else:  # the factor in the weights' dtype, or exactly 1 when the step is skipped
                         keep = torch.full((), factor, dtype=g["params"][0].dtype, device=found_inf.device)
                         torch._foreach_mul_(g["params"], torch.where(found_inf > 0, torch.ones_like(keep), keep))
-            torch._fused_adamw_([r.values for r in self.runs], [r.grads for r in self.runs],
-                                [m for m, _ in self.run_moments], [v for _, v in self.run_moments], [],
-                                self.run_steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0,
-                                eps=eps, maximize=False, grad_scale=None, found_inf=found_inf)
+            kw = dict(amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, maximize=False,
+                      grad_scale=None, found_inf=found_inf)
+            if after_run is None:  # one call over every run
+                chosen = [self.runs[i] for i in order]
+                moments = [self.run_moments[i] for i in order]
+                torch._fused_adamw_([r.values for r in chosen], [r.grads for r in chosen], [m for m, _ in moments],
+                                    [v for _, v in moments], [], [self.run_steps[i] for i in order], **kw)
+            else:
+                for i in order:
+                    run, (m, v) = self.runs[i], self.run_moments[i]
+                    torch._fused_adamw_([run.values], [run.grads], [m], [v], [], [self.run_steps[i]], **kw)
+                    after_run(i)
         else:
             for g in groups:
                 params = [p for p in g["params"] if p in self.state]
@@ -118,6 +134,8 @@ class FlatAdamW(torch.optim.Optimizer):
                                     [s["exp_avg_sq"] for s in st], [], [s["step"] for s in st], amsgrad=False,
                                     lr=g["lr"], beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"],
                                     maximize=False, grad_scale=None, found_inf=found_inf)
+            if after_run is not None:
+                for i in order:
+                    after_run(i)
         if found_inf is not None:
             torch._foreach_sub_(self.run_steps, [found_inf] * len(self.run_steps))
-        return loss
