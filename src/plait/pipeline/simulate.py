@@ -92,6 +92,21 @@ def theoretical_bubble(pp: int, microbatches: int, vpp: int = 1) -> float:
     return (pp - 1) / (vpp * microbatches + pp - 1)
 
 
+def schedule_bubble(name: str, pp: int, microbatches: int, vpp: int = 1) -> float:
+    """Idle share of schedule ``name``'s makespan with uniform stages, forward 1 and backward 2.
+
+    1F1B, GPipe and interleaved 1F1B: :func:`theoretical_bubble`. ``zb-h1`` (backward split into
+    B = W = 1): ``(pp - 1) / (3 * microbatches + pp - 1)`` when ``microbatches >= pp``, a third of
+    1F1B's idle time (:func:`simulate` gives exactly this; it is used for fewer micro-batches).
+    """
+    if name != "zb-h1":
+        return theoretical_bubble(pp, microbatches, vpp)
+    theoretical_bubble(pp, microbatches, vpp)  # the same argument checks
+    if microbatches >= pp:
+        return (pp - 1) / (3 * microbatches + pp - 1)
+    return simulate(pp, microbatches, 1, name).mean_bubble
+
+
 def _message(task: SendActivation | RecvActivation | SendGradient | RecvGradient, pp_rank: int, pp: int,
              vpp: int) -> tuple[str, int, int]:
     """Key of the message a send/recv task carries: (kind, microbatch, sending stage)."""

@@ -48,7 +48,8 @@ NeuronLink), across nodes ``inter_node_bw`` (per device, one direction). Latency
   exposed (plait's receives block the schedule). With tied embeddings and ``pp > 1`` the first and
   last stage all-reduce the embedding gradient (``V' * h * g`` over 2 ranks). Inter-node unless
   the whole job fits in one node.
-* Bubble: ``(pp - 1) / (vpp * m + pp - 1)`` (:func:`plait.pipeline.simulate.theoretical_bubble`);
+* Bubble: ``(pp - 1) / (vpp * m + pp - 1)`` (:func:`plait.pipeline.simulate.theoretical_bubble`),
+  for ``zb-h1`` ``(pp - 1) / (3m + pp - 1)`` (:func:`plait.pipeline.simulate.schedule_bubble`);
   it stretches the per-rank compute and TP time.
 
 * CP (``Layout.cp``; ``S_l = S / cp``, the rank's tokens): compute, TP and PP volumes are those of
@@ -74,7 +75,7 @@ from dataclasses import asdict, dataclass
 from plait.devices import DeviceSpec, peak_flops
 from plait.models.flops import model_flops_per_token
 from plait.models.llama.config import LlamaConfig
-from plait.pipeline.simulate import theoretical_bubble
+from plait.pipeline.simulate import schedule_bubble
 from plait.plan.layout import Layout
 from plait.plan.memory import (
     chunk_parameter_count,
@@ -247,7 +248,7 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
         if config.tie_word_embeddings:
             pp_vol += 2 * _ring(2) * sh.vocab * sh.hidden * pb.grad
         pp_comm_s = pp_vol / pp_bw
-        bubble = theoretical_bubble(layout.pp, m, layout.vpp)
+        bubble = schedule_bubble(layout.schedule, layout.pp, m, layout.vpp)
     else:
         pp_comm_s, bubble = 0.0, 0.0
 
