@@ -199,6 +199,8 @@ def recipe_overrides(candidate) -> str:
     items = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}"]
     if lay.cp > 1:
         items.append(f"parallel.cp={lay.cp}")
+    if lay.ep > 1 or candidate.memory.expert_parameter_count:  # an MoE model: set ep even when 1
+        items.append(f"parallel.ep={lay.ep}")
     if lay.pp > 1:
         items += [f"parallel.vpp={lay.vpp}", f"parallel.schedule={lay.schedule}"]
     items += [f"parallel.microbatches={candidate.microbatches}", f"parallel.kv_replication={lay.kv_replication}",
@@ -207,6 +209,25 @@ def recipe_overrides(candidate) -> str:
     ckpt = {"none": "off"}.get(lay.activation_checkpointing, lay.activation_checkpointing)
     items.append(f"train.activation_checkpointing={ckpt}")
     return " ".join(items)
+
+
+def moe_line(candidate, precision: str) -> str:
+    """The MoE terms of a candidate: its experts per rank, where their optimizer state is sharded,
+    and the all-to-all volume."""
+    from plait.plan.memory import precision_bytes
+
+    lay, mem, t = candidate.layout, candidate.memory, candidate.time
+    pb = precision_bytes(precision)
+    experts = mem.expert_parameter_count
+    dense = mem.parameter_count - experts
+    shard = lay.dp // lay.ep if lay.zero1 and lay.dp > 1 else 1
+    text = (f"  experts: ep={lay.ep}, {experts / 1e9:.2f}B expert + {dense / 1e9:.2f}B dense parameters per rank "
+            f"({experts * pb.param / GiB:.1f} + {dense * pb.param / GiB:.1f} GiB)")
+    if lay.zero1 and lay.dp > 1:
+        text += f"; ZeRO-1 shards expert states over dp/ep={shard}, dense over dp={lay.dp}"
+    if lay.ep > 1:
+        text += f"; all-to-all {t.ep_bytes / 1e9:.1f} GB sent per rank per step"
+    return text
 
 
 def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every: bool = False) -> str:
@@ -240,9 +261,12 @@ def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every:
             f"(compute {t.compute_s:.2f} s, TP comm {t.tp_comm_s:.2f} s, DP comm {t.dp_comm_s:.2f} s, "
             f"PP comm {t.pp_comm_s:.2f} s, bubble {100 * t.bubble_share:.1f}%"
             + (f", CP ring {t.cp_comm_s:.2f} s of which {t.cp_exposed_s:.2f} s exposed" if rec.layout.cp > 1 else "")
+            + (f", EP all-to-all {t.ep_comm_s:.2f} s" if rec.layout.ep > 1 else "")
             + ")",
-            f"  recipe overrides: {recipe_overrides(rec)}",
         ]
+        if rec.memory.expert_parameter_count:
+            lines.append(moe_line(rec, plan.precision))
+        lines.append(f"  recipe overrides: {recipe_overrides(rec)}")
     return "\n".join(lines)
 
 
@@ -281,7 +305,6 @@ def run(args) -> int:
                             microbatches=args.microbatches, global_batch_size=global_batch, precision=precision,
                             memory_bytes=memory, headroom=args.headroom,
                             options=SearchOptions(kv_placement=recipe.parallel.kv_placement, partition=method,
-                                                  expert_parallel=recipe.parallel.ep,
                                                   partition_cost=recipe.parallel.partition_cost,
                                                   try_zero1=not args.no_zero1,
                                                   activation_checkpointing=("none",) if args.no_checkpointing

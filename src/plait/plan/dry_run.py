@@ -5,7 +5,10 @@
 :class:`~plait.mesh.ParallelMesh` with all its groups and this rank's model exactly as training
 does, tensor-parallel plan and pipeline stages included, but on the ``meta`` device (shapes and
 dtypes, no storage), then records every local parameter and compares their bytes with the
-memory model's ``parameters`` for that rank. The process group is destroyed afterwards.
+memory model's ``parameters`` for that rank. The process group is destroyed afterwards. With
+expert parallelism (``layout.ep > 1``) the mesh has its expert groups and the builder keeps only
+the rank's ``experts / ep`` of each MoE layer, so the check covers the memory model's expert
+split too (``expert_bytes``: the built routed-expert parameters).
 
 What it proves: the degrees build (head layout, KV replication, pipeline split, groups), and the
 memory model's parameter count is the one the code allocates. Padding entries (vocabulary rows
@@ -57,6 +60,12 @@ class DryRunReport:
     parameters: list[ParamRecord] = field(default_factory=list)
     estimated_param_bytes: int = 0
     seconds: float = 0.0
+    estimated_expert_param_count: int = 0   # MoE: the memory model's routed-expert parameters
+
+    @property
+    def expert_param_count(self) -> int:
+        """Built routed-expert parameters (an ``experts.<index>.`` in the name)."""
+        return sum(p.numel for p in self.parameters if ".experts." in p.name)
 
     @property
     def param_count(self) -> int:
@@ -77,12 +86,13 @@ class DryRunReport:
 
     @property
     def matches_exactly(self) -> bool:
-        return self.difference == 0
+        return self.difference == 0 and self.expert_param_count == self.estimated_expert_param_count
 
     @property
     def matches(self) -> bool:
         """Equal, or equal once the padding entries are left out of the built bytes."""
-        return self.difference == 0 or self.param_bytes - self.padding_bytes == self.estimated_param_bytes
+        same = self.difference == 0 or self.param_bytes - self.padding_bytes == self.estimated_param_bytes
+        return same and self.expert_param_count == self.estimated_expert_param_count
 
     def stage_text(self) -> str:
         if not self.stages:
@@ -99,9 +109,11 @@ class DryRunReport:
         c = self.coords
         verdict = ("match" if self.matches_exactly else
                    f"match without {self.padding_bytes} padding bytes" if self.matches else
-                   f"MISMATCH by {self.difference:+d} bytes")
+                   f"MISMATCH by {self.difference:+d} bytes" if self.difference else "MISMATCH in the experts")
+        experts = (f", {self.expert_param_count:,} of them in experts (estimated "
+                   f"{self.estimated_expert_param_count:,})" if self.estimated_expert_param_count else "")
         return (f"rank {self.rank} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']}; {self.stage_text()}): "
-                f"{len(self.parameters)} tensors, {self.param_count:,} parameters, built "
+                f"{len(self.parameters)} tensors, {self.param_count:,} parameters{experts}, built "
                 f"{self.param_bytes / gib:.3f} GiB vs estimated {self.estimated_param_bytes / gib:.3f} GiB: "
                 f"{verdict} [{self.seconds:.1f} s]")
 
@@ -114,6 +126,8 @@ class DryRunReport:
             "param_count": self.param_count, "param_bytes": self.param_bytes,
             "padding_bytes": self.padding_bytes, "estimated_param_bytes": self.estimated_param_bytes,
             "matches": self.matches, "matches_exactly": self.matches_exactly, "seconds": self.seconds,
+            "expert_param_count": self.expert_param_count,
+            "estimated_expert_param_count": self.estimated_expert_param_count,
         }
 
 
@@ -184,9 +198,10 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
         stage_layers = part.stage_layers()
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
-        mesh = ParallelMesh(world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp,
+        mesh = ParallelMesh(world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep,
                             kv_replication=layout.kv_replication, kv_placement=kv_placement)
-        group_sizes = {axis: len(mesh.my_group_ranks(axis)) for axis in ("tp", "pp", "dp", "kv")}
+        axes = ("tp", "pp", "dp", "kv") + (("ep", "dp_expert") if layout.ep > 1 else ())
+        group_sizes = {axis: len(mesh.my_group_ranks(axis)) for axis in axes}
         sp = layout.sequence_parallel and layout.tp > 1
         if stage_layers is None:
             modules = [build_model(config, mesh, device="meta", dtype=dtype, sequence_parallel=sp, init=False)]
@@ -206,6 +221,7 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
                                stage_layers=stage_layers)
     return DryRunReport(layout=layout, world=world, rank=rank, coords=coords, group_sizes=group_sizes,
                         stages=stages, parameters=records, estimated_param_bytes=int(estimate.parameters),
+                        estimated_expert_param_count=estimate.expert_parameter_count,
                         seconds=time.perf_counter() - start)
 
 

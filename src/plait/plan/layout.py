@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate way to run a model on ``world = tp * pp * dp * cp`` devices."""
+    """One candidate way to run a model on ``world = tp * pp * dp * cp`` devices (``ep`` folds over
+    ``dp``: it divides it and adds no devices)."""
 
     tp: int = 1
     pp: int = 1
@@ -19,6 +20,7 @@ class Layout:
     activation_checkpointing: str = "none"  # "none" | "full" | "selective"
     schedule: str = "1f1b"                  # "gpipe" | "1f1b" | "interleaved-1f1b"
     cp: int = 1                             # context parallelism: each sequence split over cp ranks
+    ep: int = 1                             # expert parallelism (MoE): experts split over ep of the dp ranks
 
     @property
     def world(self) -> int:
@@ -26,6 +28,8 @@ class Layout:
 
     def short(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.kv_replication > 1:

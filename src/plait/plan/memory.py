@@ -108,6 +108,18 @@ from plait.pipeline.layout import plan_partition
 from plait.pipeline.schedules import compute_order
 from plait.pipeline.tasks import Forward
 from plait.plan.layout import Layout
+from plait.plan.moe import (
+    MoEShape,
+    attention_extra_parameters,
+    expert_parameter_count,
+    layer_kinds,
+    local_experts,
+    moe_activation_bytes,
+    moe_comm_buffer_bytes,
+    moe_shape,
+    moe_weight_copies,
+    shared_parameter_count,
+)
 from plait.tensor_parallel.heads import HeadLayout
 
 MiB = 1024**2
@@ -164,6 +176,7 @@ class LocalShapes:
     vocab: int        # local vocabulary rows (padded)
     head_padding: bool
     vocab_padding: bool
+    ep: int = 1       # expert parallelism: each sparse layer holds experts / ep whole experts
 
 
 def local_shapes(config: LlamaConfig, layout: Layout) -> LocalShapes:
@@ -178,7 +191,7 @@ def local_shapes(config: LlamaConfig, layout: Layout) -> LocalShapes:
     c, tp = config, layout.tp
     if tp == 1:
         return LocalShapes(1, c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
-                           c.num_attention_heads, c.intermediate_size, c.vocab_size, False, False)
+                           c.num_attention_heads, c.intermediate_size, c.vocab_size, False, False, layout.ep)
     if c.intermediate_size % tp:
         raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={tp}")
     heads = HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, tp,
@@ -186,31 +199,62 @@ def local_shapes(config: LlamaConfig, layout: Layout) -> LocalShapes:
     vocab = -(-c.vocab_size // tp)
     return LocalShapes(tp, c.hidden_size, heads.local_q_heads * c.head_dim, heads.local_kv_heads * c.head_dim,
                        heads.local_q_heads, c.intermediate_size // tp, vocab, heads.needs_padding,
-                       vocab * tp != c.vocab_size)
+                       vocab * tp != c.vocab_size, layout.ep)
 
 
-def layer_parameter_count(config: LlamaConfig, sh: LocalShapes) -> int:
+def layer_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: int | None = None) -> int:
     """Local parameters of one decoder layer: q/k/v (+ biases), o (+ replicated bias), gate/up
-    (+ biases), down (+ replicated bias), two RMSNorm weights."""
+    (+ biases), down (+ replicated bias), two RMSNorm weights.
+
+    MoE families (:mod:`plait.plan.moe`): decoder layer ``layer``'s own feed-forward part, a sparse
+    layer's router and shared expert whole and ``experts / ep`` whole experts, a dense layer's
+    tensor-parallel MLP; ``layer`` is then required."""
     c, h = config, sh.hidden
     attn = h * sh.q + 2 * h * sh.kv + sh.q * h
     if c.attention_bias:
         attn += sh.q + 2 * sh.kv
     if c.o_proj_bias:
         attn += h
+    moe = moe_shape(c)
+    if moe is not None:
+        if layer is None:
+            raise ValueError("an MoE model's layers differ: give the decoder layer")
+        return attn + 2 * h + family_extra_parameters(c) + ffn_parameter_count(c, moe, sh, layer)
     mlp = 3 * h * sh.intermediate + ((2 * sh.intermediate + h) if c.mlp_bias else 0)
     return attn + mlp + 2 * h + family_extra_parameters(c)
 
 
+def ffn_parameter_count(config: LlamaConfig, moe: MoEShape, sh: LocalShapes, layer: int) -> int:
+    """MoE family: a sparse layer's router, shared expert and local experts, or a dense layer's
+    local MLP (the feed-forward part of :func:`layer_parameter_count`)."""
+    h = sh.hidden
+    if moe.is_sparse(layer):
+        return shared_parameter_count(moe, h) + expert_parameter_count(moe, h, sh.ep)
+    i = config.intermediate_size // sh.tp
+    return 3 * h * i + ((2 * i + h) if config.mlp_bias else 0)
+
+
+def layer_expert_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: int) -> int:
+    """The routed experts' part of :func:`layer_parameter_count` (0 for a dense layer or model):
+    the parameters reduced and ZeRO-1-sharded over the expert-data-parallel group."""
+    moe = moe_shape(config)
+    if moe is None or not moe.is_sparse(layer):
+        return 0
+    return expert_parameter_count(moe, sh.hidden, sh.ep)
+
+
 def family_extra_parameters(config: LlamaConfig) -> int:
     """Parameters a family's block adds to Llama's (Qwen3's per-head q/k norm weights): small
-    tensors replicated on every TP rank, read by no matmul."""
+    tensors replicated on every TP rank, read by no matmul. For an MoE family, whose
+    ``layer_parameters`` counts experts, the part besides the feed-forward layer."""
+    if moe_shape(config) is not None:
+        return attention_extra_parameters(config)
     return config.layer_parameters() - LlamaConfig.layer_parameters(config)
 
 
-def layer_matmul_parameter_count(config: LlamaConfig, sh: LocalShapes) -> int:
+def layer_matmul_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: int | None = None) -> int:
     """The part of :func:`layer_parameter_count` that matmuls read (everything but the norms)."""
-    return layer_parameter_count(config, sh) - 2 * sh.hidden - family_extra_parameters(config)
+    return layer_parameter_count(config, sh, layer) - 2 * sh.hidden - family_extra_parameters(config)
 
 
 @dataclass(frozen=True)
@@ -263,13 +307,25 @@ def chunk_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Chunk) ->
     stage too when embeddings are tied (each end keeps a copy, summed over both ends before the
     data-parallel reduction, see :mod:`plait.data_parallel.grad_sync`);
     the final norm and the output head (unless tied: then it is the embedding) on the last."""
-    n = len(chunk.layers) * layer_parameter_count(config, sh)
+    moe = moe_shape(config)
+    if moe is None:
+        n = len(chunk.layers) * layer_parameter_count(config, sh)
+    else:
+        n = sum(count * layer_parameter_count(config, sh, layer) for layer, count in layer_kinds(moe, chunk.layers))
     embed = sh.vocab * sh.hidden
     if chunk.first or (chunk.last and config.tie_word_embeddings):
         n += embed
     if chunk.last:
         n += sh.hidden + (0 if config.tie_word_embeddings else embed)
     return n
+
+
+def chunk_expert_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Chunk) -> int:
+    """Routed-expert parameters of one chunk (0 for a dense model)."""
+    moe = moe_shape(config)
+    if moe is None:
+        return 0
+    return sum(1 for layer in chunk.layers if moe.is_sparse(layer)) * expert_parameter_count(moe, sh.hidden, sh.ep)
 
 
 def rank_parameter_count(config: LlamaConfig, layout: Layout, seq_len: int, pp_rank: int = 0) -> int:
@@ -284,6 +340,9 @@ def _largest_weight(config: LlamaConfig, sh: LocalShapes, chunks: list[Chunk]) -
         sizes += [sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate]
     if any(ch.first or ch.last for ch in chunks):
         sizes.append(sh.vocab * sh.hidden)
+    moe = moe_shape(config)
+    if moe is not None and any(moe.is_sparse(layer) for ch in chunks for layer in ch.layers):
+        sizes += [sh.hidden * moe.width, moe.experts * sh.hidden]  # one expert projection, the router
     return max(sizes, default=0)
 
 
@@ -308,7 +367,7 @@ def _largest_segment(largest_weight: int, shards: int, grad_bytes: int) -> int:
 
 # ------------------------------------------------------------------------------ activations
 def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, micro_batch_size: int,
-                           seq_len: int) -> int:
+                           seq_len: int, layer: int | None = None) -> int:
     """Bytes one decoder layer saves for backward per micro-batch (per TP rank).
 
     ``activation_checkpointing="none"`` (what plait's Llama saves; flash/memory-efficient SDPA,
@@ -339,6 +398,12 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
     Measured equal to the live tensors of a real checkpointed forward (tests). ``"full"`` keeps
     only the layer input, ``B*S'*h*r`` (the one layer being recomputed is added once, by
     :func:`estimate_memory`).
+
+    A sparse layer of an MoE family (``layer`` given): the MLP's terms (its matmul input and the
+    SwiGLU tensors) are replaced by the MoE block's, :func:`plait.plan.moe.moe_activation_bytes`
+    (routing, dispatch indices, the expert rows including the fixed-slot padding under expert
+    parallelism, their SwiGLU tensors, the fp32 combine); ``"selective"`` does not checkpoint
+    it (its default modules are the attention core and ``mlp.act``).
     """
     pb = precision_bytes(precision)
     sh = local_shapes(config, layout)
@@ -352,6 +417,10 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
                          f"valid: {', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
     norms = 2 * (B * S_r * h * (4 + r) + 4 * B * S_r)
     n_in, n_mlp = (3, 2) if (pb.autocast and sh.tp == 1) else (1, 1)
+    moe = moe_shape(config)
+    sparse = moe is not None and layer is not None and moe.is_sparse(layer)
+    if sparse:
+        n_mlp = 0
     matmul_in = (n_in + n_mlp) * B * S_r * h * c
     if layout.activation_checkpointing == "selective":
         attn = B * S * c * (2 * sh.q + 2 * sh.kv)
@@ -361,6 +430,9 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
         if sh.head_padding:
             attn += B * S * c * sh.q
         mlp = 4 * B * S * sh.intermediate * c
+    if sparse:
+        assert moe is not None
+        mlp = moe_activation_bytes(moe, h, B * S, sh.ep, compute=c, residual=r)
     return norms + matmul_in + attn + mlp
 
 
@@ -417,13 +489,24 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
     N = B * S
     c, r, g, p = pb.compute, pb.residual, pb.grad, pb.param
     c_a = c if pb.autocast else 0
-    act = len(chunk.layers) * layer_activation_bytes(config, layout, precision, B, S)
+    moe = moe_shape(config)
+    if moe is None:
+        act = len(chunk.layers) * layer_activation_bytes(config, layout, precision, B, S)
+    else:
+        act = sum(count * layer_activation_bytes(config, layout, precision, B, S, layer)
+                  for layer, count in layer_kinds(moe, chunk.layers))
     act += 2 * S * config.head_dim * r
     copies = 0
-    if pb.autocast and layout.activation_checkpointing != "full":
+    if moe is not None:
+        copies = _moe_chunk_copies(config, moe, sh, pb, layout, chunk)
+    elif pb.autocast and layout.activation_checkpointing != "full":
         copies = 2 * len(chunk.layers) * layer_matmul_parameter_count(config, sh)
     logits = fwd = 0
     bwd = max(sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate) * (p + c_a) if chunk.layers else 0
+    if moe is not None and any(moe.is_sparse(layer) for layer in chunk.layers):
+        # the grouped matmul's gradient of one stacked projection [E/ep, h, w] (compute dtype), then
+        # its cast to the parameter dtype before it is split into the experts' gradients
+        bwd = max(bwd, local_experts(moe, sh.ep) * h * moe.width * (c + (p if p != c else 0)))
     if chunk.last:
         act += B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
         logits = 4 * N * sh.vocab
@@ -450,6 +533,27 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
     end = sh.vocab * h * p if chunk.first else 0
     grads = chunk_parameter_count(config, sh, chunk) * g
     return ChunkCost(act, copies, logits, grads, fwd, bwd, end)
+
+
+def _moe_chunk_copies(config: LlamaConfig, moe: MoEShape, sh: LocalShapes, pb: PrecisionBytes, layout: Layout,
+                      chunk: Chunk) -> int:
+    """Weight copies an MoE family's chunk keeps per in-flight micro-batch: autocast's bf16 copies
+    of the attention (and dense MLP) weights, and each sparse layer's stacked expert weights and
+    upcast router (:func:`plait.plan.moe.moe_weight_copies`); none under full checkpointing."""
+    if layout.activation_checkpointing == "full":
+        return 0
+    total = 0
+    for layer, count in layer_kinds(moe, chunk.layers):
+        one = 0
+        if moe.is_sparse(layer):
+            dense = layer_matmul_parameter_count(config, sh, layer) - shared_parameter_count(moe, sh.hidden) \
+                - expert_parameter_count(moe, sh.hidden, sh.ep)
+            one += moe_weight_copies(moe, sh.hidden, sh.ep, compute=pb.compute, param=pb.param, autocast=pb.autocast)
+        else:
+            dense = layer_matmul_parameter_count(config, sh, layer)
+        one += 2 * dense if pb.autocast else 0
+        total += count * one
+    return total
 
 
 @dataclass(frozen=True)
@@ -575,6 +679,9 @@ class MemoryBreakdown:
     #: most (micro-batch, chunk) pairs in flight at any point of the step (the simulator's
     #: ``peak_in_flight``)
     max_in_flight: int = 0
+    #: MoE: the routed-expert parameters among ``parameter_count`` (``experts / ep`` of each sparse
+    #: layer; reduced and ZeRO-1-sharded over the ``dp / ep`` expert-data-parallel ranks)
+    expert_parameter_count: int = 0
 
     FIELDS = ("parameters", "gradients", "gradient_shard", "optimizer", "master_weights", "activations",
               "weight_copies", "logits", "comm_buffers", "workspace", "step_buffers")
@@ -604,7 +711,7 @@ class MemoryBreakdown:
     def as_dict(self) -> dict:
         d = {"layout": self.layout.as_dict(), "precision": self.precision, "pp_rank": self.pp_rank,
              "parameter_count": self.parameter_count, "in_flight": dict(self.in_flight),
-             "max_in_flight": self.max_in_flight}
+             "max_in_flight": self.max_in_flight, "expert_parameter_count": self.expert_parameter_count}
         d.update({k: int(getattr(self, k)) for k in self.FIELDS})
         d["gradients_at_peak"] = int(self.gradients_at_peak)
         d["total"] = int(self.total)
@@ -660,19 +767,28 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     dp = layout.dp * layout.cp  # the ranks that average gradients (ZeRO-1 shards over them)
     zero = layout.zero1 and dp > 1  # ZeRO-1 at dp = 1 warns and trains unsharded
     owned = -(-P // dp) if zero else P
+    experts = sum(chunk_expert_parameter_count(config, sh, ch) for ch in chunks)
+    if zero and layout.ep > 1:  # expert buckets are sharded over the expert-data-parallel group
+        owned = -(-(P - experts) // dp) + -(-experts // (dp // layout.ep))
 
     costs = [chunk_cost(config, layout, pb.name, ch, B, S) for ch in chunks]
     act_bytes = B * _replicated_seq(layout, S) * sh.hidden * pb.residual
     extra_layer = 0
     if layout.activation_checkpointing == "full":
         # the layer being recomputed holds its full activations (and its weight copies under autocast)
-        extra_layer = layer_activation_bytes(config, dataclasses.replace(layout, activation_checkpointing="none"),
-                                             pb.name, B, S)
-        if pb.autocast:
-            extra_layer += 2 * layer_matmul_parameter_count(config, sh)
+        if moe_shape(config) is None:
+            extra_layer = layer_activation_bytes(config, dataclasses.replace(layout, activation_checkpointing="none"),
+                                                 pb.name, B, S)
+            if pb.autocast:
+                extra_layer += 2 * layer_matmul_parameter_count(config, sh)
+        else:
+            extra_layer = _moe_recomputed_layer(config, layout, pb, B, S, chunks)
     peak = schedule_peak(layout, m, pp_rank, costs, chunks, act_bytes=act_bytes, extra_layer=extra_layer)
     tp_gather = B * S * sh.hidden * pb.compute if (layout.sequence_parallel and layout.tp > 1) else 0
     ring = ring_buffer_bytes(B, S, sh.kv) if layout.cp > 1 else 0  # S is the local sequence here
+    moe = moe_shape(config)
+    exchange = moe_comm_buffer_bytes(moe, sh.hidden, B * S, layout.ep, pb.residual) \
+        if moe is not None and any(moe.is_sparse(layer) for ch in chunks for layer in ch.layers) else 0
     # step phase, one transient at a time: the norm's fp32 copies of bf16 gradients, the bf16
     # optimizer's fp32 working copies of its largest segment, ZeRO-1's all-gather staging
     norm_copies = 4 * owned if pb.grad < 4 else 0
@@ -686,13 +802,31 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
         optimizer=2 * owned * pb.optimizer_state,
         master_weights=(owned if zero else P) * pb.master,
         activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
-        comm_buffers=peak.p2p + tp_gather + ring, workspace=peak.workspace, step_buffers=step_buffers,
+        comm_buffers=peak.p2p + tp_gather + ring + exchange, workspace=peak.workspace, step_buffers=step_buffers,
         gradients_at_peak=peak.gradients, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},
-        max_in_flight=peak.max_in_flight,
+        max_in_flight=peak.max_in_flight, expert_parameter_count=experts,
     )
 
 
+def _moe_recomputed_layer(config: LlamaConfig, layout: Layout, pb: PrecisionBytes, B: int, S: int,
+                          chunks: list[Chunk]) -> int:
+    """Full checkpointing, MoE family: the largest of the rank's layers while it is recomputed
+    (its activations without checkpointing and its weight copies)."""
+    none = dataclasses.replace(layout, activation_checkpointing="none")
+    sh = local_shapes(config, layout)
+    best = 0
+    moe = moe_shape(config)
+    assert moe is not None
+    layers = [layer for ch in chunks for layer in ch.layers]
+    for layer, _ in layer_kinds(moe, layers):
+        one = Chunk(-1, (layer,), False, False)
+        best = max(best, layer_activation_bytes(config, none, pb.name, B, S, layer)
+                   + _moe_chunk_copies(config, moe, sh, pb, none, one))
+    return best
+
+
 __all__ = ["Chunk", "ChunkCost", "LocalShapes", "MemoryBreakdown", "PRECISIONS", "PrecisionBytes", "SchedulePeak",
-           "chunk_cost", "chunk_parameter_count", "default_stage_layers", "estimate_memory",
-           "layer_activation_bytes", "layer_matmul_parameter_count", "layer_parameter_count", "local_shapes",
-           "precision_bytes", "rank_chunks", "rank_parameter_count", "schedule_peak"]
+           "chunk_cost", "chunk_expert_parameter_count", "chunk_parameter_count", "default_stage_layers",
+           "estimate_memory", "ffn_parameter_count", "layer_activation_bytes", "layer_expert_parameter_count",
+           "layer_matmul_parameter_count", "layer_parameter_count", "local_shapes", "precision_bytes", "rank_chunks",
+           "rank_parameter_count", "schedule_peak"]

@@ -48,6 +48,7 @@ from plait.pipeline.partition import partition_model, unit_costs
 from plait.pipeline.schedules import ScheduleError, validate_schedule
 from plait.plan.layout import Layout
 from plait.plan.memory import MemoryBreakdown, estimate_memory, precision_bytes
+from plait.plan.moe import MoEShape, moe_shape
 from plait.plan.timing import TimeBreakdown, estimate_step_time
 from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
 
@@ -95,9 +96,10 @@ class SearchOptions:
     #: context-parallel degrees tried (``None``: 1, and 2, 4, 8, 16 when ``seq_len`` is at least
     #: :data:`LONG_SEQ`; each must divide the world and give ``seq_len % (2 * cp) == 0``)
     context_parallel: tuple[int, ...] | None = None
-    #: the recipe's expert-parallel degree (MoE): a layout's dp must be a multiple of it (EP folds
-    #: over data parallelism); ep itself is not searched yet
-    expert_parallel: int = 1
+    #: expert-parallel degrees tried (MoE): ``None`` every divisor of the expert count that divides
+    #: the layout's dp (EP folds over data parallelism); an int or a tuple fixes them (a layout whose
+    #: dp none of them divides is skipped). Dense models: 1.
+    expert_parallel: int | tuple[int, ...] | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -195,8 +197,8 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
             continue
         valid_kv, auto_kv = heads
         kv_factors = valid_kv if options.all_kv_replications else [auto_kv]
-        moe = bool(getattr(config, "moe_layer_ids", lambda: [])())  # MoE families refuse sequence parallelism
-        sp = tp > 1 and (seq_len // cp) % tp == 0 and not moe
+        moe = moe_shape(config)  # MoE families refuse sequence parallelism
+        sp = tp > 1 and (seq_len // cp) % tp == 0 and moe is None
         for pp in _divisors(world // (tp * cp)):
             if options.max_pp is not None and pp > options.max_pp:
                 continue
@@ -204,9 +206,10 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
                 reasons.add(f"pp={pp} (tp={tp}) exceeds the {layers} decoder layers")
                 continue
             dp = world // (tp * pp * cp)
-            if dp % options.expert_parallel:
-                reasons.add(f"tp={tp} pp={pp} gives dp={dp}, which parallel.ep={options.expert_parallel} does not "
-                            f"divide (expert parallelism folds over data parallelism)")
+            eps = [e for e in _expert_degrees(moe, options) if dp % e == 0 and (e == 1 or cp == 1)]
+            if not eps:
+                reasons.add(f"tp={tp} pp={pp} cp={cp} gives dp={dp}, which parallel.ep={options.expert_parallel} does "
+                            f"not divide (expert parallelism folds over data parallelism; not with cp > 1)")
                 continue
             probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
             m = layout_microbatches(probe, micro_batch_size=micro_batch_size, microbatches=microbatches,
@@ -234,12 +237,22 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
                         pipeline.append((vpp, name))
             for vpp, schedule in pipeline:
                 for kv in kv_factors:
-                    for zero1 in ((False, True) if dp * cp > 1 and options.try_zero1 else (False,)):
-                        for ckpt in options.activation_checkpointing:
-                            out.append((Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
-                                               sequence_parallel=sp, zero1=zero1, activation_checkpointing=ckpt,
-                                               schedule=schedule, cp=cp), m))
+                    for ep in eps:
+                        for zero1 in ((False, True) if dp * cp > 1 and options.try_zero1 else (False,)):
+                            for ckpt in options.activation_checkpointing:
+                                out.append((Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
+                                                   sequence_parallel=sp, zero1=zero1, activation_checkpointing=ckpt,
+                                                   schedule=schedule, cp=cp, ep=ep), m))
     return out, reasons
+
+
+def _expert_degrees(moe: MoEShape | None, options: SearchOptions) -> list[int]:
+    """The ep degrees to try (before the dp rule): the fixed ones, else the divisors of the
+    expert count (1 for a dense model)."""
+    fixed = options.expert_parallel
+    if fixed is not None:
+        return [fixed] if isinstance(fixed, int) else list(fixed)
+    return _divisors(moe.experts) if moe is not None else [1]
 
 
 def _describe_model(config: LlamaConfig) -> str:

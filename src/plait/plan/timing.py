@@ -78,13 +78,16 @@ from plait.models.llama.config import LlamaConfig
 from plait.pipeline.simulate import schedule_bubble
 from plait.plan.layout import Layout
 from plait.plan.memory import (
+    chunk_expert_parameter_count,
     chunk_parameter_count,
     default_stage_layers,
+    ffn_parameter_count,
     layer_matmul_parameter_count,
     local_shapes,
     precision_bytes,
     rank_chunks,
 )
+from plait.plan.moe import active_ffn_matmul_parameters, all_to_all_bytes, layer_kinds, moe_shape
 from plait.tensor_parallel.heads import HeadLayout
 
 #: achievable share of the dense matmul peak (large GEMMs reach 0.6-0.8 of it on H100; a whole
@@ -117,6 +120,8 @@ class TimeBreakdown:
     efficiency: float = DEFAULT_EFFICIENCY
     cp_comm_s: float = 0.0        # the ring's point-to-point transfers (context parallelism)
     cp_exposed_s: float = 0.0     # the part of them not hidden behind the attention compute
+    ep_comm_s: float = 0.0        # MoE: the expert all-to-alls of the slowest rank (dispatch and combine)
+    ep_bytes: float = 0.0         # MoE: bytes that rank sends over its expert group in the step
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -150,6 +155,9 @@ def rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, micro_batch_si
     """Executed FLOPs of one rank for a step (module doc: compute), recomputation included."""
     sh = local_shapes(config, layout)
     tokens = microbatches * micro_batch_size * seq_len // layout.cp  # the rank's share under context parallelism
+    moe = moe_shape(config)
+    if moe is not None:
+        return _moe_rank_flops(config, layout, seq_len, tokens, pp_rank, stage_layers)
     per_layer = 6 * layer_matmul_parameter_count(config, sh) + 12 * sh.q * seq_len
     recompute = {"none": 0.0, "full": per_layer / 3, "selective": 4 * sh.q * seq_len}[layout.activation_checkpointing]
     total = 0.0
@@ -157,6 +165,27 @@ def rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, micro_batch_si
         total += len(ch.layers) * (per_layer + recompute)
         if ch.last:
             total += 6 * sh.vocab * sh.hidden
+    return total * tokens
+
+
+def _moe_rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, tokens: int, pp_rank: int,
+                    stage_layers: list[list[int]] | None) -> float:
+    """:func:`rank_flops` of an MoE family: per token, a sparse layer's router, ``k`` experts and
+    shared expert (whole on every TP rank, which all repeat them) instead of the MLP; balanced
+    routing (each rank of an expert group computes, on average, its own tokens' share)."""
+    moe = moe_shape(config)
+    assert moe is not None
+    sh = local_shapes(config, layout)
+    total = 0.0
+    for ch in rank_chunks(config, layout, seq_len, pp_rank, stage_layers=stage_layers):
+        if ch.last:
+            total += 6 * sh.vocab * sh.hidden
+        for layer, count in layer_kinds(moe, ch.layers):
+            attention = layer_matmul_parameter_count(config, sh, layer) - ffn_parameter_count(config, moe, sh, layer)
+            ffn = active_ffn_matmul_parameters(config, moe, layer, layout.tp)
+            per_layer = 6 * (attention + ffn) + 12 * sh.q * seq_len
+            total += count * (per_layer + {"none": 0.0, "full": per_layer / 3,
+                                           "selective": 4 * sh.q * seq_len}[layout.activation_checkpointing])
     return total * tokens
 
 
@@ -216,9 +245,16 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
     else:
         tp_bw, layer_tp, first_tp, last_tp = 1.0, 0.0, 0.0, 0.0
 
-    slowest = (0.0, 0.0, 0.0)  # (compute + tp, compute, tp)
+    # MoE: the expert group's all-to-all bytes per sparse layer and micro-batch (0 at ep = 1)
+    moe = moe_shape(config)
+    layer_a2a = 0.0 if moe is None else all_to_all_bytes(
+        moe, sh.hidden, B * S, layout.ep, compute=pb.compute, residual=pb.residual,
+        recompute=layout.activation_checkpointing == "full")
+    ep_bw = _bandwidth(device, T * layout.cp * layout.ep <= per_node, "the expert all-to-all") if layer_a2a else 1.0
+
+    slowest = (0.0, 0.0, 0.0, 0.0, 0.0)  # (compute + tp + ep, compute, tp, ep, ep bytes)
     slowest_flops = 0.0
-    max_params = 0
+    max_params = max_experts = 0
     for r in range(layout.pp):
         chunks = rank_chunks(config, layout, S_full, r, stage_layers=stage_layers)
         flops = rank_flops(config, layout, S_full, B, m, r, stage_layers)
@@ -226,15 +262,24 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
         vol = sum(len(ch.layers) * layer_tp + (first_tp if ch.first else 0) + (last_tp if ch.last else 0)
                   for ch in chunks) * m
         tp_s = vol / tp_bw if T > 1 else 0.0
-        if comp + tp_s > slowest[0]:
-            slowest, slowest_flops = (comp + tp_s, comp, tp_s), flops
+        a2a = 0.0
+        if moe is not None and layer_a2a:
+            a2a = sum(layer_a2a for ch in chunks for layer in ch.layers if moe.is_sparse(layer)) * m
+        ep_s = a2a / ep_bw
+        if comp + tp_s + ep_s > slowest[0]:
+            slowest, slowest_flops = (comp + tp_s + ep_s, comp, tp_s, ep_s, a2a), flops
         max_params = max(max_params, sum(chunk_parameter_count(config, sh, ch) for ch in chunks))
-    _, compute_s, tp_comm_s = slowest
+        if moe is not None:
+            max_experts = max(max_experts, sum(chunk_expert_parameter_count(config, sh, ch) for ch in chunks))
+    _, compute_s, tp_comm_s, ep_comm_s, ep_bytes = slowest
 
     dp = layout.dp * layout.cp  # the ranks that average gradients
     if dp > 1:
         dp_bw = _bandwidth(device, T * dp <= per_node, "the data-parallel gradient reduction")
-        if layout.zero1:
+        units = (pb.grad + pb.param) if layout.zero1 else 2 * pb.grad
+        if layout.ep > 1:  # expert gradients: over the expert-data-parallel group of dp / ep ranks
+            dp_vol = _ring(dp) * (max_params - max_experts) * units + _ring(dp // layout.ep) * max_experts * units
+        elif layout.zero1:
             dp_vol = _ring(dp) * max_params * (pb.grad + pb.param)
         else:
             dp_vol = 2 * _ring(dp) * max_params * pb.grad
@@ -264,15 +309,17 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
         attention_s = layers * 12 * sh.q * S_full * B * S * m / (peak * efficiency)
         cp_exposed = max(0.0, cp_comm_s - attention_s)
 
-    stage_s = (compute_s + tp_comm_s) / (1 - bubble)
+    stage_s = (compute_s + tp_comm_s + ep_comm_s) / (1 - bubble)
     dp_exposed = (1 - dp_overlap) * dp_comm_s
     total = stage_s + pp_comm_s + dp_exposed + cp_exposed
     model_flops = float(model_flops_per_token(config, S_full)) * B * S_full * m * layout.dp
     mfu = model_flops / (total * world * peak)
+    bubble_s = stage_s - compute_s - tp_comm_s - ep_comm_s
     return TimeBreakdown(compute_s=compute_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s,
-                         bubble_share=bubble, total_s=total, mfu=mfu, bubble_s=stage_s - compute_s - tp_comm_s,
+                         bubble_share=bubble, total_s=total, mfu=mfu, bubble_s=bubble_s,
                          dp_exposed_s=dp_exposed, flops_per_rank=slowest_flops, model_flops=model_flops,
-                         peak_flops=peak, efficiency=efficiency, cp_comm_s=cp_comm_s, cp_exposed_s=cp_exposed)
+                         peak_flops=peak, efficiency=efficiency, cp_comm_s=cp_comm_s, cp_exposed_s=cp_exposed,
+                         ep_comm_s=ep_comm_s, ep_bytes=ep_bytes)
 
 
 __all__ = ["DEFAULT_DP_OVERLAP", "DEFAULT_EFFICIENCY", "DEVICES_PER_NODE", "TimeBreakdown", "estimate_step_time",
