@@ -26,11 +26,24 @@ untimed steps each, the implementations alternate (the one going first alternate
 each run). Table: medians over rounds, the plait/torch ratio (> 1: plait faster), CPU time per
 step summed over both ranks, per-round range.
 
+``--compare-receives`` adds a third contestant, **plait blocking**: the same runtime with receives
+waited on where the task list has them (``prepost_receives = 0``) and a fresh buffer per receive
+(``reuse_receive_buffers = False``), i.e. the runtime before pre-posting and pooling; its rows
+give the before/after of those two changes in one interleaved run. ``--profile`` instead profiles
+one step of each side per rank (torch profiler: top operators, point-to-point calls) and stops.
+
+The output starts with the commit, the CPU (and whether it has native bf16) and the load average,
+and ends with one verdict line per ratio. The load average is read again at the end: on a machine
+busier than its core count the wall-time ratios mostly measure the other load (compare the
+paired ratio and the CPU ms/step columns, and re-run on a quiet machine).
+
 Run (from the repository root, venv active)::
 
     python bench/bench_pipeline.py                 # spawns the 2 ranks itself
     python bench/bench_pipeline.py --smoke         # tiny end-to-end check
     python bench/bench_pipeline.py --schedule zb-h1
+    python bench/bench_pipeline.py --compare-receives   # + plait with blocking receives, fresh buffers
+    python bench/bench_pipeline.py --profile            # where one step's time goes, per rank
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/bench_pipeline.py
 """
 
@@ -39,6 +52,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -73,6 +87,39 @@ PP = 2
 #: Pipeline-specific defaults (the model size is ``_common.DEFAULTS``).
 PP_DEFAULTS = dict(microbatches=8, micro_batch_size=1, rounds=5, steps=2, warmup=2)
 PP_SMOKE = dict(microbatches=4, micro_batch_size=1, rounds=2, steps=1, warmup=1)
+#: the issue's goal for the plait/torch wall-time ratio at PP=2
+GOAL = 1.15
+
+
+def environment() -> str:
+    """Commit (``+dirty`` with uncommitted changes under src/ or bench/), CPU, bf16 support, load."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if git("status", "--porcelain", "src",
+                                                                                   "bench") else "")
+    cpu, bf16 = "unknown CPU", False
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), cpu)
+        bf16 = "avx512_bf16" in info
+    except OSError:
+        pass
+    return (f"commit {commit}; {cpu}, {os.cpu_count()} cores, native bf16 (avx512_bf16) {'yes' if bf16 else 'no'}; "
+            f"{_load()}")
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    busy = one > (os.cpu_count() or 1)
+    return (f"load average {one:.1f} (1 min) / {five:.1f} (5 min)"
+            + (" -- BUSY machine: more runnable work than cores, wall times are unreliable" if busy else ""))
 
 
 class TorchStageModule(nn.Module):
@@ -127,6 +174,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     batch = ids.view(m, mbs, seq)
     layers = stage_layer_lists(config, PP, seq, method=args.split, cost="flops")
     log = print if rank == 0 else (lambda *a, **k: None)
+    log(environment(), flush=True)
     log(describe(config, args) + f"; PP={world} gloo ranks x 1 thread, plait {args.schedule} vs torch 1F1B, "
         f"{m} micro-batches of {mbs} x {seq}; "
         f"split {args.split}: stage layers {layers}; AdamW {'foreach' if args.foreach else 'for-loop'} "
@@ -148,6 +196,18 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                               seq_len=seq, hidden_size=config.hidden_size, sequence_parallel=False,
                               dtype=torch.float32)
     plait_opt = adamw([[p for s in plait_stages for p in s.parameters()]], args.foreach)
+    runs = {"plait": (_step_fn(lambda: runtime.run(batch, train=True), plait_opt), Result("plait"))}
+    if args.compare_receives:  # the same runtime with blocking receives into fresh buffers
+        blocking_stages = build_llama_stages(config, mesh, layers, seed=args.seed)
+        for s in blocking_stages:
+            s.train()
+        blocking = PipelineRuntime(blocking_stages, mesh, schedule=args.schedule, microbatches=m,
+                                   micro_batch_size=mbs, seq_len=seq, hidden_size=config.hidden_size,
+                                   sequence_parallel=False, dtype=torch.float32)
+        blocking.prepost_receives, blocking.reuse_receive_buffers = 0, False
+        blocking_opt = adamw([[p for s in blocking_stages for p in s.parameters()]], args.foreach)
+        runs["plait blocking"] = (_step_fn(lambda: blocking.run(batch, train=True), blocking_opt),
+                                  Result("plait blocking"))
 
     # torch.distributed.pipelining: the same stage (a second copy, same weights), 1F1B.
     (torch_inner,) = build_llama_stages(config, mesh, layers, seed=args.seed)
@@ -165,10 +225,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
             schedule.step(target=ids, losses=losses, return_outputs=False)
         return torch.stack(losses).mean().detach() if last else torch.zeros(())
 
-    runs = {
-        "plait": (_step_fn(lambda: runtime.run(batch, train=True), plait_opt), Result("plait")),
-        "torch.pipelining": (_step_fn(torch_run, torch_opt), Result("torch.pipelining")),
-    }
+    runs["torch.pipelining"] = (_step_fn(torch_run, torch_opt), Result("torch.pipelining"))
     for step, result in runs.values():
         result.first_loss = _last_stage_loss(step())
         for _ in range(args.warmup - 1):
@@ -177,6 +234,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     log(f"first-step loss (mean over micro-batches): plait PP {first['plait']:.6f}  torch.pipelining PP "
         f"{first['torch.pipelining']:.6f}  (unsplit reference {ref_loss:.6f}); |diff| "
         f"{abs(first['plait'] - first['torch.pipelining']):.2e}", flush=True)
+
+    if args.profile:
+        for name, (step, _) in runs.items():
+            _profile_step(name, step, rank, world)
+        return
 
     tokens = args.steps * m * mbs * seq
     order = list(runs)
@@ -195,12 +257,48 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                         for n, (_, res) in runs.items()), flush=True)
 
     final = {n: _last_stage_loss(step()) for n, (step, _) in runs.items()}
-    log(f"loss after {args.warmup + args.rounds * args.steps + 1} steps: plait PP {final['plait']:.6f}  "
-        f"torch.pipelining PP {final['torch.pipelining']:.6f}", flush=True)
+    log(f"loss after {args.warmup + args.rounds * args.steps + 1} steps: "
+        + "  ".join(f"{n} PP {v:.6f}" for n, v in final.items()), flush=True)
     log()
-    log(markdown_table(comparison_header(f"PP=2 plait {args.schedule} vs torch 1F1B, fp32", "torch"),
-                       [[f"m={m} x {mbs}x{seq}"] + comparison_row(runs["plait"][1], runs["torch.pipelining"][1],
-                                                                  m * mbs * seq)]), flush=True)
+    torch_result = runs["torch.pipelining"][1]
+    rows = [[f"{n} {args.schedule}, m={m} x {mbs}x{seq}"] + comparison_row(res, torch_result, m * mbs * seq)
+            for n, (_, res) in runs.items() if n != "torch.pipelining"]
+    log(markdown_table(comparison_header(f"PP=2 plait vs torch 1F1B, fp32 ({args.schedule})", "torch"), rows),
+        flush=True)
+    log()
+    log(f"after the run: {_load()}")
+    for n, (_, res) in runs.items():
+        if n == "torch.pipelining":
+            continue
+        ratio = res.median / torch_result.median
+        log(f"verdict: {n} ({args.schedule}) / torch.pipelining Schedule1F1B, wall-time ratio {ratio:.3f} "
+            f"(> 1: plait faster; goal >= {GOAL}: {'met' if ratio >= GOAL else 'not met'}); CPU time per step "
+            f"{res.median_cpu_ms / torch_result.median_cpu_ms:.3f} of torch's", flush=True)
+    if "plait blocking" in runs:
+        ours, before = runs["plait"][1], runs["plait blocking"][1]
+        paired = statistics.median(a / b for a, b in zip(ours.tokens_per_s, before.tokens_per_s, strict=True))
+        log(f"verdict: pre-posted receives + pooled buffers vs blocking receives + fresh buffers: "
+            f"{ours.median / before.median:.3f} (paired {paired:.3f}; > 1: faster with them)", flush=True)
+
+
+def _profile_step(name: str, step: Callable[[], torch.Tensor], rank: int, world: int) -> None:
+    """One step of ``name`` under the torch profiler on every rank; the ranks print in turn: where
+    the step's wall time goes (top operators by self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    dist.barrier()
+    for r in range(world):
+        if r == rank:
+            print(f"\n== {name}, rank {rank}: one step, operators by self CPU time ==", flush=True)
+            averages = prof.key_averages()
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+            p2p = [e for e in averages if e.key.startswith(("c10d::", "gloo:", "nccl:"))]
+            print("point-to-point operators (calls, self CPU ms): " + ", ".join(
+                f"{e.key} {e.count} {e.self_cpu_time_total / 1e3:.1f}" for e in p2p), flush=True)
+        dist.barrier()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -214,6 +312,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="layer split: plait's FLOP-balanced partition (default) or even by layer count")
     p.add_argument("--schedule", choices=("1f1b", "zb-h1"), default="1f1b",
                    help="plait's schedule (torch.distributed.pipelining runs Schedule1F1B either way)")
+    p.add_argument("--compare-receives", action="store_true",
+                   help="also run plait with blocking receives into fresh buffers (the runtime before pre-posting)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the warm-up, profile one step of each side (torch profiler, per rank) and stop")
     args = parser.parse_args(argv)
     if args.batch is not None:
         parser.error("--batch does not apply here: use --microbatches and --micro-batch-size")

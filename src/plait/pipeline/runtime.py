@@ -122,6 +122,8 @@ class PipelineRuntime:
         self.prepost_receives = 2 if backend == "gloo" else 0
         #: free receive buffers (all of ``act_shape`` and ``dtype``), reused across micro-batches and steps
         self._pool: list[torch.Tensor] = []
+        #: ``False``: a fresh buffer for every receive (the behaviour before pooling, for comparisons)
+        self.reuse_receive_buffers = True
         #: the last stage's loss per micro-batch, when it is not the output module's next-token loss
         self.loss_head: LossHead | None = None
         #: run over each batch (already on the device) before the schedule: a reference model's pass
@@ -343,7 +345,9 @@ class _Receives:
     def task_done(self, index: int, key: tuple[int, int]) -> None:
         """After task ``index``: when it was the last of ``key``, its buffers are free again."""
         if self.last.get(key) == index and key in self.held:
-            self.runtime._pool.extend(b.detach() for b in self.held.pop(key))
+            held = self.held.pop(key)
+            if self.runtime.reuse_receive_buffers:
+                self.runtime._pool.extend(b.detach() for b in held)
 
     def finish(self) -> None:
         assert not self.posted, f"receives posted but never waited on: {sorted(self.posted)}"
