@@ -31,6 +31,7 @@ from plait.pipeline.schedules import ScheduleError, validate_schedule
 from plait.post_training.objectives import PreferenceSettings, PreferenceSettingsError
 from plait.precision import KNOBS, knob_problems, knob_values
 from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
+from plait.train.compile_rules import compile_problems
 
 
 class _Checker:
@@ -500,6 +501,13 @@ def _check_moe(c: _Checker, arch: LlamaConfig | None, dp: int | None) -> None:
             c.add(field, value, valid)
 
 
+def _check_compile(c: _Checker, arch: LlamaConfig | None) -> None:
+    """``train.compile`` rules (:mod:`plait.train.compile_rules`)."""
+    if c.ok("train.compile", "train.compile_mode", "parallel.schedule", "parallel.cp"):
+        for problem in compile_problems(c.r, arch):
+            c.add(problem.field, problem.value, problem.valid)
+
+
 def _check_context_parallel(c: _Checker, arch: LlamaConfig | None) -> None:
     """Context-parallel rules (:mod:`plait.context_parallel.recipe_rules`)."""
     check_context_parallel(c, arch)
@@ -526,4 +534,5 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_lora(c, check_paths)
     _check_context_parallel(c, arch)
     _check_moe(c, arch, dp)
+    _check_compile(c, arch)
     return c.problems, c.warnings, arch

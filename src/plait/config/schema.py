@@ -315,6 +315,12 @@ class TrainSection(Section):
                                    "'selective' (the block submodules in train.checkpoint_modules)")
     checkpoint_modules: list[str] = Field(default_factory=list, description="With selective checkpointing: "
                                           "submodule names inside a decoder block, e.g. ['self_attn', 'mlp']")
+    compile: Bool = Field(default=False, description="Compile each decoder block and the loss head with "
+                                                     "torch.compile (inductor); compile time is reported as compile_s "
+                                                     "and left out of tokens/s (see docs/compile.md)")
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        default="default", description="torch.compile mode of train.compile: 'default' or "
+                                       "'max-autotune-no-cudagraphs' (longer compile, tuned kernels)")
 
 
 class CheckpointSection(Section):

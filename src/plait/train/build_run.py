@@ -15,7 +15,8 @@ Order of construction (fixed, commented where it matters):
    with ``ep > 1``, only its experts, with the token exchange set up),
    from the layout-invariant initialisation or from ``model.hf_path``; their per-TP-rank
    dropout stream reseeded from the run seed;
-4. activation checkpointing (after the TP swap and the pipeline split, on the swapped modules);
+4. activation checkpointing (after the TP swap and the pipeline split, on the swapped modules), then
+   ``train.compile`` (:mod:`plait.train.compile`: compiled units around the checkpointed modules);
 5. the optimizer, which takes ownership of the weights (flat buffers) and gradients;
 6. the pipeline runtime (any ``pp``, including 1) and its hook that lets each stage's
    data-parallel reduction start during its last backward; for a preference objective, the
@@ -55,6 +56,7 @@ from plait.moe.expert_parallel import expert_parameter_names
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy, policy_for
+from plait.train.compile import compile_stages, use_compile_cache
 from plait.train.preference import attach_preference, freeze
 from plait.train.reference_precompute import attach_precomputed_reference
 from plait.train.run_state import Dataset, RunState
@@ -202,6 +204,9 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     t = r.train
     if t.activation_checkpointing != "off":
         apply_activation_checkpointing(stages, t.activation_checkpointing, t.checkpoint_modules or None)
+    if t.compile:  # last: compiles the parallel, adapted, split and checkpointed modules (docs/compile.md)
+        use_compile_cache(r.data.cache_dir)
+        compile_stages(stages, t.compile_mode)
     optimizer = build_optimizer(resolved, stages, mesh, policy)
     p = r.parallel
     runtime = build_runtime(stages, mesh, policy, optimizer, schedule=p.schedule, microbatches=p.microbatches,

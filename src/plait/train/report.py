@@ -202,6 +202,7 @@ def summarize(metrics_jsonl: PathLike, start_step: int = 0) -> dict[str, Any]:
         "peak_memory_bytes": _peak_memory(this_run),
         "data_wait_share": _data_wait_share(this_run),
         "wall_time_s": _wall_time(this_run, start_step),
+        "compile_s": max((float(r["compile_s"]) for r in this_run if "compile_s" in r), default=None),
     }
 
 
@@ -250,6 +251,8 @@ def summary_table(metrics_jsonl: PathLike, start_step: int = 0) -> str:
         ("data-wait share", na if s["data_wait_share"] is None else f"{s['data_wait_share']:.1%}"),
         ("wall time", na if s["wall_time_s"] is None else _human_seconds(s["wall_time_s"])),
     ]
+    if s["compile_s"] is not None:  # train.compile: not part of tokens/s
+        rows.append(("compile time", f"{s['compile_s']:.1f} s (rank 0; not counted in tokens/s)"))
     rows += _preference_rows(metrics_jsonl)
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 2 + max(len(v) for _, v in rows))

@@ -41,6 +41,7 @@ from plait.moe.load_map import MOE_LOAD_FILE, append_load, plot_load_map
 from plait.moe.step_load import attach_load_balancing
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.build_run import build_run
+from plait.train.compile import compile_seconds
 from plait.train.evaluation import evaluate, evaluate_preference
 from plait.train.host_syncs import HostSyncDetector
 from plait.train.loggers import (
@@ -90,6 +91,7 @@ class Trainer:
         self.peak_flops = self._measure_peak_once()
         self.is_writer = rank == 0
         self.sinks = self._build_sinks() if self.is_writer else None
+        self._compile_mark = compile_seconds()  # compile time already counted (train.compile)
 
     # views of the run state that the loop and the tests read
     @property
@@ -318,7 +320,12 @@ class Trainer:
             if self.is_writer and loads:
                 append_load(self.out / MOE_LOAD_FILE, done, loads)
         wait = self.loader.wait_seconds - interval_wait0
-        record.update(self._throughput_fields(n, now - interval_start, wait))
+        # compiling (train.compile: the first steps, and any recompilation) is reported as compile_s
+        # and left out of the interval's throughput
+        compiled, self._compile_mark = compile_seconds() - self._compile_mark, compile_seconds()
+        record.update(self._throughput_fields(n, now - interval_start - compiled, wait))
+        if self.recipe.train.compile:
+            record["compile_s"] = self._compile_mark
         record["elapsed_s"] = now - run_start
         return record
 

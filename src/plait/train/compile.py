@@ -1,0 +1,169 @@
+"""Compiled decoder blocks and loss head (``train.compile``), their cache and their compile time.
+
+What is compiled: in each of this rank's stages, every decoder block (``...layers.<i>``), the
+final norm (``model.norm``) and the loss module (``output``), each one ``torch.compile`` unit
+(inductor: C++/OpenMP kernels on CPU, Triton on CUDA). Units are modules (``nn.Module.compile``),
+so parameter names, state dicts, hooks and the optimizer's flat buffers are untouched, and every
+decoder block shares one compiled graph (dynamo treats the parameters as inputs).
+
+Tensor parallelism: plait's TP layers communicate inside their own autograd Functions
+(:mod:`plait.comm.collectives`). Those Functions are not traced: each collective is a graph break
+(:func:`_graph_break_at_collectives`), and the compute between two collectives (norm, rotary,
+attention, SwiGLU, residual adds, the loss's softmax) is what inductor fuses. The collectives run
+exactly as in eager mode (same process groups, same order on every rank), so sequence parallelism,
+KV replication and the deferred weight gradients of zero-bubble schedules need nothing else.
+
+Activation checkpointing: recomputation must run the same code as the forward it replaces, or
+``torch.utils.checkpoint`` sees different saved tensors. A checkpointed module stays an eager
+``torch.utils.checkpoint`` call around compiled parts: the compiled units are the largest modules
+of a block that contain no checkpointed module, so with ``full`` checkpointing each block's
+children (norms, attention, MLP) are the units and the block's checkpoint recomputes them through
+the same compiled graphs; with ``selective`` checkpointing of ``self_attn.core``/``mlp.act`` the
+rest of the block is compiled around them and those two run eagerly.
+
+Dropout: inductor's own random number generator would draw masks unlike eager mode's; units are
+compiled with ``fallback_random`` so dropout draws from the same generators as eagerly, the
+per-TP-rank stream (:class:`~plait.tensor_parallel.random.TensorParallelRNG`) included: its
+``fork`` (a generator-state swap) is a graph break, and checkpoint recomputation replays it as in
+eager mode. Compiled and eager runs therefore draw identical masks.
+
+Evaluation and generation run with gradients off; compiled units then run their eager forward
+(:class:`_TrainingOnly`), so sampling text of growing length does not recompile for every length.
+
+The cache: inductor's and AOTAutograd's on-disk caches go to ``<plait cache>/compile`` (the
+directory of ``data.cache_dir``, ``$PLAIT_CACHE`` or ``~/.cache/plait``) unless
+``$TORCHINDUCTOR_CACHE_DIR`` is already set, so a second run of the same recipe loads its kernels
+instead of generating and building them. :func:`compile_seconds` is the time dynamo and inductor
+spent compiling in this process (forward and the lazily compiled backward), which the trainer
+reports as ``compile_s`` and leaves out of tokens/s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
+from torch import nn
+
+from plait.activation_checkpointing import checkpointed_modules, decoder_blocks
+from plait.data.tokenizer import cache_dir
+from plait.tensor_parallel.random import TensorParallelRNG
+
+#: ``train.compile_mode`` values: torch.compile's modes without CUDA graphs (plait's steps keep
+#: collectives and graph breaks between units, which CUDA graph capture does not take)
+MODES = ("default", "max-autotune-no-cudagraphs")
+#: inductor settings of every unit: dropout draws from the eager generators (see the module docstring)
+INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
+#: the loss head's modules in a last stage (the whole model has the same names)
+HEAD_MODULES = ("model.norm", "output")
+#: weight-free modules worth compiling on their own (rotary + attention, SwiGLU, the loss)
+WEIGHT_FREE = ("core", "act", "output")
+#: the cumulative timers of :mod:`torch._dynamo.utils` that are compilation (forward frames and
+#: the backward graphs AOTAutograd compiles at the first backward)
+_COMPILE_TIMERS = ("entire_frame_compile", "entire_backward_compile")
+
+
+def compile_cache_dir(root: str | os.PathLike | None = None) -> Path:
+    """Where the compile caches live: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
+    ``<plait cache>/compile`` (``root``: ``data.cache_dir``)."""
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(env) if env else cache_dir(root) / "compile"
+
+
+def use_compile_cache(root: str | os.PathLike | None = None) -> Path:
+    """Point inductor's caches at :func:`compile_cache_dir` (before the first compilation); returns it."""
+    path = compile_cache_dir(root)
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def compile_seconds() -> float:
+    """Seconds dynamo and inductor have spent compiling in this process so far (cache hits included:
+    loading a cached graph counts too, and is what a second run's ``compile_s`` measures)."""
+    spent = getattr(dynamo_utils, "cumulative_time_spent_ns", {})
+    return sum(spent.get(k, 0.0) for k in _COMPILE_TIMERS) / 1e9
+
+
+def runs_eagerly(module: nn.Module) -> bool:
+    """Whether ``module`` must stay out of compiled graphs: it communicates over a tensor-parallel
+    group of more than one rank (plait's parallel layers, norms and losses call collectives inside
+    their own autograd Functions, which dynamo cannot trace), or it draws dropout from the per-TP-rank
+    stream (a generator-state swap). Its children may still be compiled."""
+    tp = getattr(module, "tp", None)
+    if getattr(tp, "size", 1) > 1:
+        return True
+    if getattr(module, "context_parallel", None) is not None:
+        return True
+    forks = isinstance(getattr(module, "rng", None), TensorParallelRNG)
+    return forks and bool(getattr(module, "dropout", 0.0) or getattr(module, "p", 0.0))
+
+
+def compile_units(stage: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the units :func:`compile_stages` compiles in ``stage`` (a whole model
+    or a pipeline stage): in each decoder block and in the loss head (final norm, loss module), the
+    largest modules that hold neither a module that :func:`runs_eagerly` nor an activation-
+    checkpointed one; such a module runs eagerly and its children are considered in turn."""
+    checkpointed = {id(m) for _, m in checkpointed_modules(stage)}
+
+    def boundary(m: nn.Module) -> bool:
+        return id(m) in checkpointed or runs_eagerly(m)
+
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if not any(boundary(m) for m in module.modules()):
+            # a lone projection is one matmul kernel either way: compiling it only adds a call layer
+            if not isinstance(module, nn.Linear) and (any(True for _ in module.parameters())
+                                                      or name.endswith(WEIGHT_FREE)):
+                units.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}", child)
+
+    present = dict(stage.named_modules())
+    roots = decoder_blocks(stage) + [(name, present[name]) for name in HEAD_MODULES if name in present]
+    for name, root in roots:
+        visit(name, root)
+    return units
+
+
+class _TrainingOnly:
+    """A module's call: the compiled one while gradients are on (training steps), the eager one
+    otherwise (evaluation, generation). Set as the module's ``_compiled_call_impl``, the hook
+    ``nn.Module.compile`` itself uses; holds the module weakly-free (the bound call) like it does."""
+
+    def __init__(self, compiled: Callable[..., Any], eager: Callable[..., Any]) -> None:
+        self.compiled, self.eager = compiled, eager
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
+
+
+def compile_stages(stages: list[nn.Module], mode: str = "default") -> list[str]:
+    """Compile the :func:`compile_units` of ``stages`` in place (after tensor parallelism, LoRA,
+    pipeline splitting and activation checkpointing); returns the qualified names compiled."""
+    if mode not in MODES:
+        raise ValueError(f"compile mode={mode!r} is not valid; valid: {', '.join(map(repr, MODES))}")
+    names = []
+    for stage in stages:
+        for name, module in compile_units(stage):
+            eager = module._call_impl
+            compiled = torch.compile(eager, mode=None if mode == "default" else mode, dynamic=False,
+                                     options=dict(INDUCTOR_OPTIONS))
+            module._compiled_call_impl = _TrainingOnly(compiled, eager)
+            names.append(name)
+    return names
+
+
+def is_compiled(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "_compiled_call_impl", None), _TrainingOnly)
+
+
+__all__ = ["HEAD_MODULES", "INDUCTOR_OPTIONS", "MODES", "compile_cache_dir", "compile_seconds", "compile_stages",
+           "compile_units", "is_compiled", "use_compile_cache"]
