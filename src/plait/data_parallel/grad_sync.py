@@ -66,6 +66,9 @@ class GradSync:
                     self.shard_views.append(self.shard_data[at:at + size])
                     at += size
         self._final: set[int] = set()
+        #: parameters whose slice holds this step's gradient; the others' slices are stale until
+        #: written (cleared by :meth:`zero_`, zero-filled by :meth:`_clear_unwritten` if never written)
+        self._written: set[int] = set()
         self._done: set[int] = set()
         self._remaining = [len(b.entries) for b in layout.buckets]
         self._launched = [False] * len(layout.buckets)
@@ -112,7 +115,11 @@ class GradSync:
         if key in self._done:
             raise RuntimeError(f"a gradient of {self._entry[key].name} arrived after its bucket was reduced; "
                                f"call mark_final() only before the step's last backward")
-        self.views[key].add_(grad.reshape(-1))
+        if key in self._written:
+            self.views[key].add_(grad.reshape(-1))
+        else:  # the step's first gradient of the parameter overwrites the stale one (no memset, no add)
+            self.views[key].copy_(grad.reshape(-1))
+            self._written.add(key)
         if key in self._final:
             self._done.add(key)
             b = self._entry[key].bucket
@@ -121,8 +128,16 @@ class GradSync:
             if self._remaining[b] == 0 and self.overlap and not bucket.deferred:
                 self._launch(bucket)
 
+    def _clear_unwritten(self, bucket: Bucket) -> None:
+        """Zero the slices of ``bucket``'s parameters that received no gradient this step."""
+        for e in bucket.entries:
+            if id(e.param) not in self._written:
+                self.views[id(e.param)].zero_()
+                self._written.add(id(e.param))
+
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.index] = True
+        self._clear_unwritten(bucket)
         if self.dp.size == 1:
             return
         flat = self.data[bucket.start:bucket.end]
@@ -147,6 +162,7 @@ class GradSync:
         deferred = [b for b in self.layout.buckets if b.deferred]
         if deferred and self.tied is not None and self.tied.size > 1:
             for b in deferred:
+                self._clear_unwritten(b)
                 all_reduce(self.data[b.start:b.end], self.tied.group)
         for b in self.layout.buckets:
             if not self._launched[b.index]:
@@ -162,9 +178,11 @@ class GradSync:
         self._launched = [False] * len(self.layout.buckets)
 
     def zero_(self) -> None:
-        self.data.zero_()
-        if self.zero:
-            self.shard_data.zero_()
+        """Start a new step: every gradient counts as zero. Nothing is written: a parameter's first
+        gradient of the step overwrites its slice, and slices never written are zero-filled before
+        their bucket is reduced (saves a pass over the buffer per step). The reduction overwrites
+        the shard buffer."""
+        self._written.clear()
 
     def reduced_view(self, start: int, end: int) -> torch.Tensor:
         """The reduced gradient of flat range ``[start, end)`` on this rank (after :meth:`finish`).
