@@ -1,0 +1,363 @@
+"""The planner's Mixture-of-Experts terms (plait.plan.moe, plait.plan.memory, plait.plan.timing,
+plait.plan.search) as data.
+
+Parameter counts are compared with the model the builder makes for a rank (meta device, experts
+split over ``ep``); model states with the buffers a real ``DistributedOptimizer`` allocates with
+expert buckets; saved activations with what autograd saves in one forward of a tiny Mixtral
+(saved-tensor hooks), expert parallelism included: the all-to-all is replaced by a copy, so one
+process runs the real dispatcher with its real buffer shapes; the all-to-all volume with the
+bytes that dispatcher hands to the exchange in a forward and backward. The search is checked on
+Mixtral-8x7B's shape, and a dense model's plan against the numbers of the planner before MoE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from plait.activation_checkpointing import apply_activation_checkpointing
+from plait.comm.primitives import GroupInfo
+from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+from plait.devices import get_device
+from plait.materialize import build_model, build_stages
+from plait.mesh import ParallelMesh, single_process_mesh
+from plait.models.mixtral import MixtralConfig
+from plait.models.qwen3.config import Qwen3Config
+from plait.models.qwen3_moe.config import Qwen3MoeConfig
+from plait.moe.expert_parallel import apply_expert_parallel, expert_parameter_names
+from plait.nn.moe import MoELayer
+from plait.pipeline.layout import plan_partition
+from plait.plan.layout import Layout
+from plait.plan.memory import (
+    chunk_cost,
+    chunk_expert_parameter_count,
+    estimate_memory,
+    local_shapes,
+    rank_chunks,
+    rank_parameter_count,
+)
+from plait.plan.moe import all_to_all_bytes, moe_shape
+from plait.plan.search import SearchOptions, enumerate_layouts, rank_layouts
+from plait.plan.timing import estimate_step_time, rank_flops
+from plait.precision import policy_for
+
+RECIPES = Path(__file__).resolve().parent.parent / "src" / "plait" / "recipes"
+
+
+def mixtral(**kw) -> MixtralConfig:
+    base = dict(vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    base.update(kw)
+    return MixtralConfig(**base)
+
+
+def qwen3_moe(**kw) -> Qwen3MoeConfig:
+    base = dict(vocab_size=1001, hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                mlp_only_layers=[0])
+    base.update(kw)
+    return Qwen3MoeConfig(**base)
+
+
+def recipe_config(name: str):
+    from plait.commands.plan import load_plan_inputs
+
+    return load_plan_inputs(str(RECIPES / name), [])[1]
+
+
+# ------------------------------------------------------------------------------ parameters
+def _built(config, layout: Layout, rank: int, seq_len: int = 64) -> tuple[int, int]:
+    """(parameters, routed-expert parameters) the builder gives ``rank`` (meta device)."""
+    mesh = ParallelMesh(layout.world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
+                        create_groups=False)
+    if layout.pp == 1:
+        modules = [build_model(config, mesh, device="meta", init=False)]
+    else:
+        split = plan_partition(config, layout.pp, seq_len).stage_layers()
+        modules = build_stages(config, mesh, split, device="meta", init=False)
+    apply_expert_parallel(modules, mesh.info("ep"))  # idempotent: the builder may have applied it already
+    params = [p for m in modules for p in m.parameters()]
+    experts = sum(p.numel() for m in modules for n, p in m.named_parameters() if ".experts." in n)
+    return sum(p.numel() for p in params), experts
+
+
+@pytest.mark.parametrize("make", [mixtral, qwen3_moe])
+@pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(dp=2, ep=2), dict(tp=2, dp=2, ep=2), dict(dp=4, ep=4),
+                                     dict(pp=2, dp=2, ep=2)])
+def test_parameters_equal_the_built_rank(make, degrees):
+    """Attention split over TP, experts whole on every TP rank and split over ep, the router whole,
+    a Qwen3-MoE dense layer's MLP split over TP: the count equals the rank's built model."""
+    config = make()
+    layout = Layout(**degrees)
+    rank = layout.world - 1
+    built, experts = _built(config, layout, rank)
+    mesh = ParallelMesh(layout.world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
+                        create_groups=False)
+    assert rank_parameter_count(config, layout, 64, mesh.pp_rank) == built
+    sh = local_shapes(config, layout)
+    assert sum(chunk_expert_parameter_count(config, sh, ch) for ch in rank_chunks(config, layout, 64, mesh.pp_rank)) \
+        == experts > 0
+
+
+def test_expert_memory_falls_as_one_over_ep_and_dense_does_not():
+    config = recipe_config("mixtral-8x7b.yaml")
+    kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=16)
+    est = {ep: estimate_memory(config, Layout(pp=4, dp=16, ep=ep, activation_checkpointing="full"), **kw)
+           for ep in (1, 2, 4, 8)}
+    per_layer_expert = 3 * 4096 * 14336
+    for ep, m in est.items():
+        assert m.expert_parameter_count == 8 * 8 // ep * per_layer_expert  # 8 layers per stage, 8/ep experts each
+        assert m.parameter_count - m.expert_parameter_count == est[1].parameter_count - est[1].expert_parameter_count
+        assert m.parameters == 2 * m.parameter_count and m.gradients == 4 * m.parameter_count
+    assert est[8].expert_parameter_count * 8 == est[1].expert_parameter_count
+
+
+def test_zero1_shards_expert_state_over_dp_over_ep():
+    """Expert buckets are sharded over the dp/ep expert-data-parallel ranks, the rest over dp."""
+    config = recipe_config("mixtral-8x7b.yaml")
+    kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=16)
+    for ep in (1, 2, 8):
+        m = estimate_memory(config, Layout(pp=4, dp=16, ep=ep, zero1=True, activation_checkpointing="full"), **kw)
+        dense, experts = m.parameter_count - m.expert_parameter_count, m.expert_parameter_count
+        owned = -(-m.parameter_count // 16) if ep == 1 else -(-dense // 16) + -(-experts // (16 // ep))
+        assert m.optimizer == 2 * 4 * owned and m.master_weights == 4 * owned and m.gradient_shard == 4 * owned
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("dp,ep", [(4, 2), (2, 2)])
+def test_model_states_equal_the_optimizer_buffers_with_expert_buckets(precision, dp, ep):
+    """parameters / gradients / gradient shard / master / optimizer bytes of an expert-parallel rank
+    with ZeRO-1 equal a real DistributedOptimizer's, up to bucket padding."""
+    config = mixtral()
+    layout = Layout(dp=dp, ep=ep, zero1=True)
+    est = estimate_memory(config, layout, precision=precision, micro_batch_size=1, seq_len=32, microbatches=1)
+    model = build_model(config, single_process_mesh(), seed=0)
+    apply_expert_parallel([model], GroupInfo(None, ep - 1, ep))
+    hyper = OptimizerHyper(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = DistributedOptimizer([model], policy_for(precision), hyper, dp=GroupInfo(None, dp - 1, dp),
+                               tp=GroupInfo.single(), zero=True, bucket_mb=0.05, ep=GroupInfo(None, ep - 1, ep),
+                               expert_dp=GroupInfo(None, 0, dp // ep), expert_names=expert_parameter_names([model]))
+    opt.inner.step()
+    assert any(b.expert for b in opt.layout.buckets)
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    pad = (dp - 1) * len(opt.layout.buckets)
+    report = opt.memory_report()
+    got = {"parameters": nbytes(opt.param_data), "gradients": nbytes(opt.grads.data),
+           "gradient_shard": nbytes(opt.grads.shard_data), "master_weights": report["master_bytes"],
+           "optimizer": report["optimizer_state_bytes"]}
+    for name, value in got.items():
+        assert abs(value - getattr(est, name)) <= 8 * pad, (name, value, getattr(est, name))
+    # the negative control: sharding the experts' states over all dp ranks would price less
+    assert got["optimizer"] > 2 * 4 * -(-est.parameter_count // dp) + 8 * pad
+
+
+# ------------------------------------------------------------------------------ activations
+def _copy_exchange():
+    """The all-to-all replaced by a copy: one process runs the expert-parallel dispatcher with
+    its real buffers (every peer's slot is this rank's own rows)."""
+    return mock.patch("plait.moe.all_to_all.exchange", lambda x, group: x.clone()), \
+        mock.patch("plait.moe.expert_parallel.exchange", lambda x, group: x.clone())
+
+
+def _training_moe(model) -> None:
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.aux_loss_scale, m.z_loss_scale = 0.01, 0.001
+
+
+def _saved_bytes(model, ids, precision: str) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen.setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    a, b = _copy_exchange()
+    with a, b, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        model(ids, ids)
+    return sum(seen.values())
+
+
+def _estimate_saved(config, layout: Layout, precision: str, B: int, S: int) -> int:
+    (chunk,) = rank_chunks(config, layout, S, 0)
+    cost = chunk_cost(config, layout, precision, chunk, B, S)
+    return cost.activations + cost.weight_copies + cost.logits_saved
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "bf16-pure"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_saved_activations_match_autograd(precision, ep):
+    """One forward's saved tensors (routing, dispatch indices, expert rows with the fixed-slot
+    padding, SwiGLU tensors, the stacked expert weights, the combine) equal the model's bytes per
+    micro-batch, token ids and loss scalars aside."""
+    config = mixtral()
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    model = build_model(config, single_process_mesh(), dtype=dtype)
+    _training_moe(model)
+    apply_expert_parallel([model], GroupInfo(None, 0, ep))
+    B, S = 2, 32
+    ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    got = _saved_bytes(model, ids, precision)
+    est = _estimate_saved(config, Layout(dp=ep, ep=ep), precision, B, S)
+    assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
+
+
+def test_qwen3_moe_activations_differ_from_autograd_only_as_dense_qwen3_does():
+    """Qwen3-MoE (one dense layer, three sparse): the estimate misses exactly what it misses for a
+    dense Qwen3 of the same attention (the per-head q/k norms' tensors, not modelled for any Qwen3)."""
+    B, S = 2, 32
+    ids = torch.randint(0, 1001, (B, S), generator=torch.Generator().manual_seed(0))
+    gaps = []
+    for config in (qwen3_moe(), Qwen3Config(vocab_size=1001, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=16)):
+        model = build_model(config, single_process_mesh())
+        _training_moe(model)
+        gaps.append(_saved_bytes(model, ids, "fp32") - _estimate_saved(config, Layout(), "fp32", B, S))
+    assert abs(gaps[0] - gaps[1]) <= 16 * B * S + 4096, gaps
+
+
+def test_expert_rows_grow_with_ep_under_fixed_slots():
+    """The expert side holds ep * N rows (one slot of N per peer): saved activations grow with ep
+    while parameters shrink."""
+    config = recipe_config("mixtral-8x7b.yaml")
+    kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=8)
+    one, eight = (estimate_memory(config, Layout(pp=4, dp=8, ep=ep), stage=0, **kw) for ep in (1, 8))
+    assert eight.activations > one.activations and eight.parameters < one.parameters
+    # the exchange's send and receive buffers of one layer: 2 * ep * N * h * r
+    assert eight.comm_buffers - one.comm_buffers == 2 * 8 * 4096 * 2 * 4096 * 2
+
+
+# ------------------------------------------------------------------------------ all-to-all
+@pytest.mark.parametrize("precision,ep,ckpt", [("fp32", 2, "none"), ("autocast", 4, "none"), ("autocast", 2, "full"),
+                                               ("bf16-pure", 4, "full")])
+def test_all_to_all_volume_equals_what_the_dispatcher_sends(precision, ep, ckpt):
+    """Forward and backward of a one-layer Mixtral at ``ep``: the bytes handed to the exchange
+    (tokens, outputs, counts; their gradients; the recomputed forward under full checkpointing),
+    of which ``(ep - 1)/ep`` leave the rank, equal ``all_to_all_bytes``."""
+    config = mixtral(num_hidden_layers=1, num_local_experts=8)
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    model = build_model(config, single_process_mesh(), dtype=dtype).train()
+    apply_expert_parallel([model], GroupInfo(None, 0, ep))
+    if ckpt == "full":
+        apply_activation_checkpointing([model], "full")
+    sent: list[int] = []
+
+    def record(x, group):
+        sent.append(x.numel() * x.element_size())
+        return x.clone()
+
+    B, S = 2, 16
+    ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    with mock.patch("plait.moe.all_to_all.exchange", record), mock.patch("plait.moe.expert_parallel.exchange", record), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        model(ids, ids).backward()
+    assert len(sent) == (8 if ckpt == "full" else 5)  # per forward: counts, tokens, outputs; 2 gradients
+    pb = {"fp32": (4, 4), "autocast": (2, 4), "bf16-pure": (2, 2)}[precision]
+    est = all_to_all_bytes(moe_shape(config), config.hidden_size, B * S, ep, compute=pb[0], residual=pb[1],
+                           recompute=ckpt == "full")
+    assert sum(sent) * (ep - 1) / ep == pytest.approx(est, rel=1e-12)
+    # hand count: (ep - 1) * N rows of h leave per exchange, N = B*S*k
+    rows = (ep - 1) * B * S * 2 * config.hidden_size
+    forwards = 2 if ckpt == "full" else 1
+    assert est == pytest.approx(forwards * (rows * sum(pb) + (ep - 1) / ep * 8 * 8) + rows * sum(pb))
+
+
+def test_step_time_counts_active_experts_and_the_all_to_all():
+    config = recipe_config("mixtral-8x7b.yaml")
+    h100 = get_device("h100")
+    kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=16)
+    t1 = estimate_step_time(config, Layout(pp=4, dp=16), h100, **kw)
+    t8 = estimate_step_time(config, Layout(pp=4, dp=16, ep=8), h100, **kw)
+    # the same FLOPs (balanced routing), k = 2 experts per token: MFU's model FLOPs over executed
+    assert t1.flops_per_rank == t8.flops_per_rank
+    assert t1.ep_comm_s == 0 and t8.ep_comm_s > 0
+    # on the critical path, stretched by the bubble like the compute
+    assert t8.total_s == pytest.approx((t8.compute_s + t8.ep_comm_s) / (1 - t8.bubble_share) + t8.pp_comm_s
+                                       + t8.dp_exposed_s)
+    # 8 sparse layers per stage, 16 micro-batches, each (ep-1)*N rows out, four exchanges of bf16
+    assert t8.ep_bytes == pytest.approx(8 * 16 * (4 * 7 * 4096 * 2 * 4096 * 2 + 7 / 8 * 64))
+    assert t8.ep_comm_s == pytest.approx(t8.ep_bytes / 450e9)  # T * ep = 8 ranks: one node's NVLink
+    # expert gradients reduce over dp/ep = 2 ranks instead of 16: less DP traffic
+    assert t8.dp_comm_s < t1.dp_comm_s
+    # executed FLOPs over the pipeline ranks = PaLM's model FLOPs with the k active experts (less the
+    # norm weights, which the model count includes and no matmul reads)
+    tokens = 16 * 4096
+    executed = sum(rank_flops(config, Layout(pp=4, dp=16), 4096, 1, 16, r) for r in range(4))
+    norms = 6 * (2 * 4096 * 32 + 4096) * tokens
+    assert executed == pytest.approx(t1.model_flops / 16 - norms, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------ search
+def test_search_picks_ep_when_memory_requires_it_and_never_sp():
+    """Mixtral-8x7B on 64 H100 with at most 4 pipeline stages: no layout with ep = 1 fits (every
+    rank holds all experts of its layers), so the recommendation splits the experts; each ep divides
+    the expert count and dp; no layout uses sequence parallelism."""
+    config = recipe_config("mixtral-8x7b.yaml")
+    options = SearchOptions(max_tp=1, max_pp=4, max_vpp=1, schedules=("1f1b",), activation_checkpointing=("full",))
+    kw = dict(micro_batch_size=1, seq_len=4096, global_batch_size=256, precision="bf16-mixed")
+    plan = rank_layouts(config, 64, "h100", options=options, **kw)
+    assert plan.recommended is not None and plan.recommended.layout.ep > 1
+    assert {c.layout.ep for c in plan.candidates} == {1, 2, 4, 8}
+    assert all(c.layout.dp % c.layout.ep == 0 and 8 % c.layout.ep == 0 for c in plan.candidates)
+    only_one = rank_layouts(config, 64, "h100", options=dataclasses.replace(options, expert_parallel=1),
+                            require_fit=False, **kw)
+    assert only_one.recommended is None  # the negative control
+    wide = enumerate_layouts(config, 64, seq_len=4096, options=SearchOptions(max_vpp=1, schedules=("1f1b",)))
+    assert wide and not any(layout.sequence_parallel for layout in wide)
+    assert {layout.ep for layout in wide} == {1, 2, 4, 8}
+
+
+def test_dense_search_has_only_ep_one():
+    from plait.models.llama.config import LlamaConfig
+
+    config = LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4)
+    layouts = enumerate_layouts(config, 8, seq_len=64, global_batch_size=64)
+    assert layouts and {layout.ep for layout in layouts} == {1}
+
+
+#: llama3-8b.yaml on 8 H100, seq 2048, global batch 32, autocast: total bytes and step seconds of
+#: four layouts as the planner gave them before it modelled MoE (commit 00e3cf6)
+DENSE_BEFORE = [
+    (Layout(tp=1, pp=1, dp=8, zero1=True), 4, 110906750976, 0.8614413156354208),
+    (Layout(tp=1, pp=2, dp=4, activation_checkpointing="full"), 8, 70439272448, 1.2196076494500805),
+    (Layout(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True), 16, 44859523072, 0.9138737593973882),
+    (Layout(tp=4, pp=2, dp=1, sequence_parallel=True, activation_checkpointing="full"), 32, 17629839360,
+     1.315508040641833),
+]
+
+
+@pytest.mark.parametrize("layout,m,total,seconds", DENSE_BEFORE)
+def test_dense_plan_is_unchanged(layout, m, total, seconds):
+    """The negative control: a dense recipe's memory and time are those of the planner before MoE."""
+    from plait.models.llama.parallelize import kv_replication_for
+
+    config = recipe_config("llama3-8b.yaml")
+    layout = dataclasses.replace(layout, kv_replication=kv_replication_for(config, layout.tp))
+    kw = dict(precision="autocast", micro_batch_size=1, seq_len=2048, microbatches=m)
+    assert estimate_memory(config, layout, **kw).total == total
+    assert estimate_step_time(config, layout, get_device("h100"), **kw).total_s == pytest.approx(seconds, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------ dry run, command
+def test_dry_run_of_an_expert_parallel_layout_matches():
+    from plait.plan.dry_run import dry_run
+
+    config = qwen3_moe()
+    layout = Layout(tp=2, pp=2, dp=2, ep=2, zero1=True)
+    for rank in (0, 7):
+        report = dry_run(config, layout, 8, rank, precision="bf16-mixed", seq_len=64, microbatches=4)
+        assert report.matches_exactly, report.check_line()
+        assert report.group_sizes["ep"] == 2 and report.expert_param_count == report.estimated_expert_param_count > 0
