@@ -66,7 +66,9 @@ scores (``(S / 2cp)^2`` per local query head, fp32): a piece's backward holds fi
 the diagonal mask (:func:`plait.context_parallel.plan.attention_workspace_bytes`), priced as a
 ``backward_transient`` less what the micro-batch has released before the last layer's attention
 backward (the saved softmax, the final norm and head input, and without checkpointing the last
-layer's MLP half). Measured within 5% at cp=2/4 (docs/context_parallel.md).
+layer's MLP half). Measured within 5% at cp=2/4 (docs/context_parallel.md). The loss under cp is
+priced as the vocab-parallel one (:class:`plait.context_parallel.output.ContextParallelOutput` runs
+it at any TP degree).
 
 After the last backward (activations gone) the step phase needs the gradient buffer plus
 ``step_buffers``, the largest of these transients (they do not overlap in time):
@@ -512,7 +514,7 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
         logits = 4 * N * sh.vocab
         if pb.autocast:
             copies += 2 * sh.vocab * h
-        if sh.tp > 1:
+        if sh.tp > 1 or layout.cp > 1:  # cp's output module runs the vocab-parallel loss at any TP
             fwd = (c + 4) * N * sh.vocab
             loss_bwd = (c if c != 4 else 0) * N * sh.vocab
         else:
