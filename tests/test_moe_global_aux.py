@@ -46,15 +46,16 @@ def _batches(replicas: int, microbatches: int) -> torch.Tensor:
     return torch.randint(0, 12, (replicas, microbatches, MB, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-def _reference(batches: torch.Tensor, scope: str) -> dict[str, torch.Tensor]:
+def _reference(batches: torch.Tensor, scope: str, config=None) -> dict[str, torch.Tensor]:
     """Gradients of the objective in the module docstring (``scope="micro_batch"``: ``f`` of the
     replica's micro-batch alone), summed so that they equal the replicas' averaged gradients."""
     replicas, microbatches = batches.shape[:2]
-    model = build_model(_config(), single_process_mesh(), seed=5)
+    model = build_model(config or _config(), single_process_mesh(), seed=5)
     routings: list = []
-    for _, layer in moe_layers([model]):
+    layers = moe_layers([model])
+    for _, layer in layers:
         layer.gate.register_forward_hook(lambda m, a, out: routings.append(out))
-    counts = torch.zeros(replicas, microbatches, 2, E)  # the first pass: who went where
+    counts = torch.zeros(replicas, microbatches, len(layers), E)  # the first pass: who went where
     with torch.no_grad():
         for r in range(replicas):
             for m in range(microbatches):
@@ -76,12 +77,12 @@ def _reference(batches: torch.Tensor, scope: str) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def _run(stages, mesh, batch: torch.Tensor, scope: str, steps: int = 1, replicas=None) -> list:
+def _run(stages, mesh, batch: torch.Tensor, scope: str, steps: int = 1, replicas=None, config=None) -> list:
     """``steps`` forward/backward passes of the runtime over ``batch`` ``[microbatches, MB, SEQ]``,
-    each a new step (gradients zeroed); returns the per-layer shares the last step ended with."""
+    each a new step (gradients zeroed); returns each layer's running counts at the end."""
     section = MoeSection(aux_loss_coef=AUX, aux_loss_scope=scope)
     microbatches = batch.shape[0]
-    configure_moe(stages, section, _config(), microbatches=microbatches, stats=False)
+    configure_moe(stages, section, config or _config(), microbatches=microbatches, stats=False)
     hooks = attach_load_balancing(stages, section, replicas, microbatches=microbatches)
     runtime = PipelineRuntime(stages, mesh, schedule="1f1b", microbatches=microbatches, micro_batch_size=MB,
                               seq_len=SEQ, hidden_size=32, sequence_parallel=False, dtype=torch.float32)
@@ -170,6 +171,35 @@ def test_dp2_global_scope_with_accumulation_equals_the_reference():
     micro = run_distributed(_dp_worker, 2, batches, "micro_batch")[0]  # negative control
     assert _max_diff(micro, _reference(batches, "micro_batch")) <= TOL
     assert (micro[ROUTER] - ref[ROUTER]).abs().max() > 1e-3
+
+
+def _qwen3_moe_first_layer_dense():
+    from plait.models.qwen3_moe import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_experts=E, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                          max_position_embeddings=32, tie_word_embeddings=False)
+
+
+def _pp_worker(rank: int, world: int, batches: torch.Tensor) -> tuple[dict, bool]:
+    mesh = ParallelMesh(world, rank, pp=world)
+    config = _qwen3_moe_first_layer_dense()
+    stages = build_stages(config, mesh, [[0], [1, 2]], seed=5)
+    _run(stages, mesh, batches[0], "global_batch", replicas=mesh.info("dp_cp"), config=config)
+    has_moe = bool(moe_layers(stages))
+    return {n: p.grad.clone() for stage in stages for n, p in stage.named_parameters()}, has_moe
+
+
+@pytest.mark.slow  # two processes
+def test_pp2_global_scope_with_a_stage_without_moe_layers_equals_the_reference():
+    """PP=2 x 3 micro-batches (1F1B: backwards interleave with the later forwards); stage 0 holds only
+    a dense layer, so it has no step hooks and adds no loss gradient."""
+    batches = _batches(1, 3)
+    results = run_distributed(_pp_worker, 2, batches)
+    assert [has for _, has in results] == [False, True]
+    grads = {n: g for r, _ in results for n, g in r.items()}
+    assert _max_diff(grads, _reference(batches, "global_batch", _qwen3_moe_first_layer_dense())) <= TOL
 
 
 # ------------------------------------------------------------------------------ through the trainer
