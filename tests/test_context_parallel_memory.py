@@ -129,3 +129,25 @@ def test_loss_under_cp_is_priced_as_the_vocab_parallel_loss():
     assert (cp2.logits_saved, cp2.forward_transient) == (tp2.logits_saved, tp2.forward_transient)
     one = chunk_cost(CP_DEMO, Layout(), "fp32", chunk, 1, 1024)  # TP = 1 without cp: F.cross_entropy
     assert one.forward_transient != cp2.forward_transient
+
+
+@pytest.mark.slow
+def test_measured_activation_peak_within_15_percent_of_the_estimate():
+    """``bench/measure_memory.py --cp`` at seq_len 8192, cp=1 and cp=2 (ring): every rank's measured
+    activation peak (forward + backward, above the model states) is within 15% of the planner's."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "bench" / "measure_memory.py"), "--cp", "--layouts", "cp1,cp2",
+                          "--no-warmup"], cwd=root, capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = run.stdout.split("activation peak measured MiB")[1]
+    ratios = {(m.group(1), m.group(2)): float(m.group(3))
+              for m in re.finditer(r"^\| (cp\d) \(m=1\) \| fp32 \| off \| (\d) \|.*\| ([\d.]+) \|$", table, re.M)}
+    assert set(ratios) == {("cp1", "0"), ("cp2", "0"), ("cp2", "1")}, run.stdout[-3000:]
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
