@@ -15,9 +15,19 @@ one that goes first alternates too), each round timing ``--steps`` consecutive s
 gives the median tokens/s over rounds, the per-round range, and the plait/HF ratio of medians
 (> 1 means plait is faster).
 
+With ``--compile`` a third implementation joins the alternation: plait's model with its decoder
+blocks and loss head compiled by :func:`plait.train.compile.compile_stages` (what
+``train.compile: true`` does). Its compile time (dynamo + inductor, measured by
+:func:`plait.train.compile.compile_seconds`) is printed separately and is not in any timed round
+(the warm-up steps include it). The compile cache is plait's (``<plait cache>/compile``): the first
+run on a machine generates and builds the kernels, a second run loads them; ``--cold-cache``
+compiles into a fresh temporary directory to measure a first run. The tables then give plait
+eager vs HF, plait compiled vs HF, and plait compiled vs plait eager.
+
 Run (from the repository root, venv active)::
 
     python bench/bench_single.py            # default ~22M-parameter model
+    python bench/bench_single.py --compile  # also plait compiled
     python bench/bench_single.py --smoke    # tiny end-to-end check
 """
 
@@ -28,6 +38,8 @@ import contextlib
 import os
 import platform
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -50,6 +62,7 @@ from _common import (  # noqa: E402
 )
 from plait.materialize import build_llama  # noqa: E402
 from plait.mesh import single_process_mesh  # noqa: E402
+from plait.train.compile import compile_seconds, compile_stages, use_compile_cache  # noqa: E402
 
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16-autocast": torch.bfloat16}
 
@@ -72,7 +85,7 @@ def make_step(forward: Callable[[], torch.Tensor], params: list[torch.nn.Paramet
     return step
 
 
-def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtype | None) -> list[Result]:
+def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtype | None) -> dict[str, Result]:
     config = make_config(args)
     ids = random_batch(config, args.batch, args.seq, args.seed)
     plait_model = build_llama(config, single_process_mesh(), seed=args.seed).train()
@@ -83,13 +96,23 @@ def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtyp
     hf_step = make_step(lambda: hf_model(input_ids=ids, labels=ids).loss, list(hf_model.parameters()),
                         autocast_dtype, args.foreach)
     runs = {"plait": (plait_step, Result("plait")), "HF": (hf_step, Result("HF"))}
+    if args.compile:
+        compiled_model = build_llama(config, single_process_mesh(), seed=args.seed).train()
+        compile_stages([compiled_model], args.compile_mode)
+        compiled_step = make_step(lambda: compiled_model(ids, ids), list(compiled_model.parameters()),
+                                  autocast_dtype, args.foreach)
+        runs["plait-compiled"] = (compiled_step, Result("plait-compiled"))
 
-    for step, result in runs.values():
+    for name, (step, result) in runs.items():
+        before, start = compile_seconds(), time.perf_counter()
         result.first_loss = step().item()
         for _ in range(args.warmup - 1):
             step()
-    print(f"[{label}] first-step loss: plait {runs['plait'][1].first_loss:.6f}  "
-          f"HF {runs['HF'][1].first_loss:.6f}", flush=True)
+        if name == "plait-compiled":
+            print(f"[{label}] compile time {compile_seconds() - before:.1f} s (warm-up of {args.warmup} steps: "
+                  f"{time.perf_counter() - start:.1f} s, not timed)", flush=True)
+    print(f"[{label}] first-step loss: " + "  ".join(f"{n} {res.first_loss:.6f}" for n, (_, res) in runs.items()),
+          flush=True)
 
     tokens = args.steps * args.batch * args.seq
     order = list(runs)
@@ -102,8 +125,8 @@ def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtyp
 
     last = {n: step().item() for n, (step, _) in runs.items()}
     print(f"[{label}] loss after {args.warmup + args.rounds * args.steps + 1} steps: "
-          f"plait {last['plait']:.6f}  HF {last['HF']:.6f}", flush=True)
-    return [res for _, res in runs.values()]
+          + "  ".join(f"{n} {v:.6f}" for n, v in last.items()), flush=True)
+    return {n: res for n, (_, res) in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,19 +135,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
                         help="precisions to measure (default: both)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also measure plait with compiled blocks and loss head (train.compile: true)")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                        help="torch.compile mode with --compile (train.compile_mode)")
+    parser.add_argument("--cold-cache", action="store_true",
+                        help="with --compile: compile into a fresh temporary cache (a first run's compile time)")
     args = resolve_args(parser.parse_args(argv))
+    if args.compile:
+        if args.cold_cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="plait-compile-")
+        cache = use_compile_cache()
+        kind = "fresh: a first run's compile" if args.cold_cache else "plait's: a second run loads the first's kernels"
+        print(f"compile cache: {cache} ({kind})", flush=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     config = make_config(args)
     print(describe(config, args) + f"; {args.threads} threads; AdamW {'foreach' if args.foreach else 'for-loop'}; "
           f"{platform.machine()}", flush=True)
 
-    rows = []
+    rows, compiled_rows = [], []
+    tokens = args.batch * args.seq
     for label in args.dtypes:
-        plait_res, hf_res = bench_dtype(args, label, DTYPES[label])
-        rows.append([label] + comparison_row(plait_res, hf_res, args.batch * args.seq))
+        res = bench_dtype(args, label, DTYPES[label])
+        rows.append([f"{label}, plait eager"] + comparison_row(res["plait"], res["HF"], tokens))
+        if args.compile:
+            rows.append([f"{label}, plait compiled"] + comparison_row(res["plait-compiled"], res["HF"], tokens))
+            compiled_rows.append([label] + comparison_row(res["plait-compiled"], res["plait"], tokens))
     print()
-    print(markdown_table(comparison_header("dtype", "HF"), rows))
+    print("plait vs transformers (ratio > 1: plait faster):")
+    print(markdown_table(comparison_header("dtype, plait", "HF"), rows))
+    if compiled_rows:
+        print()
+        print("plait compiled vs plait eager (ratio > 1: compiled faster; compile time excluded, printed above):")
+        print(markdown_table([h.replace("plait", "compiled") for h in comparison_header("dtype", "eager")],
+                             compiled_rows))
 
 
 if __name__ == "__main__":

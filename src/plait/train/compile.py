@@ -1,31 +1,33 @@
 """Compiled decoder blocks and loss head (``train.compile``), their cache and their compile time.
 
-What is compiled: in each of this rank's stages, every decoder block (``...layers.<i>``), the
-final norm (``model.norm``) and the loss module (``output``), each one ``torch.compile`` unit
-(inductor: C++/OpenMP kernels on CPU, Triton on CUDA). Units are modules (``nn.Module.compile``),
-so parameter names, state dicts, hooks and the optimizer's flat buffers are untouched, and every
-decoder block shares one compiled graph (dynamo treats the parameters as inputs).
+What is compiled: in each of this rank's stages, the decoder blocks (``...layers.<i>``) and the
+loss head (the final norm ``model.norm`` and the loss module ``output``), cut into units by
+:func:`compile_units`; each unit is one ``torch.compile`` (inductor: C++/OpenMP kernels on CPU,
+Triton on CUDA) installed through ``nn.Module``'s own compiled-call hook, so parameter names, state
+dicts, hooks and the optimizer's flat buffers are untouched, and all blocks share one compiled
+graph (dynamo treats the parameters as inputs). Without tensor parallelism a unit is a whole block.
 
 Tensor parallelism: plait's TP layers communicate inside their own autograd Functions
-(:mod:`plait.comm.collectives`). Those Functions are not traced: each collective is a graph break
-(:func:`_graph_break_at_collectives`), and the compute between two collectives (norm, rotary,
-attention, SwiGLU, residual adds, the loss's softmax) is what inductor fuses. The collectives run
-exactly as in eager mode (same process groups, same order on every rank), so sequence parallelism,
-KV replication and the deferred weight gradients of zero-bubble schedules need nothing else.
+(:mod:`plait.comm.collectives`, the column-parallel matmul), which dynamo would try to trace,
+backward included, and cannot (process groups, async work handles, in-place all-reduce). The
+modules that communicate are therefore not units (:func:`runs_eagerly`): they run eagerly, a graph
+break at every TP boundary, and the compute between two collectives (rotary + SDPA, SwiGLU, norms
+without sequence parallelism) is compiled. The collectives run exactly as in eager mode (same
+process groups, same order on every rank), so sequence parallelism, KV replication and head
+padding need nothing else.
 
 Activation checkpointing: recomputation must run the same code as the forward it replaces, or
-``torch.utils.checkpoint`` sees different saved tensors. A checkpointed module stays an eager
-``torch.utils.checkpoint`` call around compiled parts: the compiled units are the largest modules
-of a block that contain no checkpointed module, so with ``full`` checkpointing each block's
-children (norms, attention, MLP) are the units and the block's checkpoint recomputes them through
-the same compiled graphs; with ``selective`` checkpointing of ``self_attn.core``/``mlp.act`` the
-rest of the block is compiled around them and those two run eagerly.
+``torch.utils.checkpoint`` sees different saved tensors; a compiled region holding a checkpoint
+would recompute eagerly (backward runs outside dynamo). So a checkpointed module is never inside
+a unit: with ``full`` checkpointing each block's children (norms, attention, MLP) are the units and
+the block's eager checkpoint recomputes them through the same compiled graphs; with ``selective``
+checkpointing of ``self_attn.core``/``mlp.act`` those two run eagerly and the norms are compiled.
 
 Dropout: inductor's own random number generator would draw masks unlike eager mode's; units are
-compiled with ``fallback_random`` so dropout draws from the same generators as eagerly, the
-per-TP-rank stream (:class:`~plait.tensor_parallel.random.TensorParallelRNG`) included: its
-``fork`` (a generator-state swap) is a graph break, and checkpoint recomputation replays it as in
-eager mode. Compiled and eager runs therefore draw identical masks.
+compiled with ``fallback_random`` so dropout draws from the same generators as eagerly. Modules
+that fork the per-TP-rank stream (:class:`~plait.tensor_parallel.random.TensorParallelRNG`, a
+generator-state swap) with dropout on run eagerly. Compiled and eager runs draw identical masks,
+and checkpoint recomputation replays them as before.
 
 Evaluation and generation run with gradients off; compiled units then run their eager forward
 (:class:`_TrainingOnly`), so sampling text of growing length does not recompile for every length.
