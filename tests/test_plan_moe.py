@@ -85,9 +85,14 @@ def _built(config, layout: Layout, rank: int, seq_len: int = 64) -> tuple[int, i
     return sum(p.numel() for p in params), experts
 
 
-@pytest.mark.parametrize("make", [mixtral, qwen3_moe])
-@pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(dp=2, ep=2), dict(tp=2, dp=2, ep=2), dict(dp=4, ep=4),
-                                     dict(pp=2, dp=2, ep=2)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("make,degrees", [
+    (mixtral, dict(tp=2, dp=2, ep=2)), (qwen3_moe, dict(pp=2, dp=2, ep=2)), (qwen3_moe, dict(tp=2, dp=4, ep=4)),
+    *(pytest.param(make, degrees, marks=SLOW) for make in (mixtral, qwen3_moe)
+      for degrees in (dict(), dict(tp=2), dict(dp=2, ep=2), dict(dp=4, ep=4), dict(pp=2, dp=2, ep=2))),
+])
 def test_parameters_equal_the_built_rank(make, degrees):
     """Attention split over TP, experts whole on every TP rank and split over ep, the router whole,
     a Qwen3-MoE dense layer's MLP split over TP: the count equals the rank's built model."""
@@ -127,8 +132,9 @@ def test_zero1_shards_expert_state_over_dp_over_ep():
         assert m.optimizer == 2 * 4 * owned and m.master_weights == 4 * owned and m.gradient_shard == 4 * owned
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-@pytest.mark.parametrize("dp,ep", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("precision,dp,ep", [("bf16-mixed", 4, 2), pytest.param("fp32", 4, 2, marks=SLOW),
+                                             pytest.param("bf16-mixed", 2, 2, marks=SLOW),
+                                             pytest.param("fp32", 2, 2, marks=SLOW)])
 def test_model_states_equal_the_optimizer_buffers_with_expert_buckets(precision, dp, ep):
     """parameters / gradients / gradient shard / master / optimizer bytes of an expert-parallel rank
     with ZeRO-1 equal a real DistributedOptimizer's, up to bucket padding."""
@@ -195,8 +201,8 @@ def _estimate_saved(config, layout: Layout, precision: str, B: int, S: int) -> i
     return cost.activations + cost.weight_copies + cost.logits_saved
 
 
-@pytest.mark.parametrize("precision", ["fp32", "autocast", "bf16-pure"])
-@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("precision,ep", [("autocast", 2), *(pytest.param(p, e, marks=SLOW) for p, e in (
+    ("fp32", 1), ("fp32", 2), ("autocast", 1), ("bf16-pure", 1), ("bf16-pure", 2)))])
 def test_saved_activations_match_autograd(precision, ep):
     """One forward's saved tensors (routing, dispatch indices, expert rows with the fixed-slot
     padding, SwiGLU tensors, the stacked expert weights, the combine) equal the model's bytes per
@@ -213,6 +219,7 @@ def test_saved_activations_match_autograd(precision, ep):
     assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_activations_differ_from_autograd_only_as_dense_qwen3_does():
     """Qwen3-MoE (one dense layer, three sparse): the estimate misses exactly what it misses for a
     dense Qwen3 of the same attention (the per-head q/k norms' tensors, not modelled for any Qwen3)."""
@@ -240,8 +247,9 @@ def test_expert_rows_grow_with_ep_under_fixed_slots():
 
 
 # ------------------------------------------------------------------------------ all-to-all
-@pytest.mark.parametrize("precision,ep,ckpt", [("fp32", 2, "none"), ("autocast", 4, "none"), ("autocast", 2, "full"),
-                                               ("bf16-pure", 4, "full")])
+@pytest.mark.parametrize("precision,ep,ckpt", [("autocast", 2, "full"), pytest.param("fp32", 2, "none", marks=SLOW),
+                                               pytest.param("autocast", 4, "none", marks=SLOW),
+                                               pytest.param("bf16-pure", 4, "full", marks=SLOW)])
 def test_all_to_all_volume_equals_what_the_dispatcher_sends(precision, ep, ckpt):
     """Forward and backward of a one-layer Mixtral at ``ep``: the bytes handed to the exchange
     (tokens, outputs, counts; their gradients; the recomputed forward under full checkpointing),
@@ -260,8 +268,9 @@ def test_all_to_all_volume_equals_what_the_dispatcher_sends(precision, ep, ckpt)
 
     B, S = 2, 16
     ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
-    with mock.patch("plait.moe.all_to_all.exchange", record), mock.patch("plait.moe.expert_parallel.exchange", record), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+    patch_rows, patch_counts = (mock.patch(f"plait.moe.{module}.exchange", record)
+                                for module in ("all_to_all", "expert_parallel"))
+    with patch_rows, patch_counts, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
         model(ids, ids).backward()
     assert len(sent) == (8 if ckpt == "full" else 5)  # per forward: counts, tokens, outputs; 2 gradients
     pb = {"fp32": (4, 4), "autocast": (2, 4), "bf16-pure": (2, 2)}[precision]
@@ -361,3 +370,34 @@ def test_dry_run_of_an_expert_parallel_layout_matches():
         report = dry_run(config, layout, 8, rank, precision="bf16-mixed", seq_len=64, microbatches=4)
         assert report.matches_exactly, report.check_line()
         assert report.group_sizes["ep"] == 2 and report.expert_param_count == report.estimated_expert_param_count > 0
+
+
+#: the recipe's comment: the overrides of the layout ``plait plan`` recommends on 128 GPUs
+MIXTRAL_128 = ["parallel.pp=4", "parallel.ep=2", "parallel.microbatches=32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,overrides", [(64, []), (128, MIXTRAL_128)])
+def test_mixtral_recipe_is_the_plan_and_its_dry_run_matches(world, overrides):
+    """recipes/mixtral-8x7b.yaml on 64 GPUs, and with its commented overrides on 128: the layout
+    validates, is the planner's recommendation (searched over tp = 1 and full checkpointing, the
+    subset the whole search's recommendation lies in; the whole search is ~2 min) and its first and
+    last ranks build on the fake process group with the estimated parameters and experts."""
+    from plait.commands.plan import load_plan_inputs
+    from plait.config import load_recipe, validate_recipe
+    from plait.plan.dry_run import dry_run
+
+    path = str(RECIPES / "mixtral-8x7b.yaml")
+    resolved = validate_recipe(load_recipe(path, overrides).model_dump(), world, check_paths=False)
+    p = resolved.recipe.parallel
+    layout = Layout(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, ep=p.ep, zero1=p.zero1, schedule=p.schedule,
+                    activation_checkpointing=resolved.recipe.train.activation_checkpointing, kv_replication=1)
+    config = load_plan_inputs(path, [])[1]
+    options = SearchOptions(max_tp=1, activation_checkpointing=("full",), all_kv_replications=False)
+    plan = rank_layouts(config, world, "h100", micro_batch_size=1, seq_len=4096, global_batch_size=1024,
+                        precision=resolved.recipe.precision.preset, options=options)
+    assert plan.recommended is not None
+    assert plan.recommended.layout == layout and plan.recommended.microbatches == p.microbatches
+    for rank in (0, world - 1):
+        report = dry_run(config, layout, world, rank, precision="bf16-mixed", seq_len=4096, microbatches=p.microbatches)
+        assert report.matches_exactly, report.check_line()

@@ -223,8 +223,10 @@ def moe_line(candidate, precision: str) -> str:
     shard = lay.dp // lay.ep if lay.zero1 and lay.dp > 1 else 1
     text = (f"  experts: ep={lay.ep}, {experts / 1e9:.2f}B expert + {dense / 1e9:.2f}B dense parameters per rank "
             f"({experts * pb.param / GiB:.1f} + {dense * pb.param / GiB:.1f} GiB)")
-    if lay.zero1 and lay.dp > 1:
+    if lay.zero1 and lay.dp > 1 and lay.ep > 1:
         text += f"; ZeRO-1 shards expert states over dp/ep={shard}, dense over dp={lay.dp}"
+    elif lay.zero1 and lay.dp > 1:
+        text += f"; ZeRO-1 shards all states over dp={lay.dp}"
     if lay.ep > 1:
         text += f"; all-to-all {t.ep_bytes / 1e9:.1f} GB sent per rank per step"
     return text

@@ -70,6 +70,20 @@ layer's MLP half). Measured within 5% at cp=2/4 (docs/context_parallel.md). The 
 priced as the vocab-parallel one (:class:`plait.context_parallel.output.ContextParallelOutput` runs
 it at any TP degree).
 
+Mixture-of-Experts families (:mod:`plait.plan.moe`; ``Layout.ep``, ``E`` experts of width ``w``
+per sparse layer, top-``k``): a sparse layer holds its router (and shared expert) whole on every
+rank and ``E / ep`` whole experts (not split over TP: plait repeats the expert work on the TP
+ranks), a dense layer of the family Llama's TP-split MLP; the routed experts
+(``MemoryBreakdown.expert_parameter_count``) are ZeRO-1-sharded over the ``dp / ep``
+expert-data-parallel ranks, the rest over ``dp``: ``P_own = ceil(P_dense / dp) + ceil(P_experts /
+(dp / ep))`` when ``ep > 1``. A sparse layer's saved activations replace the MLP's with the routing
+tensors, the dispatch indices, the expert-side rows (``ep * T * k`` under expert parallelism: one
+fixed slot of ``T * k`` rows per peer) and their SwiGLU tensors, and the fp32 combine;
+``weight_copies`` adds the grouped matmul's stacked local expert weights (every preset) and the
+router's fp32 upcast (bf16 presets); ``comm_buffers`` one layer's exchange send and receive
+buffers; ``workspace`` the stacked expert-weight gradient. Measured against autograd's saved
+tensors and the optimizer's buffers in ``tests/test_plan_moe.py``.
+
 After the last backward (activations gone) the step phase needs the gradient buffer plus
 ``step_buffers``, the largest of these transients (they do not overlap in time):
 

@@ -29,6 +29,9 @@ Rules of the enumeration (one :class:`~plait.plan.layout.Layout` per combination
 * ``cp`` (context parallelism): 1, and for ``seq_len >= LONG_SEQ`` also 2, 4, 8, 16 where
   ``seq_len % (2 * cp) == 0`` and ``tp * cp`` divides the world (``SearchOptions.context_parallel``
   fixes the list); ``pp`` then divides ``world / (tp * cp)`` and ``dp = world / (tp * pp * cp)``.
+* ``ep`` (MoE families): every divisor of the expert count that divides ``dp`` (expert parallelism
+  folds over data parallelism), 1 when ``cp > 1`` (plait refuses both); ``SearchOptions.expert_parallel``
+  fixes the list. Dense models: 1. MoE models never get sequence parallelism (plait refuses it).
 
 Ranking: by seconds per sequence of the global batch (the step time when the global batch is
 fixed, the default), then by peak memory. A layout fits when its per-rank total is at most the

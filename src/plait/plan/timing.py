@@ -60,8 +60,18 @@ NeuronLink), across nodes ``inter_node_bw`` (per device, one direction). Latency
   ``tp * cp`` ranks fit in a node. It overlaps the attention compute: only the excess counts
   (``cp_exposed_s``). The gradient reduction runs over ``dp * cp`` ranks.
 
-``total_s = (compute_s + tp_comm_s) / (1 - bubble_share) + pp_comm_s + (1 - dp_overlap) * dp_comm_s
-+ cp_exposed_s``
+* EP (Mixture-of-Experts, :mod:`plait.plan.moe`): a sparse layer's FLOPs per token are its
+  router's, its ``k`` active experts' and its shared expert's (whole on every TP rank; balanced
+  routing), not the MLP's. Per sparse layer and micro-batch each rank sends ``(ep - 1) * T * k``
+  rows of ``h`` per exchange (plait's fixed slots: ``ep`` times the rows it needs), four exchanges
+  (tokens and outputs, forward and backward; six under full checkpointing) plus the counts,
+  :func:`plait.plan.moe.all_to_all_bytes`, over intra-node links when ``tp * ep`` ranks fit in a
+  node (``ep_comm_s``, on the critical path like TP). Expert gradients are reduced over the
+  ``dp / ep`` expert-data-parallel ranks (ring volume of the rank's own experts), the rest over
+  ``dp``.
+
+``total_s = (compute_s + tp_comm_s + ep_comm_s) / (1 - bubble_share) + pp_comm_s + (1 - dp_overlap) *
+dp_comm_s + cp_exposed_s``
 and ``mfu = model FLOPs of the step / (total_s * world * peak)`` with PaLM's model FLOPs
 (:func:`plait.models.flops.model_flops_per_token`: no recomputation, no padding).
 """
