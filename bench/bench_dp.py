@@ -7,8 +7,16 @@ update) on 2 gloo ranks on the CPU, one intra-op thread per rank, for
 * **plait DP**: :class:`plait.data_parallel.optimizer.DistributedOptimizer` (flat parameter and
   gradient buffers, 25 MB buckets all-reduced asynchronously during backward, fused AdamW) driven
   by :func:`plait.train.step.train_step` over a one-stage runtime, exactly as the trainer does;
-* **plait ZeRO-1**: the same with ``zero=True`` (buckets reduce-scattered, AdamW state and an
-  fp32 master copy for the owned half only, updated shards all-gathered);
+* **plait ZeRO-1**: the same with ``zero=True`` (AdamW state for the owned half only), with the
+  collectives plait picks for the backend (:mod:`plait.data_parallel.collectives`): on gloo each
+  bucket is all-reduced in place during backward and each owner broadcasts its updated shard,
+  bucket by bucket as the update proceeds;
+* **plait ZeRO-1, prefetch** (unless ``--skip-prefetch``): the same with ``prefetch_params=True``:
+  the broadcasts are left in flight after the step and each module's forward waits for its own
+  buckets (overlap with the next forward);
+* **plait ZeRO-1, reduce-scatter + all-gather** (unless ``--skip-rs-ag``): forced to the
+  collectives plait uses on NCCL (reduce-scatter into a shard buffer, all-gather of the updated
+  shards): on gloo this is how plait ran before the per-backend choice;
 * **plait DP, overlap off** (unless ``--skip-no-overlap``): ``overlap=False``, every reduction
   starts after backward (``parallel.overlap_grad_reduce: false``);
 * **DDP**: ``torch.nn.parallel.DistributedDataParallel`` (default 25 MB buckets, its own
@@ -32,7 +40,9 @@ barrier, and a turn's time is the slower rank's. Reported: median ms/step over r
 ms/step summed over both ranks, and the ratio of medians written **plait/peer as a speed ratio,
 peer ms / plait ms (> 1 means plait is faster)**; "paired" is the median of per-round ratios.
 Last, each gloo collective the implementations use is timed alone on one fp32 buffer the
-size of the model (all-reduce, reduce-scatter, all-gather, broadcast; median of 5).
+size of the model (all-reduce, reduce-scatter, all-gather, broadcast from one rank, one
+broadcast per owner; median of 5): what a step's data-parallel communication costs here, and
+why plait picks all-reduce + per-owner broadcasts for ZeRO-1 on gloo.
 Optimizer-state bytes per rank: plait's ``memory_report()`` (``exp_avg`` + ``exp_avg_sq`` of the
 owned elements; the master column is plait's separate fp32 master shard, which ZeRO-1 keeps
 for every preset), the tensors of ``ZeroRedundancyOptimizer``'s local optimizer, and the full
@@ -202,6 +212,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                                                                        overlap=True, collectives=ShardCollectives())
     if not args.skip_no_overlap:
         sides["plait DP, overlap off"] = plait_side(config, mesh, args.seed, zero=False, overlap=False)
+    from plait.data_parallel.collectives import collectives_for
+
+    chosen = collectives_for(mesh.info("dp"))
+    log(f"plait ZeRO-1 on {dist.get_backend()}: {type(chosen).__name__} (gradients: "
+        f"{'all-reduce in place' if chosen.reduces_in_place else 'reduce-scatter'}; parameters: "
+        f"{'one broadcast per owner' if chosen.reduces_in_place else 'all-gather'})", flush=True)
     results = {name: Result(name) for name in sides}
     for name, (run, _, _) in sides.items():
         results[name].first_loss = mean_over_ranks(run(ids))
@@ -265,7 +281,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         log(markdown_table(comparison_header(f"{ours} vs {theirs}", "peer"),
                            [["fp32"] + comparison_row(results[ours], results[theirs], tokens_per_step)]))
         log()
-    log("(tok/s are global: both ranks' tokens; plait/peer > 1 means plait is faster)", flush=True)
+    log("(tok/s are global: both ranks' tokens; plait/peer = peer ms / plait ms, > 1 means plait is faster; "
+        "'paired' is the median of the per-round ratios, the figure least disturbed by other load; "
+        "goal of issue 15: >= 1.05 for plait DP vs DDP and plait ZeRO-1 vs DDP + ZeroRedundancyOptimizer)", flush=True)
     if not args.skip_collectives:
         import warnings
 

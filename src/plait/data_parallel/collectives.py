@@ -72,7 +72,8 @@ class _KeepAlive:
     __slots__ = ("src", "work")
 
     def __init__(self, work, src: torch.Tensor) -> None:
-        self.work, self.src = work, src
+        self.work = work
+        self.src: torch.Tensor | None = src
 
     def wait(self) -> None:
         self.work.wait()
