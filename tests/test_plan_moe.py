@@ -328,6 +328,31 @@ def test_search_picks_ep_when_memory_requires_it_and_never_sp():
     assert {layout.ep for layout in wide} == {1, 2, 4, 8}
 
 
+def test_plan_output_shows_ep_and_the_expert_terms():
+    """The table's layout label carries ep, the recommendation an ``experts:`` line (expert and dense
+    parameters, where ZeRO-1 shards them, the all-to-all bytes) and overrides that set
+    ``parallel.ep`` and validate as the recipe at that world."""
+    from plait.commands.plan import render_plan
+    from plait.config import load_recipe, validate_recipe
+
+    config = recipe_config("mixtral-8x7b.yaml")
+    options = SearchOptions(max_tp=1, max_pp=4, max_vpp=1, schedules=("1f1b",), activation_checkpointing=("full",))
+    plan = rank_layouts(config, 64, "h100", micro_batch_size=1, seq_len=4096, global_batch_size=256,
+                        precision="bf16-mixed", options=options)
+    rec = plan.recommended
+    assert rec is not None and rec.layout.ep > 1
+    text = render_plan(plan, config, "mixtral-8x7b", top=5)
+    assert f"ep{rec.layout.ep}" in text and "all-to-all" in text
+    experts = next(line for line in text.splitlines() if line.strip().startswith("experts:"))
+    assert f"ep={rec.layout.ep}" in experts and f"dp/ep={rec.layout.dp // rec.layout.ep}" in experts
+    overrides = next(line for line in text.splitlines() if "recipe overrides:" in line).split(": ", 1)[1].split()
+    assert f"parallel.ep={rec.layout.ep}" in overrides
+    items = ["data.global_batch_size=256", *overrides]
+    resolved = validate_recipe(load_recipe(str(RECIPES / "mixtral-8x7b.yaml"), items).model_dump(), 64,
+                               check_paths=False)
+    assert resolved.recipe.parallel.ep == rec.layout.ep and resolved.dp == rec.layout.dp
+
+
 def test_dense_search_has_only_ep_one():
     from plait.models.llama.config import LlamaConfig
 

@@ -201,8 +201,8 @@ def recipe_overrides(candidate) -> str:
         items.append(f"parallel.cp={lay.cp}")
     if lay.ep > 1 or candidate.memory.expert_parameter_count:  # an MoE model: set ep even when 1
         items.append(f"parallel.ep={lay.ep}")
-    if lay.pp > 1:
-        items += [f"parallel.vpp={lay.vpp}", f"parallel.schedule={lay.schedule}"]
+    # also at pp = 1: a recipe written for an interleaved pipeline would otherwise keep its vpp
+    items += [f"parallel.vpp={lay.vpp}", f"parallel.schedule={lay.schedule}"]
     items += [f"parallel.microbatches={candidate.microbatches}", f"parallel.kv_replication={lay.kv_replication}",
               f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
               f"parallel.zero1={'true' if lay.zero1 else 'false'}"]
