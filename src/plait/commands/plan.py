@@ -23,9 +23,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan", help="rank the parallel layouts of a recipe's model on N devices (memory, step time, fit)",
         description="Enumerate every valid (tp, pp, vpp, dp, kv_replication, sequence parallel, ZeRO-1, "
-                    "activation checkpointing) layout of the recipe's model on --world devices, estimate memory "
-                    "per rank and step time for each, and recommend the fastest that fits. TP stays inside a "
-                    "node. The global batch is fixed in sequences (--global-batch, else the recipe's "
+                    "activation checkpointing; ep for MoE models) layout of the recipe's model on --world devices, "
+                    "estimate memory per rank and step time for each, and recommend the fastest that fits. TP stays "
+                    "inside a node. The global batch is fixed in sequences (--global-batch, else the recipe's "
                     "data.global_batch_size, else 4Mi tokens, at most 1024 sequences), unless --microbatches "
                     "fixes the micro-batches per DP rank instead. Overrides (section.field=value) may follow "
                     "the recipe.")

@@ -250,12 +250,14 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
 
 
 def _expert_degrees(moe: MoEShape | None, options: SearchOptions) -> list[int]:
-    """The ep degrees to try (before the dp rule): the fixed ones, else the divisors of the
-    expert count (1 for a dense model)."""
+    """The ep degrees to try (before the dp rule): 1 for a dense model; the fixed ones, else the
+    divisors of the expert count."""
+    if moe is None:
+        return [1]
     fixed = options.expert_parallel
     if fixed is not None:
         return [fixed] if isinstance(fixed, int) else list(fixed)
-    return _divisors(moe.experts) if moe is not None else [1]
+    return _divisors(moe.experts)
 
 
 def _describe_model(config: LlamaConfig) -> str:
