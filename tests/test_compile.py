@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from distributed import run_distributed
 from plait.activation_checkpointing import apply_activation_checkpointing
 from plait.config import RecipeError, check_recipe
 from plait.models.llama.config import LlamaConfig
@@ -30,7 +31,7 @@ from plait.train.compile import (
     is_compiled,
     runs_eagerly,
 )
-from trainer_runs import corpus_dir, max_relative, merged_weights, run_recipe, weight_errors
+from trainer_runs import corpus_dir, max_relative, merged_weights, run_recipe, train_and_gather, weight_errors
 
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
@@ -123,9 +124,9 @@ LAYOUTS = {
     "pp2": (["parallel.pp=2"], 2, 2),
     "dp2-zero1": (["parallel.dp=2", "parallel.zero1=true"], 2, 1),
     "checkpoint-full": (["train.activation_checkpointing=full"], 1, 2),
-    "checkpoint-selective-tp2": (["parallel.tp=2", "parallel.sequence_parallel=true",
-                                  "train.activation_checkpointing=selective",
-                                  "train.checkpoint_modules=[self_attn.core,mlp.act]"], 2, 2),
+    # TP without SP: the norms and the attention core are units, the checkpointed MLP runs eagerly
+    "checkpoint-selective-tp2": (["parallel.tp=2", "train.activation_checkpointing=selective",
+                                  "train.checkpoint_modules=[mlp]"], 2, 2),
 }
 
 
@@ -144,10 +145,41 @@ def _eager(corpus, tmp_path, items: list[str], world: int) -> list[dict]:
     return _EAGER[key]
 
 
+def _compiled_worker(rank, world, recipe_yaml, prepared, steps):
+    import yaml
+
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    units = [n for stage in trainer.state.stages for n, m in stage.named_modules() if is_compiled(m)]
+    return {**train_and_gather(trainer, steps), "units": units, "compile_s": compile_seconds()}
+
+
+def run_compiled(corpus, out_dir, items: list[str], world: int) -> list[dict]:
+    """:func:`trainer_runs.run_recipe` with ``train.compile=true``, also returning each rank's
+    compiled units and compile time (so a run that compiled nothing cannot pass)."""
+    import yaml
+
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    items = items + ["train.compile=true", f"data.source={corpus}", f"run.output_dir={out_dir}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    results = run_distributed(_compiled_worker, world, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared,
+                              STEPS)
+    for rank, r in enumerate(results):
+        assert r["units"] and r["compile_s"] > 0, f"rank {rank} compiled nothing: {r['units']}"
+    return results
+
+
 def _assert_close(compiled: list[dict], eager: dict) -> None:
     assert eager["losses"][-1] < eager["losses"][0] - 0.3, "the reference must learn"
     for rank, r in enumerate(compiled):
         rel = max_relative(r["losses"], eager["losses"])
+        print(f"rank {rank}: max relative loss difference compiled vs eager over {STEPS} steps {rel:.1e}")
         assert rel <= 1e-5, f"rank {rank}: relative loss difference {rel:.2e}\n{r['losses']}\n{eager['losses']}"
         rel = max_relative(r["norms"], eager["norms"])
         assert rel <= 1e-4, f"rank {rank}: relative grad-norm difference {rel:.2e}"
@@ -161,8 +193,8 @@ def test_compiled_layout_matches_eager_single_process(corpus, tmp_path, name):
     overrides, world, microbatches = LAYOUTS[name]
     dp = 2 if "parallel.dp=2" in overrides else 1
     eager = _eager(corpus, tmp_path, BASE + [f"parallel.microbatches={microbatches * dp}"], 1)[0]
-    compiled = run_recipe(corpus, tmp_path / "compiled", BASE + overrides + [
-        f"parallel.microbatches={microbatches}", "train.compile=true"], world, STEPS)
+    compiled = run_compiled(corpus, tmp_path / "compiled", BASE + overrides + [f"parallel.microbatches={microbatches}"],
+                            world)
     _assert_close(compiled, eager)
     assert compile_cache_dir().is_dir() and any(compile_cache_dir().iterdir())
 
@@ -174,7 +206,25 @@ def test_compiled_dropout_draws_the_eager_masks_under_tensor_parallelism(corpus,
     items = BASE + ["parallel.tp=2", "parallel.sequence_parallel=true", "model.hidden_dropout=0.1",
                     "model.attention_dropout=0.1", "train.activation_checkpointing=full", "parallel.microbatches=2"]
     eager = _eager(corpus, tmp_path, items, 2)
-    compiled = run_recipe(corpus, tmp_path / "compiled", items + ["train.compile=true"], 2, STEPS)
+    compiled = run_compiled(corpus, tmp_path / "compiled", items, 2)
     # a run whose masks differ from eager's has a different loss from the first step on
     assert compiled[0]["losses"][0] == pytest.approx(eager[0]["losses"][0], rel=1e-6)
     _assert_close(compiled, eager[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.tp=2", "parallel.sequence_parallel=true"]],
+                         ids=["tp1", "tp2-sp"])
+def test_compiled_lora_with_adapter_dropout_matches_eager(corpus, tmp_path, layout):
+    """LoRA adapters (with their input dropout) inside compiled blocks (tp=1) and beside them (tp=2)."""
+    items = BASE + layout + ["lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "parallel.microbatches=2",
+                             "optimizer.lr=1e-2"]
+    world = 2 if "parallel.tp=2" in layout else 1
+    eager = run_recipe(corpus, tmp_path / "eager", items, world, STEPS)
+    compiled = run_compiled(corpus, tmp_path / "compiled", items, world)
+    assert eager[0]["losses"][-1] < eager[0]["losses"][0] - 0.05, "the adapters must learn"
+    for rank, r in enumerate(compiled):
+        rel = max_relative(r["losses"], eager[rank]["losses"])
+        assert rel <= 1e-5, f"rank {rank}: relative loss difference {rel:.2e}\n{r['losses']}\n{eager[rank]['losses']}"
+    for key, err in weight_errors(merged_weights(compiled), merged_weights(eager)).items():
+        assert err <= 1e-4, f"{key}: relative weight difference {err:.2e}"

@@ -43,6 +43,7 @@ reports as ``compile_s`` and leaves out of tokens/s.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,9 @@ def compile_stages(stages: list[nn.Module], mode: str = "default") -> list[str]:
                                      options=dict(INDUCTOR_OPTIONS))
             module._compiled_call_impl = _TrainingOnly(compiled, eager)
             names.append(name)
+    if not names:
+        warnings.warn("train.compile: nothing to compile in this rank's stages (every module of its blocks "
+                      "communicates or is activation-checkpointed; see docs/compile.md)", stacklevel=2)
     return names
 
 
