@@ -29,7 +29,7 @@ from plait.models.mixtral import MixtralConfig
 from plait.models.qwen3.config import Qwen3Config
 from plait.models.qwen3_moe.config import Qwen3MoeConfig
 from plait.moe.expert_parallel import apply_expert_parallel, expert_parameter_names
-from plait.nn.moe import MoELayer
+from plait.nn.moe import MoELayer, SoftmaxTopKRouter
 from plait.pipeline.layout import plan_partition
 from plait.plan.layout import Layout
 from plait.plan.memory import (
@@ -40,7 +40,15 @@ from plait.plan.memory import (
     rank_chunks,
     rank_parameter_count,
 )
-from plait.plan.moe import all_to_all_bytes, moe_shape
+from plait.plan.moe import (
+    MoEShape,
+    all_to_all_bytes,
+    expert_parameter_count,
+    moe_activation_bytes,
+    moe_shape,
+    moe_weight_copies,
+    shared_parameter_count,
+)
 from plait.plan.search import SearchOptions, enumerate_layouts, rank_layouts
 from plait.plan.timing import estimate_step_time, rank_flops
 from plait.precision import policy_for
@@ -217,6 +225,43 @@ def test_saved_activations_match_autograd(precision, ep):
     got = _saved_bytes(model, ids, precision)
     est = _estimate_saved(config, Layout(dp=ep, ep=ep), precision, B, S)
     assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
+
+
+@pytest.mark.parametrize("precision,gate", [("autocast", True), ("bf16-pure", False),
+                                            pytest.param("fp32", True, marks=SLOW),
+                                            pytest.param("autocast", False, marks=SLOW)])
+def test_shared_expert_layer_terms(precision, gate):
+    """An MoE layer with a shared expert (and its sigmoid gate), the option no shipped family uses
+    yet: its parameters and what one forward saves (activations and weight copies) equal the
+    planner's terms, up to the run ends and the aux loss's [E] vectors."""
+    h, E, w, ws, k, T = 64, 4, 96, 80, 2, 48
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    torch.manual_seed(0)
+    layer = MoELayer(h, E, w, SoftmaxTopKRouter(h, E, k, dtype=dtype), shared_intermediate_size=ws,
+                     shared_expert_gate=gate, dtype=dtype)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    layer.aux_loss_scale, layer.z_loss_scale = 0.01, 0.001
+    shape = MoEShape(E, k, w, frozenset([0]), renormalize=True, shared_width=ws, shared_gate=gate)
+    assert sum(p.numel() for p in layer.parameters()) == shared_parameter_count(shape, h) \
+        + expert_parameter_count(shape, h, 1)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    x = torch.randn(T, h, dtype=dtype, requires_grad=True)  # the normalised layer input
+    autocast = precision == "autocast"
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        layer(x)
+    c, r, p = (4, 4, 4) if precision == "fp32" else (2, 4, 4) if autocast else (2, 2, 2)
+    est = moe_activation_bytes(shape, h, T, 1, compute=c, residual=r, autocast=autocast) \
+        + moe_weight_copies(shape, h, 1, compute=c, param=p, autocast=autocast)
+    assert 0 <= sum(seen.values()) - est <= 64, (sum(seen.values()), est)
 
 
 @pytest.mark.slow

@@ -448,7 +448,7 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
         mlp = 4 * B * S * sh.intermediate * c
     if sparse:
         assert moe is not None
-        mlp = moe_activation_bytes(moe, h, B * S, sh.ep, compute=c, residual=r)
+        mlp = moe_activation_bytes(moe, h, B * S, sh.ep, compute=c, residual=r, autocast=pb.autocast)
     return norms + matmul_in + attn + mlp
 
 

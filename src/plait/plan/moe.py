@@ -132,7 +132,7 @@ def expert_rows(shape: MoEShape, tokens: int, ep: int) -> int:
 
 
 def moe_activation_bytes(shape: MoEShape, hidden: int, tokens: int, ep: int, *, compute: int, residual: int,
-                         losses: bool = True) -> int:
+                         autocast: bool = False, losses: bool = True) -> int:
     """Bytes one sparse layer's MoE block saves for backward per micro-batch (``tokens = B * S``).
 
     Router (fp32, autocast off): its fp32 input ``T h 4`` (the layer input itself when ``r = 4``,
@@ -146,8 +146,11 @@ def moe_activation_bytes(shape: MoEShape, hidden: int, tokens: int, ep: int, *, 
     ``silu(gate)`` and the product, ``4 R w c``. Combine: the expert outputs upcast to fp32 and
     their weights, ``N (h + 1) 4``, and the weighted rows in the input's dtype, ``N h r``, copied
     back to token order.
-    A shared expert adds a gated MLP over the ``T`` tokens (its input ``T h c``, ``4 T w_s c``; the
-    sigmoid gate ``T (h c + 4)``).
+    A shared expert adds a gated MLP over the ``T`` tokens: its SwiGLU tensors ``4 T w_s c`` and its
+    input as its linears save it (under autocast each casts its own copy, ``T h c`` per linear, two
+    or three with the gate; otherwise the layer input itself, already counted as the router's when
+    ``r = 4``, else ``T h r``); the sigmoid gate adds its output and the gated product's other
+    factor, ``T (1 + h) c``.
     """
     T, k, E, h = tokens, shape.top_k, shape.experts, hidden
     c, r = compute, residual
@@ -161,7 +164,9 @@ def moe_activation_bytes(shape: MoEShape, hidden: int, tokens: int, ep: int, *, 
     combine = N * (h + 1) * 4 + N * h * r
     shared = 0
     if shape.shared_width:
-        shared = T * h * c + 4 * T * shape.shared_width * c + ((T * h * c + T * 4) if shape.shared_gate else 0)
+        linears = 3 if shape.shared_gate else 2
+        inputs = linears * T * h * c if autocast else (T * h * r if r != 4 else 0)
+        shared = inputs + 4 * T * shape.shared_width * c + (T * (1 + h) * c if shape.shared_gate else 0)
     return router + dispatch + experts + combine + shared
 
 
