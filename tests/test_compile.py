@@ -108,6 +108,17 @@ def test_evaluation_runs_the_eager_forward_and_compiles_nothing():
         compile_stages([model], "fast")
 
 
+def test_compile_cache_is_in_plaits_cache_directory(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor writes when unset
+    assert compile_cache_dir(tmp_path) == tmp_path / "compile"
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "env"))
+    assert compile_cache_dir() == tmp_path / "env" / "compile"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's own choice wins
+    assert compile_cache_dir(tmp_path) == tmp_path / "mine"
+
+
 # ---------------------------------------------------------------------- parity (slow)
 STEPS = 20
 BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",

@@ -52,6 +52,8 @@ import torch
 import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from torch._inductor.utils import clear_caches
 
 from plait.activation_checkpointing import checkpointed_modules, decoder_blocks
 from plait.data.tokenizer import cache_dir
@@ -72,17 +74,23 @@ _COMPILE_TIMERS = ("entire_frame_compile", "entire_backward_compile")
 
 
 def compile_cache_dir(root: str | os.PathLike | None = None) -> Path:
-    """Where the compile caches live: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
-    ``<plait cache>/compile`` (``root``: ``data.cache_dir``)."""
+    """Where the compile caches live: ``$TORCHINDUCTOR_CACHE_DIR`` when the user set it, else
+    ``<plait cache>/compile`` (``root``: ``data.cache_dir``). Inductor writes its own default
+    (``/tmp/torchinductor_<user>``) into that variable once it has looked it up, so a value equal to
+    that default counts as unset."""
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return Path(env) if env else cache_dir(root) / "compile"
+    if env and os.path.abspath(env) != os.path.abspath(default_cache_dir()):
+        return Path(env)
+    return cache_dir(root) / "compile"
 
 
 def use_compile_cache(root: str | os.PathLike | None = None) -> Path:
     """Point inductor's caches at :func:`compile_cache_dir` (before the first compilation); returns it."""
     path = compile_cache_dir(root)
     path.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(path):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        clear_caches()  # inductor's in-memory lookups of the previous directory
     return path
 
 
