@@ -117,6 +117,8 @@ class DistributedOptimizer:
                               overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp,
                               collectives=collectives)
         self.inner = self._build_inner(hyper)
+        #: the clipping factor's reciprocal that the next step's kernel divides the gradients by
+        self._grad_scale: torch.Tensor | None = None
         #: ZeRO-1 gathers still in flight, per bucket index (only with ``prefetch_params``)
         self._pending: dict[int, list] = {}
         #: leave ZeRO-1's parameter gathers in flight after :meth:`step`, awaited by each module's
@@ -245,11 +247,20 @@ class DistributedOptimizer:
         return total.sqrt()
 
     def clip_(self, norm: torch.Tensor, max_norm: float) -> None:
-        """Scale the gradients by ``min(1, max_norm / norm)`` without reading ``norm`` on the host."""
+        """Scale the gradients by ``min(1, max_norm / norm)`` without reading ``norm`` on the host.
+
+        With the flat fused AdamW the scaling is folded into the next :meth:`step`: the kernel
+        divides each gradient by ``1 / coef`` as it reads it (no separate pass over the gradients;
+        exact when nothing is clipped, within an ulp of ``grad * coef`` otherwise), so the gradients
+        themselves are left unscaled until then.
+        """
         grads = [g for g in self.main_grads if g.numel()]
         if max_norm <= 0 or not grads:
             return
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if isinstance(self.inner, FlatAdamW):
+            self._grad_scale = coef.to(torch.float32).reciprocal().reshape(())
+            return
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
     @torch.no_grad()
@@ -275,14 +286,14 @@ class DistributedOptimizer:
                 pending[b.index] = self._publish(b)
 
         if isinstance(self.inner, FlatAdamW):
-            if found_inf is not None:  # read off the optimizer, as torch's fused AdamW does (GradScaler protocol)
-                self.inner.found_inf = found_inf.to(torch.float32).reshape(())  # type: ignore[attr-defined]
+            # read off the optimizer, as torch's fused AdamW does (GradScaler protocol)
+            self.inner.found_inf = None if found_inf is None else found_inf.to(torch.float32).reshape(())  # type: ignore[attr-defined]
+            self.inner.grad_scale, self._grad_scale = self._grad_scale, None  # type: ignore[attr-defined]
             try:
                 order = list(reversed(range(len(self._run_buckets))))
                 self.inner.step_runs(after_run if publish else None, order=order)
             finally:
-                if found_inf is not None:
-                    del self.inner.found_inf  # type: ignore[attr-defined]
+                self.inner.found_inf = self.inner.grad_scale = None  # type: ignore[attr-defined]
         else:
             if found_inf is not None and getattr(self.inner, "defaults", {}).get("fused"):
                 self.inner.found_inf = found_inf.to(torch.float32).reshape(())  # type: ignore[attr-defined]

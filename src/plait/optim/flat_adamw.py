@@ -24,7 +24,9 @@ its segments, which is exactly the stock optimizer.
 
 ``found_inf`` (a device scalar, 1.0 = skip the step) is honoured without a host read: the kernel
 leaves everything unchanged, the decay factor becomes 1, and the step counters are restored, as
-in ``torch.optim.AdamW(fused=True)``.
+in ``torch.optim.AdamW(fused=True)``. ``grad_scale`` (a device scalar, also set as an attribute)
+divides the gradients inside the kernel before the update, which lets the caller fold gradient
+clipping into the step instead of a separate pass over the gradients.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class FlatAdamW(torch.optim.Optimizer):
         """One step, run by run in ``order`` (default: as given), calling ``after_run(i)`` as soon as
         run ``i`` is updated, so a caller can start communicating it while later runs update."""
         found_inf = getattr(self, "found_inf", None)  # the GradScaler protocol of the fused optimizers
+        grad_scale = getattr(self, "grad_scale", None)  # the kernel divides the gradients by it first
         if not self.runs:
             return
         order = list(range(len(self.runs))) if order is None else order
@@ -112,7 +115,7 @@ class FlatAdamW(torch.optim.Optimizer):
                         keep = torch.full((), factor, dtype=g["params"][0].dtype, device=found_inf.device)
                         torch._foreach_mul_(g["params"], torch.where(found_inf > 0, torch.ones_like(keep), keep))
             kw = dict(amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, maximize=False,
-                      grad_scale=None, found_inf=found_inf)
+                      grad_scale=grad_scale, found_inf=found_inf)
             if after_run is None:  # one call over every run
                 chosen = [self.runs[i] for i in order]
                 moments = [self.run_moments[i] for i in order]
@@ -133,7 +136,7 @@ class FlatAdamW(torch.optim.Optimizer):
                 torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in st],
                                     [s["exp_avg_sq"] for s in st], [], [s["step"] for s in st], amsgrad=False,
                                     lr=g["lr"], beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"],
-                                    maximize=False, grad_scale=None, found_inf=found_inf)
+                                    maximize=False, grad_scale=grad_scale, found_inf=found_inf)
             if after_run is not None:
                 for i in order:
                     after_run(i)
