@@ -96,7 +96,8 @@ def test_estimate_prices_the_ring_workspace_less_what_is_released(cp):
     (chunk,) = rank_chunks(CP_DEMO, layout, local, 0)
     cost = chunk_cost(CP_DEMO, layout, "fp32", chunk, 1, local)
     h, i, N = 128, 256, local
-    released = (4 * N * 2048 + (N * h * 8 + 4 * N + N * h * 4)  # softmax, final norm, head input
+    # the chunked loss saves the (fp32) logits and two fp32 numbers per token, no softmax
+    released = (4 * N * 2048 + 8 * N + (N * h * 8 + 4 * N + N * h * 4)  # loss, final norm, head input
                 + (N * h * 8 + 4 * N + N * h * 4 + 4 * N * i * 4))  # last layer: norm, gate/up input, MLP
     assert cost.backward_transient == attention_workspace_bytes(1, local, 4) - released  # the scores dominate
     est = estimate_memory(CP_DEMO, layout, precision="fp32", micro_batch_size=1, seq_len=S, microbatches=1)
@@ -111,7 +112,7 @@ def test_selective_checkpointing_releases_only_the_head():
     (chunk,) = rank_chunks(CP_DEMO, layout, 4096, 0)
     cost = chunk_cost(CP_DEMO, layout, "fp32", chunk, 1, 4096)
     N, h = 4096, 128
-    released = 4 * N * 2048 + N * h * 8 + 4 * N + N * h * 4
+    released = 4 * N * 2048 + 8 * N + N * h * 8 + 4 * N + N * h * 4  # saved logits + 2 numbers/token, norm, head input
     assert cost.backward_transient == attention_workspace_bytes(1, 4096, 4) - released
     full = chunk_cost(CP_DEMO, dataclasses.replace(layout, activation_checkpointing="none"), "fp32", chunk, 1, 4096)
     assert full.backward_transient < cost.backward_transient

@@ -42,6 +42,7 @@ from plait.plan.memory import (
 )
 from plait.plan.timing import estimate_step_time
 from plait.precision import policy_for
+from plait.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 def _config(**kw) -> LlamaConfig:
@@ -210,6 +211,57 @@ def test_checkpointed_activations_match_live_tensors(tp, sp, precision, mode):
     cost = chunk_cost(config, layout, precision, chunk, B, S)
     est = cost.activations + cost.weight_copies + cost.logits_saved
     assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
+
+
+class _PeakStorages(_LiveStorages):
+    """:class:`_LiveStorages` that also records the largest live total seen after any op."""
+
+    def __init__(self, skip: set[int]) -> None:
+        super().__init__(skip)
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.peak = max(self.peak, self.live_bytes())
+        return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "bf16-mixed", "bf16-pure"])
+def test_vocab_parallel_loss_terms_match_what_the_loss_allocates(precision):
+    """The TP > 1 loss terms against the chunked cross-entropy itself, on one TP rank's logits
+    (``[N, V']`` in the compute dtype, the head's output): its saved floating tensors are
+    ``logits_saved`` (the logits and two fp32 numbers per token, no softmax), the largest forward
+    allocation is the fp32 chunk (``forward_transient``) and the backward's the logits gradient plus
+    the chunk (``backward_transient``, which the loss sets here). Int64 targets and boolean masks
+    (a few bytes per token) are what the model leaves out."""
+    config = _config(vocab_size=2048)
+    layout = _layout(config, tp=2)
+    B, S, V = 2, 256, 1024  # N * V' is twice the loss's default fp32 chunk: two chunks
+    N = B * S
+    (chunk,) = rank_chunks(config, layout, S, 0)
+    cost = chunk_cost(config, layout, precision, chunk, B, S)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(N, V, generator=gen).to(dtype).requires_grad_()
+    target = torch.randint(0, config.vocab_size, (N,), generator=gen)
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    skip = {logits.untyped_storage().data_ptr(), target.untyped_storage().data_ptr()}
+    forward = _PeakStorages(skip)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward:
+        loss = vocab_parallel_cross_entropy(logits, target, config.vocab_size, GroupInfo(None, 0, 2))
+    assert sum(t.numel() * t.element_size() for t in saved if t.is_floating_point()) == cost.logits_saved
+    small = 64 * N  # per-token vectors: row maximum, sums, int64 targets, masks, the loss
+    assert 0 <= forward.peak - cost.forward_transient <= small, (forward.peak, cost.forward_transient)
+    grad_out = torch.ones(N)
+    backward = _PeakStorages(skip | {grad_out.untyped_storage().data_ptr()})
+    with backward:
+        loss.backward(grad_out)
+    assert 0 <= backward.peak - cost.backward_transient <= small, (backward.peak, cost.backward_transient)
 
 
 def test_checkpointing_and_sequence_parallelism_reduce_activations():

@@ -44,8 +44,11 @@ parallelism one). The other activation-phase fields, at that same peak:
   backward; they no longer are.
 * ``weight_copies``: autocast's bf16 copies of the matmul weights, saved for backward once per
   in-flight micro-batch (``2 * matmul params`` per chunk); 0 without autocast.
-* ``logits``: last stage only: the softmax (vocab-parallel loss) or log-softmax (``T = 1``) saved
-  for backward, ``4 * B * S * V'`` per in-flight micro-batch.
+* ``logits``: last stage only, per in-flight micro-batch: what the loss saves for backward. At
+  ``T = 1`` (``F.cross_entropy`` on ``logits.float()``) the fp32 log-softmax, ``4 * B * S * V'``;
+  the chunked vocab-parallel loss (:mod:`plait.tensor_parallel.cross_entropy`, ``T > 1`` or
+  ``cp > 1``) the logits it is given and two fp32 numbers per token, ``(c * N * V' + 8 * N)``
+  under TP and ``(4 * N * V' + 8 * N)`` under cp (its output module hands the loss an fp32 copy).
 * ``comm_buffers``: pipeline p2p buffers as plait's runtime keeps them (a sent activation is
   held until its gradient comes back, i.e. while its micro-batch is in flight on a non-last
   chunk; a sent input gradient until the step's end; one received gradient during a backward;
@@ -65,7 +68,7 @@ plait's attention kernel (CPU math, :mod:`plait.context_parallel.blocks`) materi
 scores (``(S / 2cp)^2`` per local query head, fp32): a piece's backward holds five such tensors and
 the diagonal mask (:func:`plait.context_parallel.plan.attention_workspace_bytes`), priced as a
 ``backward_transient`` less what the micro-batch has released before the last layer's attention
-backward (the saved softmax, the final norm and head input, and without checkpointing the last
+backward (the loss's saved logits, the final norm and head input, and without checkpointing the last
 layer's MLP half). Measured within 5% at cp=2/4 (docs/context_parallel.md). The loss under cp is
 priced as the vocab-parallel one (:class:`plait.context_parallel.output.ContextParallelOutput` runs
 it at any TP degree).
@@ -136,6 +139,7 @@ from plait.plan.moe import (
     moe_weight_copies,
     shared_parameter_count,
 )
+from plait.tensor_parallel.cross_entropy import default_chunk_rows
 from plait.tensor_parallel.heads import HeadLayout
 
 MiB = 1024**2
@@ -465,7 +469,7 @@ class ChunkCost:
 
     activations: int      # saved per in-flight micro-batch (layers, rotary tables, final norm)
     weight_copies: int    # autocast's bf16 weight copies per in-flight micro-batch
-    logits_saved: int     # last stage: the saved softmax / log-softmax per in-flight micro-batch
+    logits_saved: int     # last stage: what the loss saves (logits or log-softmax) per in-flight micro-batch
     gradients: int        # the chunk's part of the flat gradient buffer (alive the whole step)
     forward_transient: int    # while a forward runs (the loss working set on the last stage)
     backward_transient: int   # at the start of a backward (loss working set, largest new gradient)
@@ -481,20 +485,23 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
       (``B*S'*h*(4 + r) + 4*B*S'``) and the output head's input (``B*S'*h*c``).
     * weight_copies (autocast only): ``2 * matmul params`` of the layers (none under full
       checkpointing: the recomputation casts again), and of the output head on the last stage.
-    * logits_saved (last stage): ``4 * N * V'``.
-    * forward_transient (last stage): the loss's working set besides the saved softmax. TP > 1
-      (vocab-parallel loss): the logits and the shifted logits, ``(c + 4) * N * V'`` (the fp32
-      upcast of bf16 logits is dropped before ``exp``). TP = 1 (``F.cross_entropy`` on
-      ``logits.float()``): the logits and their fp32 copy, ``(c + 4) N V'`` when ``c != 4`` else
-      ``4 N V'``.
+    * logits_saved (last stage): TP = 1 (``F.cross_entropy`` on ``logits.float()``): the fp32
+      log-softmax, ``4 N V'``. The chunked vocab-parallel loss (TP > 1, or cp > 1 at any TP): the
+      logits it receives, ``l N V'`` with ``l = c`` under TP and ``l = 4`` under cp (the output
+      module's fp32 copy), plus the row maximum and the sum of exponentials, ``8 N``.
+    * forward_transient (last stage): the loss's working set besides what it saves. Vocab-parallel:
+      one fp32 chunk of rows, ``4 * min(rows, N) * V'`` (``rows`` =
+      :func:`~plait.tensor_parallel.cross_entropy.default_chunk_rows`, about 1 MiB), plus under cp
+      with ``c != 4`` the head's output beside its fp32 copy, ``c N V'``. TP = 1: the logits and
+      their fp32 copy, ``(c + 4) N V'`` when ``c != 4`` else ``4 N V'``.
     * backward_transient: the largest of (last stage) the loss backward's working set (TP = 1:
-      NLL and log-softmax input gradients, ``8 N V'``; TP > 1: in place, ``c N V'`` for the cast
-      when ``c != 4``), (last stage) the output head's new weight gradient plus the logits
-      gradient, less the saved softmax already released (``V' h (p + c_a) + (c - 4) N V'``,
-      ``c_a = c`` under autocast: the bf16 product before its cast to the parameter dtype), and the
-      largest decoder weight's new gradient (``numel * (p + c_a)``). New gradients are autograd's,
-      in the parameter dtype ``p``; the post-accumulate hook adds each into the flat buffer and
-      frees it.
+      NLL and log-softmax input gradients, ``8 N V'``; vocab-parallel: the logits' gradient beside
+      the saved logits, ``l N V'``, plus the fp32 chunk when ``l != 4``), (last stage) the output
+      head's new weight gradient plus the logits gradient, less the saved logits / log-softmax
+      already released (``V' h (p + c_a) + (c - l) N V'``, ``l = 4`` at TP = 1; ``c_a = c`` under
+      autocast: the bf16 product before its cast to the parameter dtype), and the largest decoder
+      weight's new gradient (``numel * (p + c_a)``). New gradients are autograd's, in the parameter
+      dtype ``p``; the post-accumulate hook adds each into the flat buffer and frees it.
     * backward_end_transient (first stage): the embedding's dense gradient ``V' h p``, created
       after the stage's activations are freed (on top of the gradient buffer, every backward).
     """
@@ -525,21 +532,30 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
         bwd = max(bwd, local_experts(moe, sh.ep) * h * moe.width * (c + (p if p != c else 0)))
     if chunk.last:
         act += B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
-        logits = 4 * N * sh.vocab
         if pb.autocast:
             copies += 2 * sh.vocab * h
         if sh.tp > 1 or layout.cp > 1:  # cp's output module runs the vocab-parallel loss at any TP
-            fwd = (c + 4) * N * sh.vocab
-            loss_bwd = (c if c != 4 else 0) * N * sh.vocab
+            # the chunked loss saves the logits it is given (cp's output module hands it an fp32
+            # copy, TP's the head's output in the compute dtype) and two fp32 numbers per token
+            loss_in = 4 if layout.cp > 1 else c
+            logits = loss_in * N * sh.vocab + 8 * N
+            work = 4 * min(default_chunk_rows(sh.vocab), N) * sh.vocab  # one fp32 chunk of rows
+            fwd = (c if loss_in != c else 0) * N * sh.vocab + work  # cp: the head's output beside its copy
+            # the logits' gradient beside the saved logits, and a work chunk unless it is computed
+            # in place (fp32); a cp cast of that gradient to the compute dtype comes after the
+            # saved copy is released and is smaller
+            loss_bwd = loss_in * N * sh.vocab + (work if loss_in != 4 else 0)
         else:
+            logits = 4 * N * sh.vocab
+            loss_in = 4
             fwd = ((c + 4) if c != 4 else 4) * N * sh.vocab
             loss_bwd = 8 * N * sh.vocab
-        # the head's new weight gradient and the logits gradient; this micro-batch's saved softmax
-        # (counted in logits_saved) is released by then, or reused as the gradient in place
-        head = sh.vocab * h * (p + c_a) + (c - 4) * N * sh.vocab
+        # the head's new weight gradient and the logits gradient; this micro-batch's saved logits /
+        # log-softmax (counted in logits_saved) are released by then, or reused as the gradient in place
+        head = sh.vocab * h * (p + c_a) + (c - loss_in) * N * sh.vocab
         bwd = max(bwd, loss_bwd, head)
     if layout.cp > 1 and chunk.layers:  # the ring kernel's piece scores, first in the last layer's attention backward
-        released = 0  # what this micro-batch has freed by then: softmax, final norm, head input, last MLP half
+        released = 0  # what this micro-batch has freed by then: saved logits, final norm, head input, last MLP half
         if chunk.last:
             released += logits + B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
         if layout.activation_checkpointing == "none":
