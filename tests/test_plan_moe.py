@@ -140,6 +140,20 @@ def test_zero1_shards_expert_state_over_dp_over_ep():
         assert m.optimizer == 2 * 4 * owned and m.master_weights == 4 * owned and m.gradient_shard == 4 * owned
 
 
+@pytest.mark.parametrize("dp,ep", [(4, 2), (8, 4), (4, 4)])
+def test_bf16_optimizer_working_set_shards_expert_weights_over_dp_over_ep(dp, ep):
+    """bf16-pure with ZeRO-1: LowPrecisionAdamW's fp32 working copies (8 per element) cover the
+    largest owned segment. An expert projection (Mixtral-8x7B's 4096 x 14336, larger than a bucket)
+    lies in an expert bucket, split over the dp / ep expert-data-parallel ranks, not dp: whole at
+    ep = dp (one replica per expert). One layer and a small vocabulary keep that term the largest
+    step-phase transient (above the norm's fp32 gradient copies)."""
+    config = mixtral(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+                     num_key_value_heads=8)
+    m = estimate_memory(config, Layout(dp=dp, ep=ep, zero1=True), precision="bf16-pure", micro_batch_size=1,
+                        seq_len=256, microbatches=1)
+    assert m.step_buffers == 8 * 4 * -(-4096 * 14336 // (dp // ep))
+
+
 @pytest.mark.parametrize("precision,dp,ep", [("bf16-mixed", 4, 2), pytest.param("fp32", 4, 2, marks=SLOW),
                                              pytest.param("bf16-mixed", 2, 2, marks=SLOW),
                                              pytest.param("fp32", 2, 2, marks=SLOW)])
@@ -396,6 +410,20 @@ def test_plan_output_shows_ep_and_the_expert_terms():
     resolved = validate_recipe(load_recipe(str(RECIPES / "mixtral-8x7b.yaml"), items).model_dump(), 64,
                                check_paths=False)
     assert resolved.recipe.parallel.ep == rec.layout.ep and resolved.dp == rec.layout.dp
+
+
+def test_moe_search_requires_tp_to_divide_intermediate_size_as_the_build_does():
+    """The experts are never split over TP, yet the MoE TP plan runs Llama's first, which builds a
+    parallel dense MLP for every block (then swaps the MoE layer back) and so refuses a tp that does
+    not divide ``intermediate_size``. The search keeps that rule so that it never recommends a layout
+    the build refuses; lifting it needs the build (and the recipe rule) changed first."""
+    config = mixtral(intermediate_size=97)
+    with pytest.raises(ValueError, match="intermediate_size=97 is not divisible by tp=2"):
+        build_model(config, ParallelMesh(2, 0, tp=2, create_groups=False), device="meta", init=False)
+    layouts = enumerate_layouts(config, 2, devices_per_node=2, seq_len=64, global_batch_size=8)
+    assert layouts and {layout.tp for layout in layouts} == {1}
+    assert {layout.tp for layout in enumerate_layouts(mixtral(), 2, devices_per_node=2, seq_len=64,
+                                                      global_batch_size=8)} == {1, 2}  # 96: tp=2 divides it
 
 
 def test_dense_search_has_only_ep_one():

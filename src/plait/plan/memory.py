@@ -98,7 +98,8 @@ After the last backward (activations gone) the step phase needs the gradient buf
   a time: ``8 * 4`` bytes per element of the largest owned segment (weight, both moments,
   gradient, the denominator, the rounding noise, its sum and the shifted bits). Without ZeRO-1
   that is the largest weight; with it, a weight larger than a bucket (``BUCKET_MB``, the default
-  ``parallel.bucket_mb``) is split ``dp`` ways;
+  ``parallel.bucket_mb``) is split ``dp`` ways (a routed expert's ``dp / ep`` ways: expert buckets
+  are sharded over the expert-data-parallel ranks);
 * ZeRO-1: the all-gather of the updated shards stages every bucket's owned shard in the
   parameter dtype before waiting for the gathers: ``P_own * p``.
 
@@ -354,16 +355,23 @@ def rank_parameter_count(config: LlamaConfig, layout: Layout, seq_len: int, pp_r
     return sum(chunk_parameter_count(config, sh, ch) for ch in rank_chunks(config, layout, seq_len, pp_rank))
 
 
-def _largest_weight(config: LlamaConfig, sh: LocalShapes, chunks: list[Chunk]) -> int:
+def _largest_weights(config: LlamaConfig, sh: LocalShapes, chunks: list[Chunk]) -> tuple[int, int]:
+    """Elements of the rank's largest weight outside the routed experts, and of its largest routed
+    expert weight (0 without one): the two are sharded over different groups under ZeRO-1."""
     sizes = []
+    moe = moe_shape(config)
+    dense_layers = any(moe is None or not moe.is_sparse(layer) for ch in chunks for layer in ch.layers)
     if any(ch.layers for ch in chunks):
-        sizes += [sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate]
+        sizes += [sh.hidden * sh.q, sh.hidden * sh.kv]
+    if dense_layers:
+        sizes.append(sh.hidden * sh.intermediate)
     if any(ch.first or ch.last for ch in chunks):
         sizes.append(sh.vocab * sh.hidden)
-    moe = moe_shape(config)
+    expert = 0
     if moe is not None and any(moe.is_sparse(layer) for ch in chunks for layer in ch.layers):
-        sizes += [sh.hidden * moe.width, moe.experts * sh.hidden]  # one expert projection, the router
-    return max(sizes, default=0)
+        sizes += [moe.experts * sh.hidden, sh.hidden * moe.shared_width]  # the router, a shared expert projection
+        expert = sh.hidden * moe.width  # one expert projection
+    return max(sizes, default=0), expert
 
 
 #: ``parallel.bucket_mb``'s default: the size of a data-parallel bucket, in gradient bytes
@@ -824,7 +832,10 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     # step phase, one transient at a time: the norm's fp32 copies of bf16 gradients, the bf16
     # optimizer's fp32 working copies of its largest segment, ZeRO-1's all-gather staging
     norm_copies = 4 * owned if pb.grad < 4 else 0
-    lowp_update = 8 * 4 * _largest_segment(_largest_weight(config, sh, chunks), dp if zero else 1, pb.grad) \
+    # (the routed experts' buckets are sharded over the dp / ep expert-data-parallel ranks)
+    largest_dense, largest_expert = _largest_weights(config, sh, chunks)
+    lowp_update = 8 * 4 * max(_largest_segment(largest_dense, dp if zero else 1, pb.grad),
+                              _largest_segment(largest_expert, dp // layout.ep if zero else 1, pb.grad)) \
         if pb.optimizer_state < 4 else 0
     staging = owned * pb.param if zero else 0
     step_buffers = max(norm_copies, lowp_update, staging)
