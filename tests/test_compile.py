@@ -239,3 +239,40 @@ def test_compiled_lora_with_adapter_dropout_matches_eager(corpus, tmp_path, layo
         assert rel <= 1e-5, f"rank {rank}: relative loss difference {rel:.2e}\n{r['losses']}\n{eager[rank]['losses']}"
     for key, err in weight_errors(merged_weights(compiled), merged_weights(eager)).items():
         assert err <= 1e-4, f"{key}: relative weight difference {err:.2e}"
+
+
+def _fit_worker(rank, world, recipe_yaml, prepared):
+    import yaml
+
+    from plait.config import validate_recipe
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    trainer.fit()
+    return str(trainer.out)
+
+
+@pytest.mark.slow
+def test_compile_time_is_logged_apart_from_the_throughput(corpus, tmp_path):
+    import json
+
+    import yaml
+
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+    from plait.train.report import summary_table
+
+    items = BASE + ["train.compile=true", "train.steps=4", "train.log_every=2", "train.eval_every=4",
+                    "scheduler.warmup_steps=1", "parallel.microbatches=2", "train.sample_tokens=0",
+                    f"data.source={corpus}", f"run.output_dir={tmp_path / 'run'}"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
+    (out,) = run_distributed(_fit_worker, 1, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in records if "tokens_per_s" in r]
+    assert len(train) == 2 and train[0]["compile_s"] > 0
+    assert train[1]["compile_s"] == train[0]["compile_s"]  # compiled once, at the first step
+    # the first interval holds the compile; its throughput counts only the training time
+    assert train[0]["elapsed_s"] - train[0]["compile_s"] > 0 and train[0]["tokens_per_s"] > 0
+    assert "compile time" in summary_table(metrics)
