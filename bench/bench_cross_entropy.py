@@ -4,13 +4,16 @@ What is measured, for fp32 and bf16 logits ``[tokens, vocab]`` (default 4 x 512 
 16384 vocabulary, the ~80M config of issue 15's table): wall time of ``loss.sum().backward()``
 through :func:`plait.tensor_parallel.vocab_parallel_cross_entropy` (TP=1), and the peak memory it
 adds on top of the logits (the kernel's peak RSS, ``VmHWM`` after ``clear_refs``, minus the RSS
-before the call; glibc is made to return freed blocks, so the RSS follows the live tensors).
+before the call, measured in a child process in which glibc returns every freed block over
+64 KiB, so the RSS follows the live tensors; timing runs in this process with glibc's defaults,
+because unmapping on every free makes small multi-threaded operators pay TLB shoot-downs).
 Contestants, run interleaved (``--rounds`` rounds, the median is reported):
 
 CPU time (all threads of the process) is reported next to wall time: on a shared, loaded machine
 it is the steadier of the two.
 
-* ``plait``: the default chunking (:func:`plait.tensor_parallel.cross_entropy.default_chunk_rows`);
+* ``plait``: the default chunking (:func:`plait.tensor_parallel.cross_entropy.default_chunk_rows`: 1 MiB
+  chunks with one thread, 64 MiB with more);
 * ``plait 1 chunk``: ``chunk_rows`` = all tokens (the same arithmetic without chunking);
 * ``F.cross_entropy``: ``torch.nn.functional.cross_entropy(logits.float(), target)``, what the
   un-parallelised output module does;
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -79,9 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--compare-with", metavar="FILE", help="another cross_entropy.py to compare")
     parser.add_argument("--chunks", default="", help="comma-separated chunk_rows values to add as contestants")
+    parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
-    if os.environ.get(MMAP_ENV) != "65536":  # glibc reads it at start-up: re-run with it set
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_ENV: "65536"})
     if args.threads:
         torch.set_num_threads(args.threads)
     n, v = args.tokens, args.vocab
@@ -98,22 +102,32 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare_with:
         other = _load(args.compare_with)
         contestants["compared file"] = lambda x: other(x, target, v, tp)
+    dtypes = (torch.float32, torch.bfloat16)
+    if args.memory_only:
+        out = {}
+        for dtype in dtypes:
+            logits = torch.randn(n, v, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+            for name, fn in contestants.items():
+                _run(fn, logits)  # warm-up
+                out[f"{dtype} {name}"] = peak_extra_bytes(lambda fn=fn, x=logits: _run(fn, x))
+        print(json.dumps(out))
+        return
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--memory-only"],
+                           env={**os.environ, MMAP_ENV: "65536"}, capture_output=True, text=True, check=True)
+    peaks = json.loads(child.stdout.strip().splitlines()[-1])
     load = os.getloadavg()[0]
     print(f"cross-entropy forward + backward, {n} tokens x vocab {v}, TP=1, {torch.get_num_threads()} threads, "
-          f"plait chunk {default_chunk_rows(v)} rows; torch {torch.__version__}; load average {load:.1f} on "
+          f"plait chunk {default_chunk_rows(v, 'cpu')} rows; torch {torch.__version__}; load average {load:.1f} on "
           f"{os.cpu_count()} cores" + (" (BUSY: times unreliable)" if load > (os.cpu_count() or 1) else ""))
     print("| dtype | implementation | ms (median) | ms range | CPU ms (median) | peak MiB above the logits | "
           "logits MiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         logits = torch.randn(n, v, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
         times: dict[str, list[float]] = {k: [] for k in contestants}
         cpu: dict[str, list[float]] = {k: [] for k in contestants}
-        peaks: dict[str, int] = {}
-
-        for name, fn in contestants.items():
+        for fn in contestants.values():
             _run(fn, logits)  # warm-up
-            peaks[name] = peak_extra_bytes(lambda fn=fn, x=logits: _run(fn, x))
         for r in range(args.rounds):
             order = list(contestants) if r % 2 == 0 else list(contestants)[::-1]
             for name in order:
@@ -125,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             ms = [1e3 * t for t in times[name]]
             print(f"| {str(dtype).removeprefix('torch.')} | {name} | {statistics.median(ms):.1f} | "
                   f"{min(ms):.1f}-{max(ms):.1f} | {1e3 * statistics.median(cpu[name]):.1f} | "
-                  f"{peaks[name] / 2**20:.0f} | {logits.nbytes / 2**20:.0f} |",
+                  f"{peaks[f'{dtype} {name}'] / 2**20:.0f} | {logits.nbytes / 2**20:.0f} |",
                   flush=True)
 
 

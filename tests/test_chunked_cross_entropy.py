@@ -102,7 +102,8 @@ def test_chunks_equal_one_chunk_tp2():
 
 
 def test_default_chunk_and_bad_chunk():
-    assert default_chunk_rows(16384) == 16 and default_chunk_rows(10**9) == 1
+    assert default_chunk_rows(16384, "cpu", threads=1) == 16 and default_chunk_rows(10**9, "cpu", threads=1) == 1
+    assert default_chunk_rows(16384, "cpu", threads=2) == 1024 == default_chunk_rows(16384, "cuda", threads=1)
     with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):
         vocab_parallel_cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 3, GroupInfo.single(),
                                      chunk_rows=0)

@@ -7,10 +7,10 @@ exponentials, and the logit of the target token (held by exactly one rank). Back
 
 Memory: the logits are the largest activation (tokens x vocabulary), and an fp32 copy of them is
 the largest temporary. The function therefore never holds a full-size fp32 intermediate: it walks
-the rows in chunks of ``chunk_rows`` (one fp32 work buffer of that many rows, reused; every
-operation is per row, so the chunking changes no result), keeps only the logits themselves plus
-two numbers per token (the row maximum and the sum of exponentials) for backward, and there
-recomputes the softmax chunk by chunk straight into the gradient. Keeping the fp32 softmax
+the rows in chunks of ``chunk_rows`` (:func:`default_chunk_rows`; one fp32 work buffer of that
+many rows, reused; every operation is per row, so the chunking changes no result), keeps only the
+logits themselves plus two numbers per token (the row maximum and the sum of exponentials) for
+backward, and there recomputes the softmax chunk by chunk straight into the gradient. Keeping the fp32 softmax
 instead (what a plain autograd composition does) costs two full-size fp32 temporaries in the
 forward for fp32 logits and three for bf16 ones; here the forward adds one chunk, the saved
 activation is the logits in their own dtype (half the bytes of an fp32 softmax under bf16
@@ -26,13 +26,25 @@ import torch.distributed as dist
 
 from plait.comm.primitives import GroupInfo
 
-#: default fp32 elements per chunk (rows = this / local vocabulary): 1 MiB of fp32, cache-sized
-DEFAULT_CHUNK_ELEMENTS = 1 << 18
+#: fp32 elements per chunk on a CPU with one intra-op thread: 1 MiB, cache-sized
+SMALL_CHUNK_ELEMENTS = 1 << 18
+#: fp32 elements per chunk elsewhere (64 MiB): few chunks, so few operator launches
+LARGE_CHUNK_ELEMENTS = 1 << 24
 
 
-def default_chunk_rows(v_local: int) -> int:
-    """Rows per chunk for a local vocabulary of ``v_local`` columns (at least one row)."""
-    return max(1, DEFAULT_CHUNK_ELEMENTS // max(v_local, 1))
+def default_chunk_rows(v_local: int, device: torch.device | str = "cpu", threads: int | None = None) -> int:
+    """Rows per chunk for a local vocabulary of ``v_local`` columns (at least one row).
+
+    Small (1 MiB) chunks only on a CPU running one intra-op thread, where keeping a chunk in cache
+    is what pays. Every chunk costs a dozen operators, and with several threads each is a parallel
+    region all threads must reach: on a machine with more runnable threads than cores one of them
+    is often descheduled and the others spin (measured: 2 threads on a loaded 2-core CPU took 10x
+    longer with 1 MiB chunks than with one chunk); on a GPU each is a kernel launch. There the
+    chunks are 64 MiB of fp32, which still bounds the temporaries of large logits.
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    small = torch.device(device).type == "cpu" and threads == 1
+    return max(1, (SMALL_CHUNK_ELEMENTS if small else LARGE_CHUNK_ELEMENTS) // max(v_local, 1))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -101,14 +113,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     """Per-token loss ``[N]`` (0 where ignored) from local logits ``[N, V_local]``.
 
     ``vocab_size`` is the real vocabulary; columns past it (TP padding) are excluded.
-    ``chunk_rows``: rows processed at a time (default :func:`default_chunk_rows`, about 1 MiB of
-    fp32); any value gives the same losses and gradients, bit for bit.
+    ``chunk_rows``: rows processed at a time (default :func:`default_chunk_rows`: 1 MiB of fp32 on
+    a one-thread CPU, else 64 MiB); any value gives the same losses and gradients, bit for bit.
     """
     v_local = logits.shape[-1]
     vocab_start = tp.rank * v_local
     group = tp.group if tp.size > 1 else None
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(v_local)
+        chunk_rows = default_chunk_rows(v_local, logits.device)
     elif chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group, ignore_index,
