@@ -43,17 +43,14 @@ reports as ``compile_s`` and leaves out of tokens/s.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo
-import torch._dynamo.utils as dynamo_utils
 from torch import nn
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-from torch._inductor.utils import clear_caches
 
 from plait.activation_checkpointing import checkpointed_modules, decoder_blocks
 from plait.data.tokenizer import cache_dir
@@ -78,6 +75,10 @@ def compile_cache_dir(root: str | os.PathLike | None = None) -> Path:
     ``<plait cache>/compile`` (``root``: ``data.cache_dir``). Inductor writes its own default
     (``/tmp/torchinductor_<user>``) into that variable once it has looked it up, so a value equal to
     that default counts as unset."""
+    # imported here, not at the top: importing inductor costs seconds, which only compiling runs pay
+    # (the trainer imports this module in every run)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if env and os.path.abspath(env) != os.path.abspath(default_cache_dir()):
         return Path(env)
@@ -90,6 +91,8 @@ def use_compile_cache(root: str | os.PathLike | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(path):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        from torch._inductor.utils import clear_caches  # see compile_cache_dir
+
         clear_caches()  # inductor's in-memory lookups of the previous directory
     return path
 
@@ -97,6 +100,7 @@ def use_compile_cache(root: str | os.PathLike | None = None) -> Path:
 def compile_seconds() -> float:
     """Seconds dynamo and inductor have spent compiling in this process so far (cache hits included:
     loading a cached graph counts too, and is what a second run's ``compile_s`` measures)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled
     spent = getattr(dynamo_utils, "cumulative_time_spent_ns", {})
     return sum(spent.get(k, 0.0) for k in _COMPILE_TIMERS) / 1e9
 
