@@ -324,8 +324,9 @@ class DistributedOptimizer:
             group = self._shard_group(b)
             return self.grads.collectives[id(group)].gather(self.param_data[b.start:b.end], group)
         # without ZeRO-1, or one replica per expert (the whole bucket is owned): only a master to copy
-        assert master is not None, "without ZeRO-1 the weights are published only from a master copy"
-        self.param_data[b.start:b.end].copy_(master)
+        assert master is not None or self.zero, "without ZeRO-1 the weights are published only from a master copy"
+        if master is not None:
+            self.param_data[b.start:b.end].copy_(master)
         return []
 
     def wait_params(self) -> None:
