@@ -5,16 +5,27 @@
    and transformers' on the same config, weights (plait's, written as a Hugging Face directory
    and read by transformers) and batch, fp32, dropless, no auxiliary loss on either side. The
    first-step losses are printed and must agree. Implementations alternate for ``--rounds``
-   rounds of ``--steps`` steps; the table gives median tokens/s and the plait/transformers ratio.
+   rounds of ``--steps`` steps; the table gives median and best tokens/s and the
+   plait/transformers ratios. ``--adamw fused`` (default) steps both models with
+   ``torch.optim.AdamW(fused=True)``, one kernel per parameter (plait's trainer steps one fused
+   kernel over flat buffers); ``--adamw loop`` uses torch's CPU default, about ten operations
+   per parameter, where plait's per-expert parameters (3 per expert, Hugging Face's names) count
+   three times as many tensors as transformers' fused ``[E, 2I, H]`` ones. ``--profile`` adds
+   each side's operator table (one step, by self CPU time) and its operator count.
 2. Two gloo ranks, one thread each, data parallel over 2: forward + backward of the same model
    with every expert on both ranks (EP=1) and with the experts split (EP=2: 4 of 8 per rank,
    tokens exchanged by all-to-all). The gradient all-reduce and the optimizer are left out (they
    differ only by the expert parameters' share). The all-to-all share is the time spent inside
    plait's exchanges (forward and backward) over the step time, measured on rank 0.
 
+On a busy machine, read the *best* rounds and prefer ``--threads 1``: a step is a few thousand
+operations, and with two threads each parallel operation waits for both threads to be scheduled,
+so under load the step time grows with the operation count rather than with the work.
+
 Run (from the repository root, venv active)::
 
     python bench/bench_moe.py             # 8 experts, top-2: 14.4M parameters (5.0M active)
+    python bench/bench_moe.py --part single --threads 1 --profile
     python bench/bench_moe.py --smoke     # tiny end-to-end check
 """
 
@@ -57,6 +68,23 @@ def batch_of(a: argparse.Namespace, config: MixtralConfig) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
 
 
+def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    fused = {"fused": {"fused": True}, "loop": {"foreach": False}}[kind]
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **fused)
+
+
+def _profile(step, name: str) -> str:
+    """One step under ``torch.profiler``: the operator table by self CPU time and the operator count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = prof.key_averages()
+    count = sum(e.count for e in ops if e.key.startswith("aten::"))
+    return f"### {name}: {count} aten operators in one step\n\n" + ops.table(sort_by="self_cpu_time_total",
+                                                                              row_limit=20)
+
+
 def single_process(a: argparse.Namespace) -> str:
     import transformers
 
@@ -69,7 +97,7 @@ def single_process(a: argparse.Namespace) -> str:
     steps = {}
     for name, model, fwd in (("plait", ours, lambda m: m(ids, ids)),
                              ("transformers", theirs, lambda m: m(input_ids=ids, labels=ids).loss)):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        opt = _optimizer(model, a.adamw)
 
         def step(model=model, fwd=fwd, opt=opt) -> float:
             opt.zero_grad(set_to_none=True)
@@ -94,11 +122,17 @@ def single_process(a: argparse.Namespace) -> str:
                 steps[name]()
             rates[name].append(tokens * a.steps / (time.perf_counter() - t))
     med = {name: statistics.median(v) for name, v in rates.items()}
+    best = {name: max(v) for name, v in rates.items()}
     rows = [[f"{med['plait']:.0f}", f"{med['transformers']:.0f}", f"{med['plait'] / med['transformers']:.2f}",
+             f"{best['plait']:.0f}", f"{best['transformers']:.0f}", f"{best['plait'] / best['transformers']:.2f}",
              f"{min(rates['plait']):.0f}-{max(rates['plait']):.0f}",
              f"{min(rates['transformers']):.0f}-{max(rates['transformers']):.0f}"]]
-    return markdown_table(["plait tok/s", "transformers tok/s", "plait/transformers", "plait range",
-                           "transformers range"], rows)
+    table = markdown_table(["plait tok/s (median)", "transformers tok/s (median)", "ratio of medians",
+                            "plait best", "transformers best", "ratio of bests", "plait range",
+                            "transformers range"], rows)
+    if a.profile:
+        table += "".join(f"\n\n{_profile(step, name)}" for name, step in steps.items())
+    return table
 
 
 def _ep_worker(rank: int, world: int, a: argparse.Namespace) -> None:
@@ -167,6 +201,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--part", choices=["single", "ep", "both"], default="both")
+    parser.add_argument("--adamw", choices=["fused", "loop"], default="fused",
+                        help="one process: torch AdamW with fused=True (default) or its per-tensor loop")
+    parser.add_argument("--profile", action="store_true", help="one process: add each side's operator table")
     a = parser.parse_args()
     for key, value in (SMOKE if a.smoke else DEFAULTS).items():
         if getattr(a, key) is None:
@@ -176,10 +213,12 @@ def main() -> None:
     active = config.num_parameters() - a.layers * (a.experts - a.top_k) * 3 * a.hidden * a.intermediate
     print(f"Mixtral: {a.layers} layers, hidden {a.hidden}, {a.experts} experts of {a.intermediate} (top-{a.top_k}),"
           f" vocab {a.vocab}; {config.num_parameters() / 1e6:.1f}M parameters ({active / 1e6:.1f}M active); "
-          f"batch {a.batch} x {a.seq}; torch {torch.__version__}, {platform.processor() or platform.machine()}",
-          flush=True)
+          f"batch {a.batch} x {a.seq}; torch {torch.__version__}, {platform.processor() or platform.machine()}; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     if a.part in ("single", "both"):
-        print(f"\n## one process, {a.threads} threads, fp32 training step\n\n{single_process(a)}\n", flush=True)
+        table = single_process(a)
+        print(f"\n## one process, {a.threads} threads, fp32 training step, AdamW {a.adamw}, {a.rounds} rounds of "
+              f"{a.steps} steps (load average after: {os.getloadavg()[0]:.1f})\n\n{table}\n", flush=True)
     if a.part in ("ep", "both"):
         expert_parallel_pair(a)
 

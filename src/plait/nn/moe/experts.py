@@ -6,9 +6,17 @@ parallelism a rank simply holds fewer entries of the same :class:`Experts` dicti
 picks its projection names by subclassing :class:`ExpertMLP` (Mixtral: ``w1``/``w3``/``w2``).
 
 Computation (:meth:`Experts.forward`) takes rows already sorted by expert. With a usable
-grouped matmul (:mod:`plait.nn.moe.grouped`) the experts' weights are stacked (one copy of the
-local expert weights per forward) and each projection is one call, with no host read; otherwise
-a loop over experts slices the rows, which reads the run ends on the host once per layer.
+grouped matmul (:mod:`plait.nn.moe.grouped`) the experts' weights are stacked in ``nn.Linear``'s
+layout (one copy of the local expert weights per forward): gate and up interleaved per expert as
+``[E, 2I, H]`` (one grouped call for both, as transformers' fused ``gate_up_proj``), down as
+``[E, H, I]``; two grouped calls forward and four backward, no host read, and each expert's
+weight gradient is a contiguous slice of the stacked gradient (no further copy). Otherwise a loop
+over experts slices the rows, which reads the run ends on the host once per layer.
+
+Why grouped on the CPU as well: ``torch._grouped_mm`` there runs one ``mm`` per group inside one
+call, as fast as a Python loop over experts at one thread (measured, docs/BENCHMARKS.md) and
+with fewer operations and no host read; the loop stays for devices and dtypes the grouped call
+does not support (:func:`~plait.nn.moe.grouped.grouped_mm_usable`).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.nn.moe.grouped import grouped_mm, grouped_mm_usable
+from plait.nn.moe.grouped import grouped_linear, grouped_mm_usable
 
 
 class ExpertMLP(nn.Module):
@@ -86,15 +94,18 @@ def device_type_autocast(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def _stack(experts: list, index: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[E, in, out]``: projection ``index`` of every expert, transposed for ``x @ w``."""
-    return torch.stack([e.projections()[index].weight for e in experts]).to(dtype).transpose(-2, -1)
+def _stack(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``[len(weights), out, in]``: the weights stacked in their own (``nn.Linear``) layout."""
+    return torch.stack(weights).to(dtype)
 
 
 def _grouped(x: torch.Tensor, ends: torch.Tensor, experts: list) -> torch.Tensor:
-    gate = grouped_mm(x, _stack(experts, 0, x.dtype), ends)
-    up = grouped_mm(x, _stack(experts, 1, x.dtype), ends)
-    return grouped_mm(F.silu(gate) * up, _stack(experts, 2, x.dtype), ends)
+    projections = [e.projections() for e in experts]
+    inter = projections[0][0].weight.shape[0]
+    # [gate_0; up_0; gate_1; up_1; ...] -> [E, 2I, H]: gate and up of one expert in one grouped call
+    gate_up = _stack([p.weight for g, u, _ in projections for p in (g, u)], x.dtype).view(len(experts), 2 * inter, -1)
+    gate, up = grouped_linear(x, gate_up, ends).split(inter, dim=-1)
+    return grouped_linear(F.silu(gate) * up, _stack([d.weight for _, _, d in projections], x.dtype), ends)
 
 
 def _looped(x: torch.Tensor, ends: torch.Tensor, experts: list) -> torch.Tensor:
