@@ -135,7 +135,7 @@ LAYOUTS = {
     "pp2": (["parallel.pp=2"], 2, 2),
     "dp2-zero1": (["parallel.dp=2", "parallel.zero1=true"], 2, 1),
     "checkpoint-full": (["train.activation_checkpointing=full"], 1, 2),
-    # TP without SP: the norms and the attention core are units, the checkpointed MLP runs eagerly
+    # TP without SP: norms, attention core and the SwiGLU inside the (eager) checkpoint of the MLP are units
     "checkpoint-selective-tp2": (["parallel.tp=2", "train.activation_checkpointing=selective",
                                   "train.checkpoint_modules=[mlp]"], 2, 2),
 }
