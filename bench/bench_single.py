@@ -22,7 +22,9 @@ blocks and loss head compiled by :func:`plait.train.compile.compile_stages` (wha
 (the warm-up steps include it). The compile cache is plait's (``<plait cache>/compile``): the first
 run on a machine generates and builds the kernels, a second run loads them; ``--cold-cache``
 compiles into a fresh temporary directory to measure a first run. The tables then give plait
-eager vs HF, plait compiled vs HF, and plait compiled vs plait eager.
+eager vs HF, plait compiled vs HF, and plait compiled vs plait eager. A table of MFU (model FLOPs
+per second over the matmul peak measured on this machine, :func:`plait.devices.peak_flops`) of
+every contestant comes first.
 
 Run (from the repository root, venv active)::
 
@@ -60,8 +62,11 @@ from _common import (  # noqa: E402
     resolve_args,
     time_steps,
 )
+from plait.devices import peak_flops  # noqa: E402
 from plait.materialize import build_llama  # noqa: E402
 from plait.mesh import single_process_mesh  # noqa: E402
+from plait.models.flops import mfu, model_flops_per_token  # noqa: E402
+from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.train.compile import compile_seconds, compile_stages, use_compile_cache  # noqa: E402
 
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16-autocast": torch.bfloat16}
@@ -129,6 +134,25 @@ def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtyp
     return {n: res for n, (_, res) in runs.items()}
 
 
+def mfu_table(config: LlamaConfig, args: argparse.Namespace, results: dict[str, dict[str, Result]]) -> str:
+    """Model FLOPs utilisation of every contestant against the matmul peak measured on this machine.
+
+    The peak is :func:`plait.devices.peak_flops` (a square-matmul probe at ``--threads`` threads,
+    cached per machine): fp32 for the fp32 runs, bf16 for bf16 autocast, so MFU says how close a
+    step comes to what the cores' matmul units do on their best shape, not to a datasheet figure.
+    Model FLOPs are :func:`plait.models.flops.model_flops_per_token` (6N + attention).
+    """
+    per_token = model_flops_per_token(config, args.seq)
+    lines = ["MFU (model FLOPs / measured matmul peak at these threads; median tokens/s):",
+             "| dtype | peak TFLOP/s | " + " | ".join(next(iter(results.values())).keys()) + " |",
+             "|---|---|" + "---|" * len(next(iter(results.values())))]
+    for label, res in results.items():
+        peak = peak_flops("cpu", "fp32" if DTYPES[label] is None else "bf16", threads=args.threads)
+        cells = [f"{mfu(r.median, per_token, peak):.1%}" for r in res.values()]
+        lines.append(f"| {label} | {peak / 1e12:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
@@ -155,13 +179,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{platform.machine()}", flush=True)
 
     rows, compiled_rows = [], []
+    results: dict[str, dict[str, Result]] = {}
     tokens = args.batch * args.seq
     for label in args.dtypes:
         res = bench_dtype(args, label, DTYPES[label])
+        results[label] = res
         rows.append([f"{label}, plait eager"] + comparison_row(res["plait"], res["HF"], tokens))
         if args.compile:
             rows.append([f"{label}, plait compiled"] + comparison_row(res["plait-compiled"], res["HF"], tokens))
             compiled_rows.append([label] + comparison_row(res["plait-compiled"], res["plait"], tokens))
+    print()
+    print(mfu_table(config, args, results))
     print()
     print("plait vs transformers (ratio > 1: plait faster):")
     print(markdown_table(comparison_header("dtype, plait", "HF"), rows))
