@@ -18,6 +18,10 @@ intra-op thread per rank, for
   divide ``n_heads``/``n_kv_heads`` by the TP degree because their attention uses them);
   :func:`localize_heads` still does that for any such attribute an attention module has.
 
+With ``--compile`` a third contestant joins: plait with ``train.compile: true`` (the modules between
+its TP collectives compiled by :func:`plait.train.compile.compile_stages`; compile time printed apart
+and spent in the warm-up).
+
 How: both sides start from the same weights (plait's init is layout-invariant; the DTensor model
 is loaded from the unsharded plait model's state dict and sharded by ``parallelize_module``), train
 on the same fixed random batch (replicated on both ranks) with identically configured AdamW. The
@@ -74,6 +78,7 @@ from plait.materialize import build_llama  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.models.llama.parallelize import kv_replication_for  # noqa: E402
+from plait.train.compile import compile_seconds, compile_stages, use_compile_cache  # noqa: E402
 
 TP = 2
 
@@ -163,10 +168,20 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         "DTensor": (make_step(lambda: hf_model(input_ids=ids, labels=ids).loss, hf_opt, loss_parallel),
                     Result("DTensor")),
     }
+    if args.compile:
+        # train.compile: true on a second plait replica (same init): its TP-free modules are compiled
+        compiled_model = build_llama(config, mesh, seed=args.seed).train()
+        compile_stages([compiled_model])
+        compiled_opt = adamw([list(compiled_model.parameters())], args.foreach)
+        runs["plait-compiled"] = (make_step(lambda: compiled_model(ids, ids), compiled_opt), Result("plait-compiled"))
+        before = compile_seconds()
     for step, result in runs.values():
         result.first_loss = _full(step())
         for _ in range(args.warmup - 1):
             step()
+    if args.compile:
+        log(f"compile time {compile_seconds() - before:.1f} s (in the warm-up, not in any timed round); "
+            f"first-step loss compiled {runs['plait-compiled'][1].first_loss:.6f}", flush=True)
     log(f"first-step loss: plait TP {runs['plait'][1].first_loss:.6f}  DTensor TP "
         f"{runs['DTensor'][1].first_loss:.6f}  (unsharded reference {ref_loss:.6f})", flush=True)
 
@@ -190,14 +205,20 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         f"DTensor TP {last['DTensor']:.6f}", flush=True)
     plait_res, dt_res = runs["plait"][1], runs["DTensor"][1]
     log()
-    log(markdown_table(comparison_header("TP=2, fp32", "DTensor"),
-                       [["fp32"] + comparison_row(plait_res, dt_res, args.batch * args.seq)]), flush=True)
+    rows = [["fp32, plait eager"] + comparison_row(plait_res, dt_res, args.batch * args.seq)]
+    if args.compile:
+        rows.append(["fp32, plait compiled"] + comparison_row(runs["plait-compiled"][1], dt_res, args.batch * args.seq))
+    log(markdown_table(comparison_header("TP=2, fp32", "DTensor"), rows), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time plait with train.compile: true (compiled modules between the TP collectives)")
     args = resolve_args(parser.parse_args(argv))
+    if args.compile:
+        use_compile_cache()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         world = int(os.environ["WORLD_SIZE"])
         if world != TP:
