@@ -24,10 +24,12 @@ from plait.config import RecipeError, check_recipe
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
 from plait.train.compile import (
+    MODES,
     compile_cache_dir,
     compile_seconds,
     compile_stages,
     compile_units,
+    inductor_options,
     is_compiled,
     runs_eagerly,
 )
@@ -106,6 +108,14 @@ def test_evaluation_runs_the_eager_forward_and_compiles_nothing():
     assert compile_seconds() == before
     with pytest.raises(ValueError, match="compile mode='fast'"):
         compile_stages([model], "fast")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_compile_mode_is_accepted_by_torch_compile(mode):
+    """torch.compile refuses ``mode`` and ``options`` together: a mode goes in as its options."""
+    names = compile_stages([LlamaForCausalLM(TINY)], mode)
+    assert names and inductor_options(mode)["fallback_random"] is True
+    assert mode == "default" or inductor_options(mode)["max_autotune"] is True
 
 
 def test_compile_cache_is_in_plaits_cache_directory(tmp_path, monkeypatch):

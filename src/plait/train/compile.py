@@ -160,6 +160,14 @@ class _TrainingOnly:
         return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
 
 
+def inductor_options(mode: str) -> dict[str, Any]:
+    """The inductor options of ``mode`` plus plait's own: torch.compile refuses ``mode`` and
+    ``options`` together, so a mode is passed as the options it stands for."""
+    from torch._inductor import list_mode_options  # dynamo/inductor load only in runs that compile
+
+    return {**list_mode_options(mode), **INDUCTOR_OPTIONS}
+
+
 def compile_stages(stages: list[nn.Module], mode: str = "default") -> list[str]:
     """Compile the :func:`compile_units` of ``stages`` in place (after tensor parallelism, LoRA,
     pipeline splitting and activation checkpointing); returns the qualified names compiled."""
@@ -169,8 +177,7 @@ def compile_stages(stages: list[nn.Module], mode: str = "default") -> list[str]:
     for stage in stages:
         for name, module in compile_units(stage):
             eager = module._call_impl
-            compiled = torch.compile(eager, mode=None if mode == "default" else mode, dynamic=False,
-                                     options=dict(INDUCTOR_OPTIONS))
+            compiled = torch.compile(eager, dynamic=False, options=inductor_options(mode))
             module._compiled_call_impl = _TrainingOnly(compiled, eager)
             names.append(name)
     if not names:
@@ -184,4 +191,4 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 __all__ = ["HEAD_MODULES", "INDUCTOR_OPTIONS", "MODES", "compile_cache_dir", "compile_seconds", "compile_stages",
-           "compile_units", "is_compiled", "use_compile_cache"]
+           "compile_units", "inductor_options", "is_compiled", "use_compile_cache"]
