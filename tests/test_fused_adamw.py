@@ -134,3 +134,17 @@ def test_distributed_optimizer_steps_one_flat_run_per_buffer():
         # which Adam's normalisation turns into update differences of a few 1e-8 at lr 1e-2
         # (without the clipping the weights would differ by ~2e-3 here)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_an_lr_scheduler_sees_the_run_by_run_step():
+    """step_runs bypasses torch's step wrapper; a scheduler stepped after it must not warn that the
+    optimizer never stepped (it did: the learning rates are right, only the warning would be wrong)."""
+    import warnings
+
+    flat, *_ = _pair(0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(flat, lambda step: 1.0 / (step + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flat.step_runs()
+        scheduler.step()
+    assert flat.param_groups[0]["lr"] == pytest.approx(0.5e-2)

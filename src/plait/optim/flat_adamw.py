@@ -96,6 +96,9 @@ class FlatAdamW(torch.optim.Optimizer):
     def step_runs(self, after_run: Callable[[int], None] | None = None, order: list[int] | None = None) -> None:
         """One step, run by run in ``order`` (default: as given), calling ``after_run(i)`` as soon as
         run ``i`` is updated, so a caller can start communicating it while later runs update."""
+        # an LR scheduler learns that the optimizer stepped from this flag, which torch's own step
+        # wrapper sets; step_runs bypasses that wrapper, so without it every scheduler.step() warns
+        self._opt_called = True
         found_inf = getattr(self, "found_inf", None)  # the GradScaler protocol of the fused optimizers
         grad_scale = getattr(self, "grad_scale", None)  # the kernel divides the gradients by it first
         if not self.runs:
