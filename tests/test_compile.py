@@ -259,7 +259,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared):
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     trainer.fit()
-    return str(trainer.out)
+    return str(trainer.out), compile_seconds()
 
 
 @pytest.mark.slow
@@ -275,14 +275,16 @@ def test_compile_time_is_logged_apart_from_the_throughput(corpus, tmp_path):
 
     items = BASE + ["train.compile=true", "train.steps=4", "train.log_every=2", "train.eval_every=4",
                     "scheduler.warmup_steps=1", "parallel.microbatches=2", "train.sample_tokens=0",
-                    f"data.source={corpus}", f"run.output_dir={tmp_path / 'run'}"]
+                    "parallel.pp=2", f"data.source={corpus}", f"run.output_dir={tmp_path / 'run'}"]
     prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, items)))
-    (out,) = run_distributed(_fit_worker, 1, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared)
+    ranks = run_distributed(_fit_worker, 2, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, items)), prepared)
     metrics = tmp_path / "run" / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     train = [r for r in records if "tokens_per_s" in r]
     assert len(train) == 2 and train[0]["compile_s"] > 0
     assert train[1]["compile_s"] == train[0]["compile_s"]  # compiled once, at the first step
+    # the slowest stage's compile: the last stage compiling stalls rank 0's step too
+    assert train[0]["compile_s"] >= max(seconds for _, seconds in ranks) > 0
     # the first interval holds the compile; its throughput counts only the training time
     assert train[0]["elapsed_s"] - train[0]["compile_s"] > 0 and train[0]["tokens_per_s"] > 0
     assert "compile time" in summary_table(metrics)

@@ -252,7 +252,7 @@ def summary_table(metrics_jsonl: PathLike, start_step: int = 0) -> str:
         ("wall time", na if s["wall_time_s"] is None else _human_seconds(s["wall_time_s"])),
     ]
     if s["compile_s"] is not None:  # train.compile: not part of tokens/s
-        rows.append(("compile time", f"{s['compile_s']:.1f} s (rank 0; not counted in tokens/s)"))
+        rows.append(("compile time", f"{s['compile_s']:.1f} s (slowest rank; not counted in tokens/s)"))
     rows += _preference_rows(metrics_jsonl)
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 2 + max(len(v) for _, v in rows))

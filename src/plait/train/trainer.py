@@ -92,6 +92,7 @@ class Trainer:
         self.is_writer = rank == 0
         self.sinks = self._build_sinks() if self.is_writer else None
         self._compile_mark = compile_seconds()  # compile time already counted (train.compile)
+        self._compile_total = 0.0  # compile time of the slowest rank so far, as compile_s reports it
 
     # views of the run state that the loop and the tests read
     @property
@@ -155,6 +156,16 @@ class Trainer:
             if name in ("tp", "pp", "dp", "cp", "kv", "tied") and self.state.mesh.info(name).size > 1:
                 groups.append(f"group {name}, ranks {self.state.mesh.my_group_ranks(name)}")
         return self.watchdog.watch(operation, "; ".join(groups) or "no peers")
+
+    def _slowest_rank(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (at a logging step, when all ranks are here)."""
+        control = self.state.control
+        if control is None:
+            return seconds
+        value = torch.tensor([seconds], dtype=torch.float64)
+        with self.watchdog.watch("compile time (all-reduce of each rank's seconds)", "all ranks"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control)
+        return float(value[0])
 
     def _stop_requested(self) -> int:
         """The signal any rank received (0: none), agreed by all ranks at a step boundary."""
@@ -323,9 +334,11 @@ class Trainer:
         # compiling (train.compile: the first steps, and any recompilation) is reported as compile_s
         # and left out of the interval's throughput
         compiled, self._compile_mark = compile_seconds() - self._compile_mark, compile_seconds()
-        record.update(self._throughput_fields(n, now - interval_start - compiled, wait))
         if self.recipe.train.compile:
-            record["compile_s"] = self._compile_mark
+            compiled = self._slowest_rank(compiled)  # a later pipeline stage's compile stalls rank 0 too
+            self._compile_total += compiled
+            record["compile_s"] = self._compile_total
+        record.update(self._throughput_fields(n, now - interval_start - compiled, wait))
         record["elapsed_s"] = now - run_start
         return record
 
