@@ -39,8 +39,9 @@ LAYOUTS = {
     "tp2-kvrep2xdp2-zero1": pytest.param((["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
                                            "parallel.kv_replication=2", "model.num_key_value_heads=1"], 4, 2, 2),
                                          marks=pytest.mark.slow),
-    "pp2xdp2-vpp2": (["parallel.pp=2", "parallel.dp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b"],
-                     4, 4, 2),
+    # interleaved stages also run by default in test_checkpoint_resume (pp1-to-pp2-vpp2) and the schedule tests
+    "pp2xdp2-vpp2": pytest.param((["parallel.pp=2", "parallel.dp=2", "parallel.vpp=2",
+                                   "parallel.schedule=interleaved-1f1b"], 4, 4, 2), marks=pytest.mark.slow),
     "pp2xdp2-zero1-tied": (["parallel.pp=2", "parallel.dp=2", "parallel.zero1=true",
                             "model.tie_word_embeddings=true"], 4, 4, 2),
     # 8 ranks on 2 cores (20-30 s): `make test-slow`; every 2-D pair of these axes runs by default
