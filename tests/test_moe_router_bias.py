@@ -23,6 +23,7 @@ from plait.moe import MoeSection, configure_moe, moe_layers
 from plait.moe.step_load import attach_load_balancing
 from plait.nn.moe import SigmoidTopKRouter, assignments_per_expert
 from plait.pipeline.runtime import PipelineRuntime
+from test_moe_training import MIXTRAL  # the tiny Mixtral recipe the MoE rule tests share
 from trainer_runs import corpus_dir, max_relative
 
 RATE = 0.01
@@ -99,19 +100,6 @@ def test_bias_follows_the_recorded_step_loads():
 
 
 # ------------------------------------------------------------------------------ recipe rules
-MIXTRAL = """
-model:
-  family: mixtral
-  hidden_size: 64
-  intermediate_size: 32
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  num_local_experts: 4
-  num_experts_per_tok: 2
-"""
-
-
 def test_a_sigmoid_recipe_passes():
     validate_recipe(load_recipe_text(MIXTRAL + "moe:\n  router: sigmoid\n  router_bias_update_rate: 0.01\n"
                                                "  router_groups: 2\n  router_topk_groups: 1\n"
