@@ -39,9 +39,17 @@ LAYOUTS = {
     "ep2-checkpointing": (["parallel.dp=2", "parallel.ep=2", "train.activation_checkpointing=full"], 2, 2, 2),
     "tp2": (["parallel.tp=2"], 2, 2, 1),
     "ep2xtp2": (["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"], 4, 2, 2),
+    # sequence parallelism: each TP rank routes its own sequence shard (plait.moe.sequence_parallel)
+    "tp2-sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 2, 1),
+    "tp2-sp-global-sigmoid": (["parallel.tp=2", "parallel.sequence_parallel=true", "moe.aux_loss_scope=global_batch",
+                               "moe.router=sigmoid", "moe.router_bias_update_rate=0.01"], 2, 2, 1),
+    "ep2xtp2-sp": (["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.sequence_parallel=true"], 4, 2, 2),
+    "ep2xtp2-sp-checkpointing": (["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                                  "train.activation_checkpointing=full", "parallel.zero1=true"], 4, 2, 2),
+    "pp2xtp2-sp": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4, 4, 1),
 }
 #: TP adds partial sums in another order (see tests/test_dp_parity.py)
-WEIGHT_TOL = {"tp2": 5e-5, "ep2xtp2": 5e-5}
+WEIGHT_TOL = {name: 5e-5 for name in LAYOUTS if "tp2" in name}
 
 
 @pytest.fixture(scope="module")

@@ -121,6 +121,8 @@ def test_a_valid_moe_recipe_and_the_shipped_one_pass():
     validate_recipe(load_recipe_text(MIXTRAL + "moe:\n  capacity_factor: 1.25\n"), 1, check_paths=False)
     validate_recipe(load_recipe_text(MIXTRAL + "parallel:\n  ep: 2\n  dp: 4\n  zero1: true\n"), 4,
                     check_paths=False)
+    validate_recipe(load_recipe_text(MIXTRAL + "parallel:\n  tp: 2\n  sequence_parallel: true\n  ep: 2\n  dp: 2\n"),
+                    4, check_paths=False)
     from plait.config.load import DEFAULT_RECIPE
     validate_recipe(load_recipe_text((DEFAULT_RECIPE.parent / "moe-tiny.yaml").read_text()), 2, check_paths=False)
     big = load_recipe_text((DEFAULT_RECIPE.parent / "mixtral-8x7b.yaml").read_text())
@@ -132,8 +134,8 @@ def test_a_valid_moe_recipe_and_the_shipped_one_pass():
     (MIXTRAL.replace("num_experts_per_tok: 2", "num_experts_per_tok: 5"), "model.num_experts_per_tok",
      "exceeds model.num_local_experts=4"),
     (MIXTRAL + "moe:\n  capacity_factor: 0\n", "moe.capacity_factor", "must be > 0"),
-    (MIXTRAL + "parallel:\n  tp: 2\n  sequence_parallel: true\n", "parallel.sequence_parallel",
-     "not available for MoE"),
+    (MIXTRAL + "parallel:\n  tp: 2\n  sequence_parallel: true\nmoe:\n  capacity_factor: 1.25\n",
+     "moe.capacity_factor", "not available with parallel.sequence_parallel=true"),
     ("model:\n  num_local_experts: 8\n", "model.num_local_experts", "not a field of model.family='llama'"),
     ("moe:\n  aux_loss_coef: 0.01\n", "moe", "has no experts"),
     (MIXTRAL + "moe:\n  aux_loss_scope: global\n", "moe.aux_loss_scope", "micro_batch"),

@@ -37,6 +37,7 @@ from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
 from plait.models.registry import family_of
 from plait.moe.expert_parallel import apply_expert_parallel
+from plait.moe.sequence_parallel import sum_moe_gradients_over_tp
 from plait.nn.buffers import reset_buffers
 from plait.tensor_parallel.random import TensorParallelRNG
 
@@ -97,6 +98,8 @@ def build_model(config: Any, mesh: ParallelMesh, *, seed: int = 0, device: str |
     tensors = check_hf_tensors(model, hf_path) if hf_path is not None else None
     apply_expert_parallel([model], mesh.info("ep"))  # only this rank's experts from here on
     _allocate(model, device)
+    if sequence_parallel:  # MoE layers see sequence shards: their gradients are summed over TP
+        sum_moe_gradients_over_tp([model], mesh.info("tp"))
     if tensors is not None:
         read_hf_tensors(model, tensors)
     elif init:
@@ -142,6 +145,8 @@ def build_stages(config: Any, mesh: ParallelMesh, stage_layers: list[list[int]],
     for s in range(mesh.pp_rank, num_stages, mesh.pp):
         stage = family.stage_cls(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)
         _allocate(stage, device)
+        if sequence_parallel:  # MoE layers see sequence shards: their gradients are summed over TP
+            sum_moe_gradients_over_tp([stage], mesh.info("tp"))
         if tensors is not None:
             read_hf_tensors(stage, tensors)
         elif init:

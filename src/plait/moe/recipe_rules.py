@@ -76,8 +76,10 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: 
         out.append(("moe.router_topk_groups", moe.router_topk_groups,
                     f"its groups hold {moe.router_topk_groups * (experts // groups)} experts, fewer than "
                     f"model.num_experts_per_tok={arch.num_experts_per_tok}; raise it"))
-    if tp > 1 and getattr(parallel, "sequence_parallel", False):
-        out.append(("parallel.sequence_parallel", True, f"not available for MoE models (model.family={family!r}) "
-                                                        f"with parallel.tp={tp}: the routers would see sequence "
-                                                        f"shards; set parallel.sequence_parallel=false"))
+    if tp > 1 and getattr(parallel, "sequence_parallel", False) and cf is not None:
+        out.append(("moe.capacity_factor", cf, f"is not available with parallel.sequence_parallel=true and "
+                                               f"parallel.tp={tp}: each TP rank would drop assignments by its "
+                                               f"sequence shard's ranking, not the micro-batch's; set "
+                                               f"moe.capacity_factor=null (dropless) or "
+                                               f"parallel.sequence_parallel=false"))
     return out

@@ -5,7 +5,9 @@ Both need one thing the model-agnostic layer must not do itself, a collective ov
 route *different tokens through the same layer*: the data-parallel replicas of the step, i.e. the
 ``dp_cp`` group (``dp`` includes the expert-parallel ranks, which are data-parallel for routing;
 ``cp`` ranks route other positions of the same sequences; TP ranks route the same tokens and
-pipeline stages hold other layers, so neither is in the group). :class:`StepLoad` is injected
+pipeline stages hold other layers, so neither is in the group). Under sequence parallelism TP
+ranks route different shards of the same micro-batch: each forward's counts are first summed over
+the TP group (:mod:`plait.moe.sequence_parallel`), under either scope. :class:`StepLoad` is injected
 into each :class:`~plait.nn.moe.MoELayer` as its ``load_tracker`` (the way expert parallelism
 injects its all-to-all dispatcher) and sees each training forward's per-expert assignment counts.
 
@@ -62,15 +64,17 @@ class StepLoad:
     """One MoE layer's load over the current step; its ``load_tracker`` (see the module docstring).
 
     ``running`` ``[E + 1]`` (int64): assignments per expert, then tokens, over this step's training
-    forwards so far; summed over ``replicas`` in each forward when ``global_share``, local otherwise.
-    ``microbatches`` bounds the forwards of one step, so a loop that never calls :meth:`start` fails
-    instead of silently counting over several steps.
+    forwards so far, summed in each forward over ``groups`` (in order: the TP group under sequence
+    parallelism, whose ranks route the shards of one micro-batch; then, for the global share, the
+    ``dp_cp`` replicas). ``global_share``: the aux loss's ``f`` is the running share rather than this
+    forward's. ``microbatches`` bounds the forwards of one step, so a loop that never calls
+    :meth:`start` fails instead of silently counting over several steps.
     """
 
-    def __init__(self, num_experts: int, device: torch.device, replicas: GroupInfo | None, *,
+    def __init__(self, num_experts: int, device: torch.device, groups: tuple[GroupInfo, ...] = (), *,
                  global_share: bool, microbatches: int) -> None:
-        self.num_experts, self.replicas, self.global_share = num_experts, replicas, global_share
-        self.microbatches = microbatches
+        self.num_experts, self.global_share, self.microbatches = num_experts, global_share, microbatches
+        self.groups = tuple(g for g in groups if g.size > 1)
         self.running = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
         self.forwards = 0
         self._recorded: deque[torch.Tensor] = deque()
@@ -81,24 +85,28 @@ class StepLoad:
         self.forwards = 0
         self._recorded.clear()
 
+    @property
+    def replays(self) -> bool:
+        """Whether a recomputation must replay the recorded share (it was communicated or running)."""
+        return self.global_share or bool(self.groups)
+
     @torch.no_grad()
     def __call__(self, routed: torch.Tensor, tokens: int) -> torch.Tensor:
         if recomputing():  # the original forward counted (and communicated) already
-            return self._recorded.popleft() if self.global_share else routed.float() / tokens
+            return self._recorded.popleft() if self.replays else routed.float() / tokens
         self.forwards += 1
         if self.forwards > self.microbatches:
             raise RuntimeError(f"an MoE layer ran {self.forwards} training forwards in one step of "
                                f"{self.microbatches} micro-batches: the step's load was not reset (call "
                                f"LoadBalancing.start_step() before each step)")
         local = torch.cat([routed.to(torch.int64), routed.new_full((1,), tokens, dtype=torch.int64)])
-        if not self.global_share:
-            self.running += local
-            return routed.float() / tokens
-        if self.replicas is not None and self.replicas.size > 1:
-            dist.all_reduce(local, group=self.replicas.group)
+        for group in self.groups:
+            dist.all_reduce(local, group=group.group)
         self.running += local
-        share = (self.running[:-1].double() / self.running[-1].double()).float()
-        self._recorded.append(share)
+        counted = self.running if self.global_share else local
+        share = (counted[:-1].double() / counted[-1].double()).float()
+        if self.replays:
+            self._recorded.append(share)
         return share
 
 
@@ -108,6 +116,8 @@ class LoadBalancing:
 
     def __init__(self, layers: list[MoELayer], trackers: list[StepLoad], replicas: GroupInfo | None,
                  rate: float) -> None:
+        # the trackers' running sums already include the TP shards (sequence parallelism) and, for the
+        # global share, the replicas; step_loads adds the replicas otherwise
         self.layers, self.trackers, self.replicas, self.rate = layers, trackers, replicas, rate
 
     def start_step(self) -> None:
@@ -140,21 +150,26 @@ class LoadBalancing:
 
 
 def attach_load_balancing(stages: Iterable[nn.Module], section: MoeSection, replicas: GroupInfo | None, *,
-                          microbatches: int) -> LoadBalancing | None:
+                          microbatches: int, sequence: GroupInfo | None = None) -> LoadBalancing | None:
     """Give every MoE layer of ``stages`` (set up by :func:`plait.moe.configure_moe`) a
     :class:`StepLoad` over ``replicas`` (the ``dp_cp`` group; ``None``: one process) when it needs
-    one, the global-batch aux loss or a sigmoid router; returns the step hooks, or ``None`` when no
-    layer of this rank needs them (a dense model, a stage without MoE layers, micro-batch scope
-    with softmax routers)."""
+    one: the global-batch aux loss, a sigmoid router, or an aux loss under sequence parallelism
+    (``sequence``: the TP group then, whose ranks route shards of the same micro-batch). Returns
+    the step hooks, or ``None`` when no layer of this rank needs them (a dense model, a stage
+    without MoE layers, micro-batch scope with softmax routers and no sequence shards)."""
     layers = [m for stage in stages for m in stage.modules() if isinstance(m, MoELayer)]
-    global_share = section.aux_loss_scope == "global_batch" and any(layer.aux_loss_scale for layer in layers)
+    aux = any(layer.aux_loss_scale for layer in layers)
+    global_share = section.aux_loss_scope == "global_batch" and aux
     biased = any(isinstance(layer.gate, SigmoidTopKRouter) for layer in layers)
-    if not (global_share or biased):
+    sharded = sequence is not None and sequence.size > 1
+    if not (global_share or biased or (sharded and aux)):
         return None
+    groups = ((sequence,) if sharded and sequence is not None else ()) + (
+        (replicas,) if global_share and replicas is not None else ())
     trackers = []
     for layer in layers:
         device = next(layer.parameters()).device
-        tracker = StepLoad(layer.num_experts, device, replicas, global_share=global_share, microbatches=microbatches)
+        tracker = StepLoad(layer.num_experts, device, groups, global_share=global_share, microbatches=microbatches)
         layer.load_tracker = tracker
         trackers.append(tracker)
     return LoadBalancing(layers, trackers, replicas, section.router_bias_update_rate)

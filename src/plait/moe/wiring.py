@@ -33,21 +33,25 @@ def moe_layers(modules: Iterable[nn.Module]) -> list[tuple[str, MoELayer]]:
 
 
 def configure_moe(stages: list[nn.Module], section: MoeSection, config: Any, *, microbatches: int,
-                  stats: bool = True) -> list[tuple[str, MoELayer]]:
-    """Set every MoE layer of ``stages`` from ``section`` (a no-op for a dense model); returns them."""
+                  stats: bool = True, sequence_shards: int = 1) -> list[tuple[str, MoELayer]]:
+    """Set every MoE layer of ``stages`` from ``section`` (a no-op for a dense model); returns them.
+
+    ``sequence_shards``: the TP degree under sequence parallelism (each rank's layers see a
+    ``1 / sequence_shards`` shard of the micro-batch's tokens; see :mod:`plait.moe.sequence_parallel`).
+    """
     layers = moe_layers(stages)
     if not layers:
         return layers
     count = len(config.moe_layer_ids())  # over the whole model, not this rank's stages
     coef = section.aux_loss_coef if section.aux_loss_coef is not None else config.router_aux_loss_coef
     for _, layer in layers:
-        layer.aux_loss_scale = coef / (microbatches * count)
-        layer.z_loss_scale = section.z_loss_coef / (microbatches * count)
+        layer.aux_loss_scale = coef / (microbatches * count * sequence_shards)
+        layer.z_loss_scale = section.z_loss_coef / (microbatches * count * sequence_shards)
         layer.capacity_factor = section.capacity_factor
         if section.router == "sigmoid" and not isinstance(layer.gate, SigmoidTopKRouter):
             layer.gate = sigmoid_router_from(layer.gate, num_groups=section.router_groups,
                                              topk_groups=section.router_topk_groups)
-        if section.aux_loss_scope == "global_batch" and layer.aux_loss_scale:
+        if layer.aux_loss_scale and (section.aux_loss_scope == "global_batch" or sequence_shards > 1):
             layer.load_tracker = _unattached  # attach_load_balancing gives it the step's counter
         if stats:
             device = next(layer.parameters()).device
@@ -56,7 +60,7 @@ def configure_moe(stages: list[nn.Module], section: MoeSection, config: Any, *, 
 
 
 def _unattached(routed: torch.Tensor, tokens: int) -> torch.Tensor:
-    raise RuntimeError("moe.aux_loss_scope=global_batch needs the step's load counter: call "
+    raise RuntimeError("moe.aux_loss_scope=global_batch and sequence parallelism need the step's load counter: call "
                        "plait.moe.step_load.attach_load_balancing after configure_moe and its start_step() "
                        "before each step")
 

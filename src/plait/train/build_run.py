@@ -200,7 +200,8 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
     # MoE layers (the builder already kept this rank's experts and set up the token exchange when
     # ep > 1): the aux/z-loss weights, which carry the step's normalisation (no-op for dense models)
-    configure_moe(stages, r.moe, config, microbatches=r.parallel.microbatches)
+    configure_moe(stages, r.moe, config, microbatches=r.parallel.microbatches,
+                  sequence_shards=mesh.tp if r.parallel.sequence_parallel else 1)
     t = r.train
     if t.activation_checkpointing != "off":
         apply_activation_checkpointing(stages, t.activation_checkpointing, t.checkpoint_modules or None)

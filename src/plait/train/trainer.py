@@ -86,8 +86,9 @@ class Trainer:
                                   start_step=st.start_step)
         self.metrics = RunningMetrics(st.device)
         # MoE: the step's expert load over the replicas (global-batch aux loss, sigmoid router bias); None if unused
-        self.load_balancing = attach_load_balancing(st.stages, r.moe, st.mesh.info("dp_cp"),
-                                                    microbatches=r.parallel.microbatches)
+        self.load_balancing = attach_load_balancing(
+            st.stages, r.moe, st.mesh.info("dp_cp"), microbatches=r.parallel.microbatches,
+            sequence=st.mesh.info("tp") if r.parallel.sequence_parallel else None)
         self.peak_flops = self._measure_peak_once()
         self.is_writer = rank == 0
         self.sinks = self._build_sinks() if self.is_writer else None

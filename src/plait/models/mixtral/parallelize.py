@@ -10,9 +10,10 @@ all-reduced output, normalised) is the same on every TP rank, so each rank route
 to the same experts and computes the same output; the layer's parameters are replicated like a
 norm weight (identical gradients, counted once in the norm and written once by the checkpoint,
 both by their missing shard spec). The experts' work is repeated on the ``tp`` ranks: the
-choice trades that compute for no TP communication in the MoE layer. Sequence parallelism is
-refused: each rank would route only its sequence shard, and the per-micro-batch load-balancing
-statistics would no longer be those of one process.
+choice trades that compute for no TP communication in the MoE layer. With sequence parallelism
+each rank routes and computes only its sequence shard (no repeated work); the builder then sums
+the layer's parameter gradients over the TP group and the trainer sums the routing counts of the
+load-balancing loss over it (:mod:`plait.moe.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ def parallelize(model: LlamaForCausalLM, mesh: ParallelMesh, *, sequence_paralle
                 rng: TensorParallelRNG | None = None) -> LlamaForCausalLM:
     """Swap in tensor-parallel modules for ``mesh``'s TP group on a model on the meta device, in
     place; returns the model."""
-    if sequence_parallel and mesh.tp > 1:
-        raise ValueError(f"parallel.sequence_parallel=true with parallel.tp={mesh.tp} is not available for "
-                         f"Mixture-of-Experts models; set parallel.sequence_parallel=false")
     if next(model.parameters()).device.type != "meta":
         raise ValueError("the MoE tensor-parallel plan applies to a model on the meta device (plait.materialize "
                          "builds one); build the model with plait.materialize.build_model")
