@@ -19,7 +19,7 @@ from plait.data.batch import TokenBatch
 from plait.materialize import build_stages
 from plait.mesh import single_process_mesh
 from plait.models.mixtral import MixtralConfig
-from plait.moe import MoeSection, configure_moe, moe_layers
+from plait.moe import MoeSection, configure_moe, moe_layers, read_moe_stats
 from plait.moe.step_load import attach_load_balancing
 from plait.nn.moe import SigmoidTopKRouter, assignments_per_expert
 from plait.pipeline.runtime import PipelineRuntime
@@ -74,7 +74,7 @@ def test_bias_follows_the_recorded_step_loads():
     routing itself depends on the bias, so a late or partial update would change the counts)."""
     (stage,) = build_stages(_config(), single_process_mesh(), [[0, 1]], seed=5)
     section = MoeSection(router="sigmoid", router_bias_update_rate=RATE, aux_loss_coef=0.0)
-    configure_moe([stage], section, _config(), microbatches=2, stats=False)
+    configure_moe([stage], section, _config(), microbatches=2)
     hooks = attach_load_balancing([stage], section, None, microbatches=2)
     assert hooks is not None
     layers = moe_layers([stage])
@@ -92,6 +92,11 @@ def test_bias_follows_the_recorded_step_loads():
         per_step = [forwards[2 * s] + forwards[2 * s + 1] for s in range(steps)]
         assert torch.allclose(layer.gate.expert_bias, _reference_bias(per_step), atol=1e-7)
         assert layer.gate.expert_bias.abs().sum() > 0
+    metrics, _ = read_moe_stats(layers)  # the logged spread of each layer's bias
+    for name, layer in layers:
+        short = name.replace("model.layers.", "layer").split(".")[0]
+        bias = layer.gate.expert_bias
+        assert metrics[f"moe/{short}/bias_range"] == pytest.approx(float(bias.max() - bias.min()))
     before = [layer.gate.expert_bias.clone() for _, layer in layers]
     hooks.start_step()
     runtime.run(TokenBatch(input_ids=batch, labels=batch), train=True)

@@ -17,8 +17,10 @@ import sys
 
 import pytest
 import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from distributed import run_distributed
+from plait.activation_checkpointing import apply_activation_checkpointing
 from plait.config import RecipeError, load_recipe_text, validate_recipe
 from plait.data.batch import TokenBatch
 from plait.materialize import build_model, build_stages
@@ -82,6 +84,17 @@ def test_gradient_accumulation_adds_the_scaled_losses_once():
     stage.zero_grad()
     runtime.run(TokenBatch(input_ids=_batch(), labels=_batch()), train=True)
     assert (stage.get_parameter(router).grad - ref[router]).abs().max() > 1e-4
+
+
+def test_checkpointed_recomputation_is_not_counted_in_the_load_statistics():
+    (stage,) = build_stages(_config(), single_process_mesh(), [[0, 1]], seed=5)
+    runtime = _runtime([stage], single_process_mesh())
+    apply_activation_checkpointing([stage], "full")
+    with set_checkpoint_early_stop(False):  # the recomputation runs the whole layer, its statistics included
+        runtime.run(TokenBatch(input_ids=_batch(), labels=_batch()), train=True)
+    for _, layer in moe_layers([stage]):
+        assert layer.stats is not None and layer.stats.forwards == 3, "one count per micro-batch forward"
+        assert int(layer.stats.routed.sum()) == 3 * MB * SEQ * 2  # micro-batches x tokens x top-k
 
 
 def _pp_worker(rank: int, world: int) -> dict:

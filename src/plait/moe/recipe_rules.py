@@ -47,8 +47,9 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: 
         default = MoeSection()
         for key in ("router_bias_update_rate", "router_groups", "router_topk_groups"):
             if getattr(moe, key) != getattr(default, key):
-                out.append((f"moe.{key}", getattr(moe, key), f"only the sigmoid router uses it (moe.router="
-                                                              f"{moe.router!r}); set moe.router: sigmoid or remove "
+                router = "is not set (the family's softmax router)" if moe.router is None else f"={moe.router!r}"
+                out.append((f"moe.{key}", getattr(moe, key), f"only the sigmoid router uses it (moe.router "
+                                                              f"{router}); set moe.router: sigmoid or remove "
                                                               f"moe.{key}"))
     if moe.router_topk_groups > moe.router_groups:
         out.append(("moe.router_topk_groups", moe.router_topk_groups,

@@ -52,12 +52,7 @@ from torch import nn
 from plait.comm.primitives import GroupInfo
 from plait.moe.section import MoeSection
 from plait.nn.moe import MoELayer, SigmoidTopKRouter, update_expert_bias
-
-
-def recomputing() -> bool:
-    """Whether the forward running now is an activation-checkpointing recomputation (it runs inside
-    a backward pass: the autograd engine has a current graph task)."""
-    return torch._C._current_graph_task_id() != -1
+from plait.nn.recompute import recomputing
 
 
 class StepLoad:

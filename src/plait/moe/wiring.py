@@ -70,7 +70,8 @@ def read_moe_stats(layers: list[tuple[str, MoELayer]], group: Any = None,
                    world: int = 1) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The interval's MoE metrics, then the counters reset: per layer (``moe/<layer>/...``) the
     load imbalance (max / mean assignments per expert), the dropped share of assignments, and the
-    mean aux and z-loss per forward. One host read for all of this rank's layers; with ``world > 1``
+    mean aux and z-loss per forward, and for a sigmoid router the spread (max - min) of its expert
+    bias. One host read for all of this rank's layers; with ``world > 1``
     every rank of ``group`` (all ranks) must call it, and each value is the mean over the ranks
     holding that layer (data-parallel replicas routed different tokens; pipeline stages hold
     different layers). Second: each layer's per-expert share of the assignments (for the load map).
@@ -104,6 +105,10 @@ def _local_stats(layers: list[tuple[str, MoELayer]]) -> tuple[dict[str, float], 
         names += [f"moe/{short}/imbalance", f"moe/{short}/dropped", f"moe/{short}/aux_loss", f"moe/{short}/z_loss"]
         values += [routed.max() / routed.mean().clamp(min=1e-9), s.dropped / total, s.aux / s.forwards,
                    s.z / s.forwards]
+        if isinstance(layer.gate, SigmoidTopKRouter):  # how far the load-balancing bias has moved apart
+            bias = layer.gate.expert_bias
+            names.append(f"moe/{short}/bias_range")
+            values.append(bias.max() - bias.min())
         load_names.append(short)
         loads.append(routed / total)
         layer.stats = MoEStats.zeros(layer.num_experts, routed.device)

@@ -35,6 +35,7 @@ from plait.nn.moe.dispatch import DispatchPlan, expert_capacity, plan_dispatch
 from plait.nn.moe.experts import ExpertMLP, Experts
 from plait.nn.moe.losses import add_loss_gradient, load_balancing_loss, router_z_loss
 from plait.nn.moe.router import Routing
+from plait.nn.recompute import recomputing
 
 #: ``dispatcher(rows [N, H] sorted by expert, plan, experts) -> [N, H]`` expert outputs in the same order
 Dispatcher = Callable[[torch.Tensor, DispatchPlan, Experts], torch.Tensor]
@@ -126,7 +127,7 @@ class MoELayer(nn.Module):
         return y.view(shape)
 
     def _losses(self, y: torch.Tensor, routing: Routing, plan: DispatchPlan) -> torch.Tensor:
-        want_stats = self.training and self.stats is not None
+        want_stats = self.training and self.stats is not None and not recomputing()  # counted once
         tracker = self.load_tracker if self.training and torch.is_grad_enabled() else None  # training forwards only
         if not (self.aux_loss_scale or self.z_loss_scale or want_stats or tracker is not None):
             return y
