@@ -198,8 +198,11 @@ def _host_reads_worker(rank, world, recipe_yaml, prepared):
     return counts, [layer.stats.forwards for _, layer in layers]
 
 
-@pytest.mark.parametrize("layout", ["one-process", pytest.param("ep2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["one-process", pytest.param("ep2", marks=pytest.mark.slow),
+                                    pytest.param("ep2-exact", marks=pytest.mark.slow)])
 def test_moe_steps_make_no_host_reads(tmp_path, layout):
+    """No host read in a step; with ``moe.dispatch=exact`` exactly one per MoE layer and micro-batch
+    forward (its split sizes), which also shows that the exact dispatcher is the one running."""
     from plait.config import load_recipe, recipe_to_yaml
     from plait.config.load import DEFAULT_RECIPE
     from plait.data.corpora import shakespeare_files
@@ -210,10 +213,12 @@ def test_moe_steps_make_no_host_reads(tmp_path, layout):
     (src / "a.txt").write_text(shakespeare_files()[0].read_text(encoding="latin-1")[:40000], encoding="utf-8")
     world = 1 if layout == "one-process" else 2
     extra = [] if world == 1 else ["parallel.dp=2", "parallel.ep=2"]
+    exact = layout.endswith("exact")
+    extra += ["moe.dispatch=exact"] if exact else []
     recipe = load_recipe(DEFAULT_RECIPE, TINY + extra + [f"data.source={src}", f"run.output_dir={tmp_path / 'run'}"])
     prepared = str(prepare_data(recipe))
     for counts, forwards in run_distributed(_host_reads_worker, world, recipe_to_yaml(recipe), prepared):
-        assert counts == [0, 0, 0], f"host reads per step {counts}"
+        assert counts == [2 * 2 if exact else 0] * 3, f"host reads per step {counts}"  # 2 layers x 2 micro-batches
         assert forwards == [6, 6], "each layer ran 2 micro-batches x 3 steps with its statistics on"
 
 

@@ -45,6 +45,13 @@ class MoeSection(BaseModel):
                                   "balanced share (tokens * top_k / experts); the lowest-weight ones over it are "
                                   "dropped; null = dropless")
 
+    dispatch: Literal["static", "exact"] = Field(
+        default="static", description="How tokens travel to their experts under parallel.ep > 1: static = "
+                                      "equal slots of every routed row per peer (no host read in the step, "
+                                      "ep x the rows on the wire); exact = only the rows routed to each peer "
+                                      "(variable split sizes, one host read of the counts per MoE layer and "
+                                      "forward); no effect at ep=1")
+
     def changed(self) -> list[str]:
         """The fields whose value differs from the default (a dumped recipe sets every field)."""
         default = MoeSection()

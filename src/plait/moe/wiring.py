@@ -8,7 +8,9 @@ step's objective ``loss + coef * mean over micro-batches, ranks and MoE layers o
 loss``. Pipeline stages need nothing more: each adds its own layers' gradients, and a stage
 without MoE layers adds none.
 
-``moe.router: sigmoid`` replaces each layer's router by a sigmoid one over the same weight (before
+``moe.dispatch: exact`` swaps the expert-parallel layers' static all-to-all for the exact-volume one
+(:mod:`plait.moe.exact_dispatch`). ``moe.router: sigmoid`` replaces each layer's router by a sigmoid
+one over the same weight (before
 the optimizer and a checkpoint restore see the model); the global-batch scope and the sigmoid
 router's bias update also need each step's load over the data-parallel replicas, which
 :func:`plait.moe.step_load.attach_load_balancing` adds (the trainer calls it, after this).
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.moe.exact_dispatch import ExactAllToAllDispatcher
+from plait.moe.expert_parallel import AllToAllDispatcher
 from plait.moe.section import MoeSection
 from plait.nn.moe import MoELayer, MoEStats, SigmoidTopKRouter, sigmoid_router_from
 
@@ -48,6 +52,8 @@ def configure_moe(stages: list[nn.Module], section: MoeSection, config: Any, *, 
         layer.aux_loss_scale = coef / (microbatches * count * sequence_shards)
         layer.z_loss_scale = section.z_loss_coef / (microbatches * count * sequence_shards)
         layer.capacity_factor = section.capacity_factor
+        if section.dispatch == "exact" and isinstance(layer.dispatcher, AllToAllDispatcher):
+            layer.dispatcher = ExactAllToAllDispatcher(layer.dispatcher.ep)
         if section.router == "sigmoid" and not isinstance(layer.gate, SigmoidTopKRouter):
             layer.gate = sigmoid_router_from(layer.gate, num_groups=section.router_groups,
                                              topk_groups=section.router_topk_groups)
