@@ -14,7 +14,8 @@
    each side's operator table (one step, by self CPU time) and its operator count.
 2. Two gloo ranks, one thread each, data parallel over 2: forward + backward of the same model
    with every expert on both ranks (EP=1) and with the experts split (EP=2: 4 of 8 per rank,
-   tokens exchanged by all-to-all). The gradient all-reduce and the optimizer are left out (they
+   tokens exchanged by all-to-all in static slots, then with ``moe.dispatch=exact``'s
+   variable-split exchange). The gradient all-reduce and the optimizer are left out (they
    differ only by the expert parameters' share). The all-to-all share is the time spent inside
    plait's exchanges (forward and backward) over the step time, measured on rank 0.
 
@@ -49,7 +50,7 @@ from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.hf_io import save_hf_checkpoint  # noqa: E402
 from plait.models.mixtral import MixtralConfig  # noqa: E402
 from plait.moe import all_to_all as a2a_module  # noqa: E402
-from plait.moe import expert_parallel  # noqa: E402
+from plait.moe import exact_dispatch, expert_parallel, moe_layers  # noqa: E402
 
 DEFAULTS = dict(vocab=2048, hidden=256, intermediate=512, layers=4, experts=8, top_k=2, batch=4, seq=256,
                 rounds=5, steps=3, warmup=1)
@@ -148,13 +149,27 @@ def _ep_worker(rank: int, world: int, a: argparse.Namespace) -> None:
         spent[0] += time.perf_counter() - t
         return out
 
+    def timed_variable(x, send, receive, group):
+        t = time.perf_counter()
+        out = real_variable(x, send, receive, group)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    real_variable = exact_dispatch._exchange
     a2a_module.exchange = timed  # type: ignore[assignment]  # the forward and backward exchanges
     expert_parallel.exchange = timed  # type: ignore[assignment]  # the count exchange
+    exact_dispatch.exchange = timed  # type: ignore[assignment]  # moe.dispatch=exact: its count exchange
+    exact_dispatch._exchange = timed_variable  # type: ignore[assignment]  # and its variable-split rows
     res = {}
-    for ep in (1, 2):
+    layouts = {"EP=1": (1, None), "EP=2 (static slots)": (2, None),
+               "EP=2 (moe.dispatch=exact)": (2, exact_dispatch.ExactAllToAllDispatcher)}
+    for name, (ep, dispatcher) in layouts.items():
         mesh = ParallelMesh(world, rank, dp=world, ep=ep)
         model = build_model(config, mesh, seed=0).train()
         expert_parallel.apply_expert_parallel([model], mesh.info("ep"))
+        if dispatcher is not None:
+            for _, layer in moe_layers([model]):
+                layer.dispatcher = dispatcher(mesh.info("ep"))
         for _ in range(a.warmup):
             model(ids, ids).backward()
         times, shares = [], []
@@ -167,13 +182,14 @@ def _ep_worker(rank: int, world: int, a: argparse.Namespace) -> None:
             dt = time.perf_counter() - t
             times.append(dt)
             shares.append(spent[0] / dt)
-        res[ep] = (statistics.median(times), statistics.median(shares))
+        res[name] = (statistics.median(times), statistics.median(shares))
     if rank != 0:
         return
     tokens = a.batch * a.seq
-    rows = [[f"EP={ep}", f"{res[ep][0] * 1000:.0f}", f"{tokens / res[ep][0]:.0f}", f"{100 * res[ep][1]:.1f}%"]
-            for ep in (1, 2)]
-    rows.append(["EP=2 / EP=1", f"{res[2][0] / res[1][0]:.2f}x time", f"{res[1][0] / res[2][0]:.2f}x", ""])
+    rows = [[name, f"{t * 1000:.0f}", f"{tokens / t:.0f}", f"{100 * share:.1f}%"] for name, (t, share) in res.items()]
+    one = res["EP=1"][0]
+    rows += [[f"{name} / EP=1", f"{res[name][0] / one:.2f}x time", f"{one / res[name][0]:.2f}x", ""]
+             for name in list(layouts)[1:]]
     table = markdown_table(["layout (2 ranks, DP=2)", "ms per fwd+bwd (rank 0)", "tok/s (2 ranks)",
                             "all-to-all share"], rows)
     print(f"\n## two ranks (1 thread each), forward + backward, median of {a.rounds * a.steps}\n\n{table}\n",
