@@ -36,6 +36,7 @@ from plait.plan.memory import (
     chunk_cost,
     chunk_expert_parameter_count,
     estimate_memory,
+    layer_activation_bytes,
     local_shapes,
     rank_chunks,
     rank_parameter_count,
@@ -45,8 +46,10 @@ from plait.plan.moe import (
     all_to_all_bytes,
     expert_parameter_count,
     moe_activation_bytes,
+    moe_parameter_count,
     moe_shape,
     moe_weight_copies,
+    sequence_parallel_tp_bytes,
     shared_parameter_count,
 )
 from plait.plan.search import SearchOptions, enumerate_layouts, rank_layouts
@@ -241,6 +244,60 @@ def test_saved_activations_match_autograd(precision, ep):
     assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
 
 
+@pytest.mark.parametrize("precision,ep", [("autocast", 2), *(pytest.param(p, e, marks=SLOW) for p, e in (
+    ("fp32", 1), ("bf16-pure", 2), ("autocast", 1)))])
+def test_sequence_parallel_moe_term_is_the_shards_and_matches_autograd(precision, ep):
+    """Sequence parallelism at tp = 2: each TP rank's MoE layer runs on its sequence shard, B * S / 2
+    tokens (plait.moe.sequence_parallel), so one process running the model's MoE layer on a shard
+    saves what one rank saves. The planner's sparse layer under SP differs from the same layer
+    without SP by exactly the norms' and the attention input's halving (as for a dense layer) and
+    the MoE block's term at B * S / 2 tokens instead of B * S; that term (with the layer's weight
+    copies) equals what autograd saves for the shard, expert-parallel dispatch included; the
+    full-sequence term (no SP: every TP rank routes every token) is far above it."""
+    config = mixtral()
+    B, S, tp, h = 2, 32, 2, config.hidden_size
+    sp, full = (Layout(tp=tp, dp=ep, ep=ep, sequence_parallel=on) for on in (True, False))
+    c, r, p = {"fp32": (4, 4, 4), "autocast": (2, 4, 4), "bf16-pure": (2, 2, 2)}[precision]
+    autocast = precision == "autocast"
+    shape = moe_shape(config)
+    assert shape is not None
+
+    def moe(tokens: int) -> int:
+        return moe_activation_bytes(shape, h, tokens, ep, compute=c, residual=r, autocast=autocast)
+
+    # the planner's layer: norms (fp32 input, normalised output, rsqrt) and the attention's matmul
+    # input at S / tp positions under SP; attention at the local heads either way; MoE at the shard
+    halved = S - S // tp
+    dense_part = 2 * (B * halved * h * (4 + r) + 4 * B * halved) + B * halved * h * c
+    assert layer_activation_bytes(config, full, precision, B, S, 0) - layer_activation_bytes(
+        config, sp, precision, B, S, 0) == dense_part + moe(B * S) - moe(B * S // tp)
+    est = moe(B * S // tp) + moe_weight_copies(shape, h, ep, compute=c, param=p, autocast=autocast)
+
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    model = build_model(config, single_process_mesh(), dtype=dtype)
+    _training_moe(model)
+    apply_expert_parallel([model], GroupInfo(None, 0, ep))
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    params = {q.untyped_storage().data_ptr() for q in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    # the rank's shard of the normalised residual stream, in the residual dtype
+    shard = torch.randn(B, S // tp, h, dtype=torch.float32 if r == 4 else torch.bfloat16, requires_grad=True)
+    a, b = _copy_exchange()
+    with a, b, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        layer(shard)
+    got = sum(seen.values())
+    assert 0 <= got - est <= 64, (got, est)  # the aux loss's [E] vectors
+    full_est = moe(B * S) + moe_weight_copies(shape, h, ep, compute=c, param=p, autocast=autocast)
+    assert full_est - got > (moe(B * S) - moe(B * S // tp)) // 2  # the negative control
+
+
 @pytest.mark.parametrize("precision,gate", [("autocast", True), ("bf16-pure", False),
                                             pytest.param("fp32", True, marks=SLOW),
                                             pytest.param("autocast", False, marks=SLOW)])
@@ -367,11 +424,61 @@ def test_step_time_counts_active_experts_and_the_all_to_all():
     assert executed == pytest.approx(t1.model_flops / 16 - norms, rel=1e-12)
 
 
+def test_sequence_parallel_divides_expert_flops_and_all_to_all_by_tp():
+    """Under SP each TP rank routes and computes its 1/tp shard: per rank, the router and active
+    experts' FLOPs (recomputation included) and the all-to-all rows fall by tp, attention's stay."""
+    config = recipe_config("mixtral-8x7b.yaml")
+    shape = moe_shape(config)
+    assert shape is not None
+    h, m, S = config.hidden_size, 16, 4096
+    kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=S, microbatches=m)
+    base = Layout(tp=2, pp=4, dp=8, ep=2, activation_checkpointing="full")
+    sp = dataclasses.replace(base, sequence_parallel=True)
+    active = shared_parameter_count(shape, h) + 2 * 3 * h * shape.width  # router + k = 2 experts per token
+    for r in range(4):
+        layers = sum(len(ch.layers) for ch in rank_chunks(config, base, S, r))
+        saved = rank_flops(config, base, S, 1, m, r) - rank_flops(config, sp, S, 1, m, r)
+        assert saved == pytest.approx(m * S * layers * 6 * active / 2 * 4 / 3, rel=1e-12)  # half, and its recompute
+    h100 = get_device("h100")
+    t_base, t_sp = (estimate_step_time(config, lay, h100, **kw) for lay in (base, sp))
+    per_layer = {lay: all_to_all_bytes(shape, h, tokens, 2, compute=2, residual=2, recompute=True)
+                 for lay, tokens in ((base, S), (sp, S // 2))}
+    assert t_base.ep_bytes == pytest.approx(8 * m * per_layer[base], rel=1e-12)  # 8 sparse layers per stage
+    assert t_sp.ep_bytes == pytest.approx(8 * m * per_layer[sp], rel=1e-12)
+    assert t_sp.ep_bytes == pytest.approx(t_base.ep_bytes / 2, rel=1e-6)  # the counts do not halve
+    assert t_sp.compute_s < t_base.compute_s and t_sp.ep_comm_s < t_base.ep_comm_s
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_volume_of_sparse_layers(sp):
+    """A sparse layer's TP traffic is its attention half's (the MoE layer is whole on every TP rank):
+    4 ring units of the activation without SP, 5 with it; under SP each micro-batch also all-reduces
+    every MoE parameter's gradient (autograd's, bf16 here) and the E + 1 routing counts over TP.
+    Hand count on one pipeline stage (embedding and head terms as for Llama)."""
+    config = recipe_config("mixtral-8x7b.yaml")
+    shape = moe_shape(config)
+    assert shape is not None
+    h, m, S, E = config.hidden_size, 2, 4096, 8
+    layout = Layout(tp=2, dp=32, ep=2, sequence_parallel=sp)
+    t = estimate_step_time(config, layout, get_device("h100"), precision="bf16-mixed", micro_batch_size=1,
+                           seq_len=S, microbatches=m)
+    A, ring = S * h * 2, 1 / 2
+    moe_params = E * h + E // 2 * 3 * h * shape.width
+    assert moe_parameter_count(shape, h, 2) == moe_params
+    grads = 2 * ring * (moe_params * 2 + (E + 1) * 8)
+    assert sequence_parallel_tp_bytes(shape, h, 2, 2, grad=2) == pytest.approx(grads)
+    layer = (5 * ring * A + grads) if sp else 4 * ring * A
+    ends = 2 * ring * S * h * 2 + (3 if sp else 2) * ring * A  # embedding, head
+    assert t.tp_comm_s == pytest.approx(m * (32 * layer + ends) / 450e9, rel=1e-12)
+
+
 # ------------------------------------------------------------------------------ search
-def test_search_picks_ep_when_memory_requires_it_and_never_sp():
+def test_search_picks_ep_when_memory_requires_it_and_tries_sp():
     """Mixtral-8x7B on 64 H100 with at most 4 pipeline stages: no layout with ep = 1 fits (every
     rank holds all experts of its layers), so the recommendation splits the experts; each ep divides
-    the expert count and dp; no layout uses sequence parallelism."""
+    the expert count and dp. Every tp > 1 layout is tried with sequence parallelism off and on (it
+    saves the repeated expert work but sums the MoE gradients over TP each micro-batch), and only
+    off with ``moe_sequence_parallel=False`` (a recipe with a capacity factor, which SP refuses)."""
     config = recipe_config("mixtral-8x7b.yaml")
     options = SearchOptions(max_tp=1, max_pp=4, max_vpp=1, schedules=("1f1b",), activation_checkpointing=("full",))
     kw = dict(micro_batch_size=1, seq_len=4096, global_batch_size=256, precision="bf16-mixed")
@@ -383,8 +490,16 @@ def test_search_picks_ep_when_memory_requires_it_and_never_sp():
                             require_fit=False, **kw)
     assert only_one.recommended is None  # the negative control
     wide = enumerate_layouts(config, 64, seq_len=4096, options=SearchOptions(max_vpp=1, schedules=("1f1b",)))
-    assert wide and not any(layout.sequence_parallel for layout in wide)
     assert {layout.ep for layout in wide} == {1, 2, 4, 8}
+    assert not any(layout.sequence_parallel for layout in wide if layout.tp == 1)
+    tp_layouts = [layout for layout in wide if layout.tp > 1]
+    assert tp_layouts and {layout.tp for layout in tp_layouts} == {2, 4, 8}
+    with_sp = {layout for layout in tp_layouts if layout.sequence_parallel}
+    assert with_sp and {dataclasses.replace(layout, sequence_parallel=True) for layout in tp_layouts} == with_sp
+    assert len(tp_layouts) == 2 * len(with_sp)  # each one off and on
+    off = enumerate_layouts(config, 64, seq_len=4096,
+                            options=SearchOptions(max_vpp=1, schedules=("1f1b",), moe_sequence_parallel=False))
+    assert set(off) == {layout for layout in wide if not layout.sequence_parallel}
 
 
 def test_plan_output_shows_ep_and_the_expert_terms():
@@ -459,11 +574,14 @@ def test_dense_plan_is_unchanged(layout, m, total, seconds):
 
 
 # ------------------------------------------------------------------------------ dry run, command
-def test_dry_run_of_an_expert_parallel_layout_matches():
+@pytest.mark.parametrize("sp", [False, True])
+def test_dry_run_of_an_expert_parallel_layout_matches(sp):
+    """The build of an expert-parallel rank, with sequence parallelism too (the MoE gradient hooks
+    skip meta parameters), has the estimated parameters and experts."""
     from plait.plan.dry_run import dry_run
 
     config = qwen3_moe()
-    layout = Layout(tp=2, pp=2, dp=2, ep=2, zero1=True)
+    layout = Layout(tp=2, pp=2, dp=2, ep=2, zero1=True, sequence_parallel=sp)
     for rank in (0, 7):
         report = dry_run(config, layout, 8, rank, precision="bf16-mixed", seq_len=64, microbatches=4)
         assert report.matches_exactly, report.check_line()

@@ -260,12 +260,16 @@ def test_plan_command_dry_run_tiny(capsys):
 
 
 def test_moe_layouts_are_only_those_moe_runs():
-    """Mixtral: no sequence-parallel layout (MoE refuses it) and dp always a multiple of the recipe's
+    """Mixtral: sequence parallelism only with tp > 1, and none when the search is told the recipe
+    sets a capacity factor (plait refuses it with SP); dp always a multiple of the recipe's
     parallel.ep (expert parallelism folds over data parallelism)."""
     from plait.plan.search import SearchOptions, enumerate_layouts
 
     config = recipe_config("mixtral-8x7b.yaml")
     layouts = enumerate_layouts(config, 64, seq_len=4096, options=SearchOptions(expert_parallel=8))
     assert layouts
-    assert not any(layout.sequence_parallel for layout in layouts)
+    assert all(layout.tp > 1 for layout in layouts if layout.sequence_parallel)
+    capacity = enumerate_layouts(config, 64, seq_len=4096,
+                                 options=SearchOptions(expert_parallel=8, moe_sequence_parallel=False))
+    assert capacity and not any(layout.sequence_parallel for layout in capacity)
     assert all(layout.dp % 8 == 0 for layout in layouts)

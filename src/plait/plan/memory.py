@@ -84,8 +84,13 @@ tensors, the dispatch indices, the expert-side rows (``ep * T * k`` under expert
 fixed slot of ``T * k`` rows per peer) and their SwiGLU tensors, and the fp32 combine;
 ``weight_copies`` adds the grouped matmul's stacked local expert weights (every preset) and the
 router's fp32 upcast (bf16 presets); ``comm_buffers`` one layer's exchange send and receive
-buffers; ``workspace`` the stacked expert-weight gradient. Measured against autograd's saved
-tensors and the optimizer's buffers in ``tests/test_plan_moe.py``.
+buffers; ``workspace`` the stacked expert-weight gradient. Under sequence parallelism each TP rank's
+sparse layer routes only its sequence shard, so the MoE block's activations and exchange buffers
+are those of ``B * S'`` tokens (without it every TP rank holds all ``B * S``), and the backward's
+workspace adds the copy of one expert projection's gradient that the TP gradient sum makes
+(:func:`plait.moe.sequence_parallel.sum_moe_gradients_over_tp` clones it to all-reduce).
+Measured against autograd's saved tensors (a sequence shard's included) and the optimizer's
+buffers in ``tests/test_plan_moe.py``.
 
 After the last backward (activations gone) the step phase needs the gradient buffer plus
 ``step_buffers``, the largest of these transients (they do not overlap in time):
@@ -431,7 +436,9 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
     SwiGLU tensors) are replaced by the MoE block's, :func:`plait.plan.moe.moe_activation_bytes`
     (routing, dispatch indices, the expert rows including the fixed-slot padding under expert
     parallelism, their SwiGLU tensors, the fp32 combine); ``"selective"`` does not checkpoint
-    it (its default modules are the attention core and ``mlp.act``).
+    it (its default modules are the attention core and ``mlp.act``). Under sequence parallelism
+    the MoE block holds the rank's sequence shard, ``B * S'`` tokens (each TP rank routes its own;
+    without it every TP rank routes all ``B * S``).
     """
     pb = precision_bytes(precision)
     sh = local_shapes(config, layout)
@@ -460,7 +467,7 @@ def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, 
         mlp = 4 * B * S * sh.intermediate * c
     if sparse:
         assert moe is not None
-        mlp = moe_activation_bytes(moe, h, B * S, sh.ep, compute=c, residual=r, autocast=pb.autocast)
+        mlp = moe_activation_bytes(moe, h, B * S_r, sh.ep, compute=c, residual=r, autocast=pb.autocast)
     return norms + matmul_in + attn + mlp
 
 
@@ -537,7 +544,9 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
     if moe is not None and any(moe.is_sparse(layer) for layer in chunk.layers):
         # the grouped matmul's gradient of one stacked projection [E/ep, h, w] (compute dtype), then
         # its cast to the parameter dtype before it is split into the experts' gradients
-        bwd = max(bwd, local_experts(moe, sh.ep) * h * moe.width * (c + (p if p != c else 0)))
+        bwd = max(bwd, local_experts(moe, sh.ep) * h * moe.width * (c + (p if p != c else 0))
+                  # sequence parallelism: the hook's copy of one expert projection's gradient to sum over TP
+                  + (h * moe.width * p if layout.sequence_parallel and sh.tp > 1 else 0))
     if chunk.last:
         act += B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
         if pb.autocast:
@@ -827,7 +836,8 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     tp_gather = B * S * sh.hidden * pb.compute if (layout.sequence_parallel and layout.tp > 1) else 0
     ring = ring_buffer_bytes(B, S, sh.kv) if layout.cp > 1 else 0  # S is the local sequence here
     moe = moe_shape(config)
-    exchange = moe_comm_buffer_bytes(moe, sh.hidden, B * S, layout.ep, pb.residual) \
+    # the exchange buffers hold the rank's routed tokens: its sequence shard under sequence parallelism
+    exchange = moe_comm_buffer_bytes(moe, sh.hidden, B * _replicated_seq(layout, S), layout.ep, pb.residual) \
         if moe is not None and any(moe.is_sparse(layer) for ch in chunks for layer in ch.layers) else 0
     # step phase, one transient at a time: the norm's fp32 copies of bf16 gradients, the bf16
     # optimizer's fp32 working copies of its largest segment, ZeRO-1's all-gather staging

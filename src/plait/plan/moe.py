@@ -8,10 +8,12 @@ and the layout, following how plait runs the layer (:mod:`plait.nn.moe`, :mod:`p
 * **parameters** (per rank): the router ``E * h`` and, when present, the shared expert are whole on
   every rank (replicated over TP like a norm weight, averaged over ``dp`` like any dense weight);
   the routed experts are split over the expert group, ``E / ep`` whole experts of ``3 * h * w`` each
-  (no TP split: the TP ranks repeat the expert work), reduced and ZeRO-1-sharded over the
+  (no TP split: the TP ranks repeat the expert work, or under sequence parallelism each
+  computes its shard's), reduced and ZeRO-1-sharded over the
   expert-data-parallel group of ``dp / ep`` ranks. A family's dense layers (Qwen3-MoE's
   ``mlp_only_layers``) keep Llama's tensor-parallel MLP.
-* **saved activations** of one sparse layer per micro-batch, ``T = B * S`` tokens, ``N = T * k``
+* **saved activations** of one sparse layer per micro-batch, ``T = B * S`` tokens (``B * S / tp``
+  under sequence parallelism), ``N = T * k``
   assignments, ``R`` rows on the expert side (``N`` at ``ep = 1``; ``ep * N`` with expert
   parallelism, because every rank reserves a fixed slot of ``N`` rows per peer), ``c`` compute and
   ``r`` residual bytes (see :func:`moe_activation_bytes`);
@@ -23,6 +25,13 @@ and the layout, following how plait runs the layer (:mod:`plait.nn.moe`, :mod:`p
   forward sends the tokens (rows in the layer input's dtype ``r``) and returns the outputs (``c``),
   the backward repeats both with the gradients, and full checkpointing repeats the forward pair;
   each forward also exchanges the ``[ep, E/ep]`` int64 counts (:func:`all_to_all_bytes`).
+
+Sequence parallelism (``parallel.sequence_parallel`` with ``tp > 1``, :mod:`plait.moe.sequence_parallel`):
+each TP rank's sparse layer routes and computes only its sequence shard, so every token count
+above is the rank's ``T / tp`` (the callers pass it; without sequence parallelism every TP rank
+holds and computes all ``T``). The price is in the backward: each MoE parameter's gradient (router,
+shared expert, local experts) is summed over the TP group once per micro-batch, and each training
+forward sums ``E + 1`` int64 counts over it (:func:`sequence_parallel_tp_bytes`).
 
 Routing is assumed balanced (each expert gets ``N / E`` assignments of a micro-batch): the
 executed FLOPs of the experts are those of the ``k`` chosen experts per token, as in
@@ -210,6 +219,25 @@ def all_to_all_bytes(shape: MoEShape, hidden: int, tokens: int, ep: int, *, comp
     return forwards * (pair + counts) + pair
 
 
+def moe_parameter_count(shape: MoEShape, hidden: int, ep: int) -> int:
+    """Every parameter of one sparse layer on a rank: the router, the shared expert and the
+    ``E / ep`` local experts (what sequence parallelism sums over TP)."""
+    return shared_parameter_count(shape, hidden) + expert_parameter_count(shape, hidden, ep)
+
+
+def sequence_parallel_tp_bytes(shape: MoEShape, hidden: int, ep: int, tp: int, *, grad: int) -> float:
+    """Bytes one rank moves over its TP group per sparse layer and micro-batch under sequence
+    parallelism (0 at ``tp = 1``): the ring all-reduce of each MoE parameter's gradient, autograd's
+    in the parameter dtype (``grad`` bytes), ``2 (tp-1)/tp * P_moe * grad``
+    (:func:`moe_parameter_count`; once per micro-batch: the hooks run in its backward, a recomputed
+    forward adds none), and of the forward's ``E + 1`` int64 routing counts, ``2 (tp-1)/tp (E+1) 8``
+    (counted once: a recomputed forward replays them; sent when the aux loss is on, assumed in training)."""
+    if tp == 1:
+        return 0.0
+    ring = 2 * (tp - 1) / tp
+    return ring * (moe_parameter_count(shape, hidden, ep) * grad + (shape.experts + 1) * 8)
+
+
 def active_ffn_matmul_parameters(config: LlamaConfig, shape: MoEShape, layer: int, tp: int) -> int:
     """Feed-forward parameters one token's matmuls read on a rank of a TP group of ``tp``: a sparse
     layer's router, ``k`` experts and shared expert (whole on every TP rank); a dense layer's MLP
@@ -223,4 +251,5 @@ def active_ffn_matmul_parameters(config: LlamaConfig, shape: MoEShape, layer: in
 
 __all__ = ["MoEShape", "active_ffn_matmul_parameters", "all_to_all_bytes", "attention_extra_parameters",
            "expert_parameter_count", "expert_rows", "full_ffn_parameters", "layer_kinds", "local_experts",
-           "moe_activation_bytes", "moe_comm_buffer_bytes", "moe_shape", "moe_weight_copies", "shared_parameter_count"]
+           "moe_activation_bytes", "moe_comm_buffer_bytes", "moe_parameter_count", "moe_shape", "moe_weight_copies",
+           "sequence_parallel_tp_bytes", "shared_parameter_count"]

@@ -24,14 +24,18 @@ Rules of the enumeration (one :class:`~plait.plan.layout.Layout` per combination
 * schedule: ``pp == 1``: none (recorded as ``"1f1b"``, vpp 1); ``pp > 1, vpp == 1``: ``"1f1b"``
   (and ``"gpipe"`` when asked for); ``vpp == 2``: ``"interleaved-1f1b"``, which needs ``m``
   divisible by ``pp`` (:func:`~plait.pipeline.schedules.validate_schedule` decides).
-* ``sequence_parallel`` on whenever ``tp > 1`` (and ``seq_len / cp % tp == 0``); ``zero1`` both off
-  and on when ``dp * cp > 1``; ``activation_checkpointing`` ``"none"`` and ``"full"``.
+* ``sequence_parallel`` on whenever ``tp > 1`` (and ``seq_len / cp % tp == 0``); MoE models try it
+  off and on (it saves the expert work each TP rank repeats without it, and costs one TP all-reduce
+  of every MoE parameter's gradient per micro-batch), and only off with
+  ``SearchOptions.moe_sequence_parallel=False`` (plait refuses ``moe.capacity_factor`` with it);
+  ``zero1`` both off and on when ``dp * cp > 1``; ``activation_checkpointing`` ``"none"`` and
+  ``"full"``.
 * ``cp`` (context parallelism): 1, and for ``seq_len >= LONG_SEQ`` also 2, 4, 8, 16 where
   ``seq_len % (2 * cp) == 0`` and ``tp * cp`` divides the world (``SearchOptions.context_parallel``
   fixes the list); ``pp`` then divides ``world / (tp * cp)`` and ``dp = world / (tp * pp * cp)``.
 * ``ep`` (MoE families): every divisor of the expert count that divides ``dp`` (expert parallelism
   folds over data parallelism), 1 when ``cp > 1`` (plait refuses both); ``SearchOptions.expert_parallel``
-  fixes the list. Dense models: 1. MoE models never get sequence parallelism (plait refuses it).
+  fixes the list. Dense models: 1.
 
 Ranking: by seconds per sequence of the global batch (the step time when the global batch is
 fixed, the default), then by peak memory. A layout fits when its per-rank total is at most the
@@ -103,6 +107,9 @@ class SearchOptions:
     #: the layout's dp (EP folds over data parallelism); an int or a tuple fixes them (a layout whose
     #: dp none of them divides is skipped). Dense models: 1.
     expert_parallel: int | tuple[int, ...] | None = None
+    #: MoE: try sequence parallelism (off and on) when tp > 1; False keeps it off (a recipe with
+    #: ``moe.capacity_factor``, which plait refuses with sequence parallelism). Dense models: unused.
+    moe_sequence_parallel: bool = True
 
 
 def _divisors(n: int) -> list[int]:
@@ -200,8 +207,8 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
             continue
         valid_kv, auto_kv = heads
         kv_factors = valid_kv if options.all_kv_replications else [auto_kv]
-        moe = moe_shape(config)  # MoE families refuse sequence parallelism
-        sp = tp > 1 and (seq_len // cp) % tp == 0 and moe is None
+        moe = moe_shape(config)
+        sps = _sequence_parallel_choices(tp, seq_len // cp, moe, options)
         for pp in _divisors(world // (tp * cp)):
             if options.max_pp is not None and pp > options.max_pp:
                 continue
@@ -240,13 +247,27 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
                         pipeline.append((vpp, name))
             for vpp, schedule in pipeline:
                 for kv in kv_factors:
-                    for ep in eps:
+                    for ep, sp in ((e, s) for e in eps for s in sps):
                         for zero1 in ((False, True) if dp * cp > 1 and options.try_zero1 else (False,)):
                             for ckpt in options.activation_checkpointing:
                                 out.append((Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
                                                    sequence_parallel=sp, zero1=zero1, activation_checkpointing=ckpt,
                                                    schedule=schedule, cp=cp, ep=ep), m))
     return out, reasons
+
+
+def _sequence_parallel_choices(tp: int, local_seq: int, moe: MoEShape | None,
+                               options: SearchOptions) -> tuple[bool, ...]:
+    """Sequence parallelism for a TP degree (module rules): a dense model always takes it when the
+    rank's sequence splits over ``tp`` (it saves activations and costs little TP traffic); an MoE
+    model tries it off and on (it also saves the repeated expert work, but sums every MoE
+    parameter's gradient over TP in each micro-batch's backward), only off with
+    ``options.moe_sequence_parallel=False``."""
+    if tp == 1 or local_seq % tp:
+        return (False,)
+    if moe is None:
+        return (True,)
+    return (False, True) if options.moe_sequence_parallel else (False,)
 
 
 def _expert_degrees(moe: MoEShape | None, options: SearchOptions) -> list[int]:

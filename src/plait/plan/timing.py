@@ -68,7 +68,13 @@ NeuronLink), across nodes ``inter_node_bw`` (per device, one direction). Latency
   :func:`plait.plan.moe.all_to_all_bytes`, over intra-node links when ``tp * ep`` ranks fit in a
   node (``ep_comm_s``, on the critical path like TP). Expert gradients are reduced over the
   ``dp / ep`` expert-data-parallel ranks (ring volume of the rank's own experts), the rest over
-  ``dp``.
+  ``dp``. A sparse layer's TP collectives are its attention half's (half a dense layer's units:
+  the MoE layer is whole on every TP rank and communicates nothing over TP without SP). Under
+  sequence parallelism each TP rank routes its ``1 / tp`` shard: the router, expert and shared
+  expert FLOPs and the all-to-all rows are those of ``T / tp`` tokens, and each micro-batch's
+  backward all-reduces the layer's parameter gradients over TP, ``2 (tp-1)/tp * P_moe * p``, plus
+  the forward's ``E + 1`` routing counts (:func:`plait.plan.moe.sequence_parallel_tp_bytes`),
+  counted in ``tp_comm_s`` (synchronous in the backward, one small all-reduce per parameter).
 
 ``total_s = (compute_s + tp_comm_s + ep_comm_s) / (1 - bubble_share) + pp_comm_s + (1 - dp_overlap) *
 dp_comm_s + cp_exposed_s``
@@ -97,7 +103,14 @@ from plait.plan.memory import (
     precision_bytes,
     rank_chunks,
 )
-from plait.plan.moe import active_ffn_matmul_parameters, all_to_all_bytes, layer_kinds, moe_shape
+from plait.plan.moe import (
+    MoEShape,
+    active_ffn_matmul_parameters,
+    all_to_all_bytes,
+    layer_kinds,
+    moe_shape,
+    sequence_parallel_tp_bytes,
+)
 from plait.tensor_parallel.heads import HeadLayout
 
 #: achievable share of the dense matmul peak (large GEMMs reach 0.6-0.8 of it on H100; a whole
@@ -181,18 +194,20 @@ def rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, micro_batch_si
 def _moe_rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, tokens: int, pp_rank: int,
                     stage_layers: list[list[int]] | None) -> float:
     """:func:`rank_flops` of an MoE family: per token, a sparse layer's router, ``k`` experts and
-    shared expert (whole on every TP rank, which all repeat them) instead of the MLP; balanced
+    shared expert (whole on every TP rank, which all repeat them; under sequence parallelism each
+    TP rank computes them for its ``1 / tp`` shard of the tokens) instead of the MLP; balanced
     routing (each rank of an expert group computes, on average, its own tokens' share)."""
     moe = moe_shape(config)
     assert moe is not None
     sh = local_shapes(config, layout)
+    shard = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1  # the tokens' share a TP rank routes
     total = 0.0
     for ch in rank_chunks(config, layout, seq_len, pp_rank, stage_layers=stage_layers):
         if ch.last:
             total += 6 * sh.vocab * sh.hidden
         for layer, count in layer_kinds(moe, ch.layers):
             attention = layer_matmul_parameter_count(config, sh, layer) - ffn_parameter_count(config, moe, sh, layer)
-            ffn = active_ffn_matmul_parameters(config, moe, layer, layout.tp)
+            ffn = active_ffn_matmul_parameters(config, moe, layer, layout.tp) / (shard if moe.is_sparse(layer) else 1)
             per_layer = 6 * (attention + ffn) + 12 * sh.q * seq_len
             total += count * (per_layer + {"none": 0.0, "full": per_layer / 3,
                                            "selective": 4 * sh.q * seq_len}[layout.activation_checkpointing])
@@ -245,21 +260,29 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
         if layout.activation_checkpointing == "full":
             layer_units += 4  # the recomputed forward: 2 AG + 2 RS, or 2 all-reduces (2 * 2)
         layer_tp = layer_units * _ring(T) * A
+        # an MoE family's sparse layer: the attention half's collectives only (the MoE layer is whole
+        # on every TP rank: none in it); under sequence parallelism its gradient sum is added below
+        sparse_tp = (layer_units // 2) * _ring(T) * A
         heads = layout.kv_replication if layout.kv_replication > 1 else None
         m_kv = HeadLayout.plan(config.num_attention_heads, config.num_key_value_heads, config.head_dim, T,
                                heads).kv_replication
         if m_kv > 1:
-            layer_tp += 2 * 2 * _ring(m_kv) * B * S * sh.kv * pb.compute
+            kv_tp = 2 * 2 * _ring(m_kv) * B * S * sh.kv * pb.compute
+            layer_tp += kv_tp
+            sparse_tp += kv_tp
         first_tp = 2 * _ring(T) * B * S * sh.hidden * pb.residual  # all-reduce, or RS + its backward AG
         last_tp = (3 if sp else 2) * _ring(T) * A  # dx all-reduce; or AG, re-gather and dx RS
     else:
-        tp_bw, layer_tp, first_tp, last_tp = 1.0, 0.0, 0.0, 0.0
+        tp_bw, layer_tp, first_tp, last_tp, sparse_tp = 1.0, 0.0, 0.0, 0.0, 0.0
 
-    # MoE: the expert group's all-to-all bytes per sparse layer and micro-batch (0 at ep = 1)
+    # MoE: the expert group's all-to-all bytes per sparse layer and micro-batch (0 at ep = 1), of
+    # the rank's routed tokens (its sequence shard under sequence parallelism)
     moe = moe_shape(config)
     layer_a2a = 0.0 if moe is None else all_to_all_bytes(
-        moe, sh.hidden, B * S, layout.ep, compute=pb.compute, residual=pb.residual,
+        moe, sh.hidden, B * S_r, layout.ep, compute=pb.compute, residual=pb.residual,
         recompute=layout.activation_checkpointing == "full")
+    if moe is not None and sp:
+        sparse_tp += sequence_parallel_tp_bytes(moe, sh.hidden, layout.ep, T, grad=pb.param)
     ep_bw = _bandwidth(device, T * layout.cp * layout.ep <= per_node, "the expert all-to-all") if layer_a2a else 1.0
 
     slowest = (0.0, 0.0, 0.0, 0.0, 0.0)  # (compute + tp + ep, compute, tp, ep, ep bytes)
@@ -269,8 +292,8 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
         chunks = rank_chunks(config, layout, S_full, r, stage_layers=stage_layers)
         flops = rank_flops(config, layout, S_full, B, m, r, stage_layers)
         comp = flops / (peak * efficiency)
-        vol = sum(len(ch.layers) * layer_tp + (first_tp if ch.first else 0) + (last_tp if ch.last else 0)
-                  for ch in chunks) * m
+        vol = sum(_layers_tp(moe, ch.layers, layer_tp, sparse_tp) + (first_tp if ch.first else 0)
+                  + (last_tp if ch.last else 0) for ch in chunks) * m
         tp_s = vol / tp_bw if T > 1 else 0.0
         a2a = 0.0
         if moe is not None and layer_a2a:
@@ -330,6 +353,14 @@ def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, 
                          dp_exposed_s=dp_exposed, flops_per_rank=slowest_flops, model_flops=model_flops,
                          peak_flops=peak, efficiency=efficiency, cp_comm_s=cp_comm_s, cp_exposed_s=cp_exposed,
                          ep_comm_s=ep_comm_s, ep_bytes=ep_bytes)
+
+
+def _layers_tp(moe: MoEShape | None, layers: tuple[int, ...], dense: float, sparse: float) -> float:
+    """TP bytes of ``layers`` per micro-batch: ``dense`` per decoder layer, ``sparse`` per MoE layer."""
+    if moe is None:
+        return len(layers) * dense
+    n = sum(1 for layer in layers if moe.is_sparse(layer))
+    return (len(layers) - n) * dense + n * sparse
 
 
 __all__ = ["DEFAULT_DP_OVERLAP", "DEFAULT_EFFICIENCY", "DEVICES_PER_NODE", "TimeBreakdown", "estimate_step_time",
