@@ -5,7 +5,8 @@ Parameter counts are compared with the model the builder makes for a rank (meta 
 split over ``ep``); model states with the buffers a real ``DistributedOptimizer`` allocates with
 expert buckets; saved activations with what autograd saves in one forward of a tiny Mixtral
 (saved-tensor hooks), expert parallelism included: the all-to-all is replaced by a copy, so one
-process runs the real dispatcher with its real buffer shapes; the all-to-all volume with the
+process runs the real dispatcher with its real buffer shapes; sequence parallelism with the MoE
+layer run on one rank's sequence shard (what each TP rank runs); the all-to-all volume with the
 bytes that dispatcher hands to the exchange in a forward and backward. The search is checked on
 Mixtral-8x7B's shape, and a dense model's plan against the numbers of the planner before MoE.
 """
@@ -597,7 +598,8 @@ MIXTRAL_128 = ["parallel.pp=4", "parallel.ep=2", "parallel.microbatches=32"]
 def test_mixtral_recipe_is_the_plan_and_its_dry_run_matches(world, overrides):
     """recipes/mixtral-8x7b.yaml on 64 GPUs, and with its commented overrides on 128: the layout
     validates, is the planner's recommendation (searched over tp = 1 and full checkpointing, the
-    subset the whole search's recommendation lies in; the whole search is ~2 min) and its first and
+    subset the whole search's recommendation lies in, sequence-parallel tp > 1 layouts included;
+    the whole search is ~1 min per world) and its first and
     last ranks build on the fake process group with the estimated parameters and experts."""
     from plait.commands.plan import load_plan_inputs
     from plait.config import load_recipe, validate_recipe
