@@ -2,8 +2,9 @@
 
 **Part 1, bubble.** For each pipeline size ``p`` in ``--pps`` the script starts ``p`` gloo ranks on the
 CPU (one intra-op thread each) and runs plait's :class:`~plait.pipeline.runtime.PipelineRuntime`
-with each schedule of ``--schedules`` (default ``1f1b``, ``interleaved-1f1b`` with ``vpp=2``, and
-the zero-bubble ``zb-h1``) for every ``m`` in ``--microbatches``, on a
+with each schedule of ``--schedules`` (default ``1f1b``, ``interleaved-1f1b`` with ``vpp=2``, the
+zero-bubble ``zb-h1`` and ``interleaved-zb``, also with ``--vpp`` chunks) for every ``m`` in
+``--microbatches``, on a
 Llama whose blocks dominate (small vocabulary, decoder layers split evenly over the ``p * vpp``
 stages). Training schedule only: no optimizer step (gradients are set to ``None`` between steps).
 
@@ -16,7 +17,8 @@ the slowest rank's ``run()`` time (all ranks leave a barrier together). Measured
 rank's median over ``--rounds`` steps, averaged over ranks, and the range of those per-rank medians.
 Columns to compare with:
 
-* ``theory``: ``theoretical_bubble(p, m)`` / ``theoretical_bubble(p, m, vpp)``: equal stages, no
+* ``theory``: ``schedule_bubble(name, p, m, vpp)`` (1F1B's ``(p-1)/(vpp m + p-1)``, the zero-bubble
+  schedules' with ``F = B = W``): equal stages, no
   communication cost;
 * ``sim: uniform stages``: ``plait.pipeline.simulate.simulate`` with this run's median forward and
   backward time of one chunk and the measured one-way p2p time of one activation (gloo
@@ -80,19 +82,24 @@ from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.pipeline import tasks as T  # noqa: E402
 from plait.pipeline.layout import plan_partition  # noqa: E402
 from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
-from plait.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_tasks  # noqa: E402
-from plait.pipeline.simulate import simulate, theoretical_bubble  # noqa: E402
+from plait.pipeline.schedules import (  # noqa: E402
+    INTERLEAVED_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    schedule_tasks,
+)
+from plait.pipeline.simulate import schedule_bubble, simulate  # noqa: E402
 
 DEFAULTS = dict(
     # part 1: blocks dominate, one chunk forward (1 layer, 1 x 256 tokens) ~16 ms on one thread
     vocab=512, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, seq=256, micro_batch_size=1,
-    pps="2,4", microbatches="4,8", vpp=2, rounds=4, warmup=1, schedules="1f1b,interleaved-1f1b,zb-h1",
+    pps="2,4", microbatches="4,8", vpp=2, rounds=4, warmup=1, schedules="1f1b,interleaved-1f1b,zb-h1,interleaved-zb",
     # part 2
     bal_vocab=32000, bal_hidden=256, bal_intermediate=688, bal_layers=8, bal_heads=4, bal_kv_heads=2,
     bal_seq=128, balance_stages=4, bal_iters=7,
 )
 SMOKE = dict(vocab=256, hidden=64, intermediate=128, layers=8, heads=4, kv_heads=2, seq=32, micro_batch_size=1,
-             pps="2,4", microbatches="4", vpp=2, rounds=2, warmup=1, schedules="1f1b,interleaved-1f1b,zb-h1",
+             pps="2,4", microbatches="4", vpp=2, rounds=2, warmup=1,
+             schedules="1f1b,interleaved-1f1b,zb-h1,interleaved-zb",
              bal_vocab=2048, bal_hidden=64, bal_intermediate=128, bal_layers=8, bal_heads=4, bal_kv_heads=2,
              bal_seq=32, balance_stages=4, bal_iters=2)
 
@@ -207,7 +214,7 @@ def bubble_worker(rank: int, world: int, args: argparse.Namespace, out_path: str
     pp_group = mesh.group("pp")
     configs = []  # (label, vpp, m, runtime)
     for name in args.schedules.split(","):
-        vpp = args.vpp if name == "interleaved-1f1b" else 1
+        vpp = args.vpp if name in INTERLEAVED_SCHEDULES else 1
         num = world * vpp
         if config.num_hidden_layers < num:
             raise SystemExit(f"{config.num_hidden_layers} layers cannot fill {num} stages")
@@ -309,7 +316,7 @@ def summarize(row: dict) -> dict:
     peaks = [max(step[rk]["peak_mib"] for step in row["steps"]) for rk in range(p)]
     fwd_cpu = statistics.median(x for step in row["steps"] for r in step for x in r["fwd_cpu"])
     rank_med = [statistics.median(pr[rk] for pr in per_rank) for rk in range(p)]
-    return dict(p=p, m=m, vpp=vpp, schedule=name, theory=theoretical_bubble(p, m, vpp),
+    return dict(p=p, m=m, vpp=vpp, schedule=name, theory=schedule_bubble(name, p, m, vpp),
                 sim_uniform=simulate(p, m, vpp, name, forward_time=fwd_all * vpp,
                                      backward_time=(bwd_all + wgt_all) * vpp, p2p_time=row["p2p_s"],
                                      weight_time=wgt_all * vpp if split else None).mean_bubble,

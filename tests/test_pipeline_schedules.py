@@ -91,6 +91,16 @@ EXPECTED = {
     ("zb-h1", 2, 4, 1, 1): "rA0 F0 B0 sG0 rA1 F1 B1 sG1 W0 rA2 F2 B2 sG2 W1 rA3 F3 B3 sG3 W2 W3 R",
     # fewer microbatches than the lag: every W waits for the end
     ("zb-h1", 4, 2, 1, 3): "rA0 F0 B0 sG0 rA1 F1 B1 sG1 W0 W1 R",
+    # interleaved-zb, pp=2, vpp=2, m=4: interleaved 1F1B's F/B order above; rank 0 (lag 0) runs each W
+    # right after its B; rank 1 (lag 2) keeps two Ws waiting, then one W per B, the last two close.
+    ("interleaved-zb", 2, 4, 2, 0): "F0a sA0a F1a sA1a rA0b F0b sA0b rA1b F1b sA1b "
+                                    "F2a sA2a rG0b B0b sG0b W0b F3a sA3a rG1b B1b sG1b W1b "
+                                    "rA2b F2b sA2b rG0a B0a W0a rA3b F3b sA3b rG1a B1a W1a "
+                                    "rG2b B2b sG2b W2b rG3b B3b sG3b W3b rG2a B2a W2a rG3a B3a W3a R",
+    ("interleaved-zb", 2, 4, 2, 1): "rA0a F0a sA0a rA1a F1a sA1a rA0b F0b B0b sG0b rA1b F1b B1b sG1b "
+                                    "rA2a F2a sA2a rG0a B0a sG0a W0b rA3a F3a sA3a rG1a B1a sG1a W1b "
+                                    "rA2b F2b B2b sG2b W0a rA3b F3b B3b sG3b W1a rG2a B2a sG2a W2b "
+                                    "rG3a B3a sG3a W3b W2a W3a R",
 }
 
 
@@ -180,7 +190,10 @@ def test_structure_over_grid():
                 # one W per B, after it, in microbatch order (the weight gradients' accumulation order)
                 wpos = {(t.microbatch, t.chunk): i for i, t in enumerate(tasks) if isinstance(t, WeightGrad)}
                 assert wgt == bwd and all(pos[("B", mb, c)] < wpos[(mb, c)] for mb, c in every), where
-                assert max(_awaiting_w_peak(tasks), 1) <= pp, where
+                # zb-h1: at most pp microbatches between F and W; interleaved-zb: at most interleaved
+                # 1F1B's rank-0 peak of chunks in flight
+                bound = pp if vpp == 1 else min(2 * (pp - 1) + (vpp - 1) * pp + 1, vpp * m)
+                assert max(_awaiting_w_peak(tasks), 1) <= bound, where
             else:
                 assert wgt == [], where
             for i, t in enumerate(tasks[:-1]):
@@ -263,6 +276,34 @@ def test_zero_bubble_bubble_formula():
     assert simulate(4, 8, 1, "1f1b").mean_bubble == pytest.approx(theoretical_bubble(4, 8))
 
 
+def test_interleaved_zero_bubble_is_deadlock_free_and_beats_both_parents():
+    # pp 2..8, m a multiple of pp, vpp 2..3, several B/W splits and link latencies: every list runs
+    # to the end, with interleaved 1F1B's work and activations in flight, never slower than it (nor,
+    # without link latency, than zb-h1; same total work), and at uniform F = B = W its idle share is
+    # (pp-1)/(3 vpp m + pp-1) up to pp = 6 (half of zb-h1's at vpp = 2).
+    checked = 0
+    for pp in range(2, 9):
+        for m in (pp, 2 * pp, 3 * pp):
+            for vpp in (2, 3):
+                for f, b, w, p2p in ((1.0, 2.0, 1.0, 0.0), (2.0, 3.0, 1.0, 0.0), (1.0, 2.0, 0.5, 0.3)):
+                    izb = simulate(pp, m, vpp, "interleaved-zb", f, b, p2p, weight_time=w)
+                    inter = simulate(pp, m, vpp, "interleaved-1f1b", f, b, p2p)
+                    zb = simulate(pp, m, 1, "zb-h1", f, b, p2p, weight_time=w)
+                    assert izb.busy == pytest.approx(inter.busy), (pp, m, vpp)
+                    assert izb.total_time <= inter.total_time + 1e-9, (pp, m, vpp, f, b, w, p2p)
+                    if p2p == 0:  # chunks cross vpp times more links: with latency zb-h1 can win
+                        assert izb.total_time <= zb.total_time + 1e-9, (pp, m, vpp, f, b, w, p2p)
+                    assert izb.peak_in_flight == inter.peak_in_flight, (pp, m, vpp)
+                    checked += 1
+                if pp <= 6:
+                    res = simulate(pp, m, vpp, "interleaved-zb", 1.0, 2.0, weight_time=1.0)
+                    assert res.mean_bubble == pytest.approx((pp - 1) / (3 * vpp * m + pp - 1), abs=1e-9), (pp, m)
+    assert checked > 120
+    assert simulate(4, 8, 2, "interleaved-zb").mean_bubble == pytest.approx(3 / 51)
+    for r in range(4):  # with one chunk per rank it is zb-h1
+        assert schedule_tasks("interleaved-zb", r, 4, 8) == schedule_tasks("zb-h1", r, 4, 8)
+
+
 def test_interleaving_reduces_the_bubble():
     checked = 0
     for name, pp, m, vpp in CONFIGS:
@@ -333,8 +374,10 @@ def test_simulator_rejects_invalid_lists(lists, message):
     (("1f1b", 4, 4, 8), r"pp_rank=4 is out of range for pp=4; valid: 0..3"),
     (("1f1b", -1, 4, 8), r"pp_rank=-1 is out of range"),
     (("gpipe", 0, 4, 0), r"microbatches must be >= 1, got microbatches=0"),
-    (("1f1b", 0, 4, 8, 2), r"vpp=2 needs the 'interleaved-1f1b' schedule; '1f1b' supports only vpp=1"),
-    (("gpipe", 0, 4, 8, 2), r"vpp=2 needs the 'interleaved-1f1b' schedule; 'gpipe'"),
+    (("1f1b", 0, 4, 8, 2), r"vpp=2 needs an interleaved schedule \('interleaved-1f1b' or 'interleaved-zb'\); "
+                           r"'1f1b' supports only vpp=1"),
+    (("gpipe", 0, 4, 8, 2), r"vpp=2 needs an interleaved schedule .*; 'gpipe'"),
+    (("interleaved-zb", 0, 4, 6, 2), r"'interleaved-zb' needs microbatches divisible by pp=4"),
     (("interleaved-1f1b", 0, 4, 8, 0), r"vpp \(virtual chunks per rank\) must be >= 1, got vpp=0"),
     (("interleaved-1f1b", 0, 4, 6, 2),
      r"microbatches divisible by pp=4, got microbatches=6; valid nearby values: 4, 8"),

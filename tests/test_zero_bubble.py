@@ -155,9 +155,15 @@ def test_recipe_accepts_zb_h1_and_names_the_field_when_it_cannot_run():
     ok = check_recipe(None, ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=3",
                              "train.activation_checkpointing=full"], 2)
     assert ok.recipe.parallel.schedule == "zb-h1"
-    with pytest.raises(RecipeError, match=r"parallel.schedule: 'zb-h1' .*vpp=2 needs the 'interleaved-1f1b'"):
+    with pytest.raises(RecipeError, match=r"parallel.schedule: 'zb-h1' .*vpp=2 needs an interleaved schedule"):
         check_recipe(None, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zb-h1",
                             "parallel.microbatches=2"], 4)
+    ok = check_recipe(None, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-zb",
+                             "parallel.microbatches=4"], 2)
+    assert ok.recipe.parallel.schedule == "interleaved-zb"
+    with pytest.raises(RecipeError, match=r"parallel.microbatches: 3 .*'interleaved-zb' needs microbatches divisible"):
+        check_recipe(None, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-zb",
+                            "parallel.microbatches=3"], 2)
     with pytest.raises(RecipeError, match="parallel.schedule: 'zb-v'"):
         check_recipe(None, ["parallel.pp=2", "parallel.schedule=zb-v"], 2)
 
@@ -264,6 +270,30 @@ def test_zb_h1_matches_1f1b(corpus, tmp_path, name):
     ref = run_recipe(corpus, tmp_path / "1f1b", BASE + overrides + ["parallel.schedule=1f1b"], world, STEPS)
     assert ref[0]["losses"][-1] < ref[0]["losses"][0] - 0.3, "the reference must learn"
     got = run_recipe(corpus, tmp_path / "zb", BASE + overrides + ["parallel.schedule=zb-h1"], world, STEPS)
+    for rank, (g, r) in enumerate(zip(got, ref, strict=True)):
+        rel = max_relative(g["losses"], r["losses"])
+        assert rel <= 1e-6, f"rank {rank}: relative loss difference {rel:.2e}\n{g['losses']}\n{r['losses']}"
+    for key, err in weight_errors(merged_weights(got), merged_weights(ref)).items():
+        assert err <= 1e-5, f"{key}: relative weight difference {err:.2e}"
+
+
+#: interleaved-zb against interleaved 1F1B (same chunks, same accumulation order), 20 steps each
+INTERLEAVED = {
+    "pp2-vpp2": (["parallel.pp=2", "parallel.vpp=2", "model.num_hidden_layers=4"], 2),
+    "pp2-vpp2xdp2-zero1": (["parallel.pp=2", "parallel.vpp=2", "parallel.zero1=true", "model.num_hidden_layers=4",
+                            "data.global_batch_size=16"], 4),
+    "pp4-vpp2": (["parallel.pp=4", "parallel.vpp=2", "model.num_hidden_layers=8", "parallel.microbatches=8"], 4),
+}
+
+
+@pytest.mark.slow  # two 20-step runs per layout
+@pytest.mark.parametrize("name", list(INTERLEAVED))
+def test_interleaved_zb_matches_interleaved_1f1b(corpus, tmp_path, name):
+    overrides, world = INTERLEAVED[name]
+    ref = run_recipe(corpus, tmp_path / "i1f1b", BASE + overrides + ["parallel.schedule=interleaved-1f1b"], world,
+                     STEPS)
+    assert ref[0]["losses"][-1] < ref[0]["losses"][0] - 0.3, "the reference must learn"
+    got = run_recipe(corpus, tmp_path / "izb", BASE + overrides + ["parallel.schedule=interleaved-zb"], world, STEPS)
     for rank, (g, r) in enumerate(zip(got, ref, strict=True)):
         rel = max_relative(g["losses"], r["losses"])
         assert rel <= 1e-6, f"rank {rank}: relative loss difference {rel:.2e}\n{g['losses']}\n{r['losses']}"

@@ -27,7 +27,7 @@ from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scalin
 from plait.moe import moe_problems
 from plait.pipeline.layout import plan_partition
 from plait.pipeline.partition import PartitionError
-from plait.pipeline.schedules import ScheduleError, validate_schedule
+from plait.pipeline.schedules import INTERLEAVED_SCHEDULES, ScheduleError, validate_schedule
 from plait.post_training.objectives import PreferenceSettings, PreferenceSettingsError
 from plait.precision import KNOBS, knob_problems, knob_values
 from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
@@ -212,9 +212,9 @@ def _check_pipeline(c: _Checker, arch: LlamaConfig | None) -> None:
               f"needs at least one layer: lower parallel.pp or parallel.vpp")
     if not c.ok("parallel.schedule", "parallel.microbatches"):
         return
-    if p.vpp > 1 and p.schedule != "interleaved-1f1b":
-        c.add("parallel.schedule", p.schedule, f"vpp={p.vpp} needs the 'interleaved-1f1b' schedule; {p.schedule!r} "
-                                               f"supports only parallel.vpp=1")
+    if p.vpp > 1 and p.schedule not in INTERLEAVED_SCHEDULES:
+        c.add("parallel.schedule", p.schedule, f"vpp={p.vpp} needs an interleaved schedule ('interleaved-1f1b' or "
+                                               f"'interleaved-zb'); {p.schedule!r} supports only parallel.vpp=1")
         return
     try:
         validate_schedule(p.schedule, p.pp, p.microbatches, p.vpp)

@@ -198,9 +198,10 @@ class ParallelSection(Section):
                                                                 "backward (false: all after backward, for comparison)")
     microbatches: Int = Field(default=1, ge=1, description="Micro-batches per step (gradient accumulation; "
                                                            "pipeline micro-batches when pp > 1)")
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"] = Field(
-        default="1f1b", description="Pipeline schedule: 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1' (zero "
-                                    "bubble: weight gradients deferred into the bubbles) (used when pp > 1)")
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb"] = Field(
+        default="1f1b", description="Pipeline schedule: 'gpipe', '1f1b', 'interleaved-1f1b' (vpp chunks per "
+                                    "rank), 'zb-h1' (zero bubble: weight gradients deferred into the bubbles) or "
+                                    "'interleaved-zb' (both) (used when pp > 1)")
     partition: Literal["balanced", "even", "manual"] = Field(
         default="balanced", description="Pipeline split: 'balanced' by cost, 'even' "
                                         "by layer count, 'manual' at pipeline_cuts")

@@ -1,6 +1,6 @@
 """Pipeline-parallel schedules as pure functions: ``schedule_tasks`` returns one rank's task list.
 
-Four schedules (see docs/pipeline_schedules.md for diagrams):
+Five schedules (see docs/pipeline_schedules.md for diagrams):
 
 * ``"gpipe"``: every forward (microbatches 0..m-1), then every backward in the *same* order
   0..m-1. Forward order for the backwards makes every schedule here accumulate each chunk's
@@ -25,6 +25,19 @@ Four schedules (see docs/pipeline_schedules.md for diagrams):
   others only what ``W`` needs), so the peak over ranks is 1F1B's rank 0. With ``F = B = W`` the
   idle time per rank is ``(pp - 1)`` units instead of 1F1B's ``3 (pp - 1)``.
 
+* ``"interleaved-zb"`` (zero bubble over interleaved chunks): interleaved 1F1B's order of forwards
+  and backwards, with each backward split into ``B`` and ``W`` as in ``zb-h1``; rank ``r`` runs
+  the ``W`` of a backward once ``2 r`` newer ``B`` s have run (in the cool-down, once every forward
+  is done, one ``W`` follows each ``B``), and the remaining ``W`` s close the step. The chunks halve
+  (``vpp = 2``) the warm-up ramp that no schedule of a synchronised step can fill, and the deferred
+  ``W`` s fill most of the rest: with ``F = B = W`` and ``m`` a multiple of ``pp`` up to ``pp = 6``
+  the idle share is ``(pp - 1) / (3 vpp m + pp - 1)``, half of ``zb-h1``'s at ``vpp = 2``
+  (:func:`plait.pipeline.simulate.schedule_bubble` simulates it). Peak activations in flight are
+  interleaved 1F1B's (rank 0's ``2 (pp - 1) + (vpp - 1) pp + 1`` chunks), and the last rank
+  additionally keeps up to ``2 (pp - 1)`` chunks' weight-gradient inputs waiting for their ``W``.
+  Same constraints as ``interleaved-1f1b`` (``m`` a multiple of ``pp``); with ``vpp = 1`` it is
+  ``zb-h1``.
+
 Every Forward is immediately preceded by its RecvActivation (if the stage is not 0) and
 followed by its SendActivation (if not the last stage); every Backward is preceded by its
 RecvGradient (if not the last stage) and followed by its SendGradient (if not stage 0). Receives
@@ -34,6 +47,8 @@ tensor for longer than needed. The list ends with one ``ReduceGradients()``.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from plait.pipeline.tasks import (
     Backward,
@@ -48,9 +63,11 @@ from plait.pipeline.tasks import (
     stage_of,
 )
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
 #: schedules that split the backward into B and W (the runtime then defers weight gradients)
-SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1",)
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1", "interleaved-zb")
+#: schedules that run several model chunks per rank (``vpp``)
+INTERLEAVED_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "interleaved-zb")
 
 
 class ScheduleError(ValueError):
@@ -85,24 +102,25 @@ def validate_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, pp_ra
         raise ScheduleError(f"microbatches must be >= 1, got microbatches={microbatches}")
     if vpp < 1:
         raise ScheduleError(f"vpp (virtual chunks per rank) must be >= 1, got vpp={vpp}")
-    if name != "interleaved-1f1b":
+    if name not in INTERLEAVED_SCHEDULES:
         if vpp != 1:
-            raise ScheduleError(f"vpp={vpp} needs the 'interleaved-1f1b' schedule; {name!r} supports only vpp=1")
+            raise ScheduleError(f"vpp={vpp} needs an interleaved schedule ('interleaved-1f1b' or 'interleaved-zb'); "
+                                f"{name!r} supports only vpp=1")
         return
     if microbatches < pp:
         raise ScheduleError(
-            f"'interleaved-1f1b' needs microbatches >= pp, got microbatches={microbatches} < pp={pp}; "
+            f"{name!r} needs microbatches >= pp, got microbatches={microbatches} < pp={pp}; "
             f"use a multiple of {pp} such as {pp}"
         )
     if microbatches % pp != 0:
         lower, upper = microbatches - microbatches % pp, microbatches - microbatches % pp + pp
         raise ScheduleError(
-            f"'interleaved-1f1b' needs microbatches divisible by pp={pp}, got microbatches={microbatches}; "
+            f"{name!r} needs microbatches divisible by pp={pp}, got microbatches={microbatches}; "
             f"valid nearby values: {lower}, {upper}"
         )
     if vpp > 1 and pp < 2:
         raise ScheduleError(
-            f"'interleaved-1f1b' with vpp={vpp} needs pp >= 2 (with pp=1 every chunk would send to its own "
+            f"{name!r} with vpp={vpp} needs pp >= 2 (with pp=1 every chunk would send to its own "
             f"rank); got pp={pp}: use vpp=1"
         )
 
@@ -158,6 +176,27 @@ def _interleaved(pp_rank: int, pp: int, m: int, vpp: int) -> list[_Step]:
     return steps
 
 
+def _interleaved_zb(pp_rank: int, pp: int, m: int, vpp: int) -> list[_Step]:
+    if vpp == 1:
+        return _zb_h1(pp_rank, pp, m)
+    # interleaved 1F1B's F/B order; each B's W waits in a queue until 2 * pp_rank newer Bs have run
+    # (in the cool-down, once every forward is done, one W follows each B), the rest close the step
+    lag = 2 * pp_rank
+    total_forwards = m * vpp
+    steps: list[_Step] = []
+    pending: deque[_Step] = deque()
+    forwards = 0
+    for kind, mb, chunk in _interleaved(pp_rank, pp, m, vpp):
+        steps.append((kind, mb, chunk))
+        if kind == "F":
+            forwards += 1
+            continue
+        pending.append(("W", mb, chunk))
+        if forwards == total_forwards or len(pending) > lag:
+            steps.append(pending.popleft())
+    return steps + list(pending)
+
+
 def compute_order(name: str, pp_rank: int, pp: int, microbatches: int,
                   vpp: int = 1) -> list[Forward | Backward | WeightGrad]:
     """Only the Forward/Backward/WeightGrad tasks of ``schedule_tasks(...)``, in order (no communication)."""
@@ -178,6 +217,8 @@ def schedule_tasks(name: str, pp_rank: int, pp: int, microbatches: int, vpp: int
         steps = _gpipe(pp_rank, pp, microbatches)
     elif name == "zb-h1":
         steps = _zb_h1(pp_rank, pp, microbatches)
+    elif name == "interleaved-zb":
+        steps = _interleaved_zb(pp_rank, pp, microbatches, vpp)
     elif name == "1f1b" or vpp == 1:
         steps = _one_f_one_b(pp_rank, pp, microbatches)
     else:

@@ -98,8 +98,12 @@ def schedule_bubble(name: str, pp: int, microbatches: int, vpp: int = 1) -> floa
     1F1B, GPipe and interleaved 1F1B: :func:`theoretical_bubble`. ``zb-h1`` (backward split into
     B = W = 1): ``(pp - 1) / (3 * microbatches + pp - 1)`` when ``microbatches >= pp``, a third of
     1F1B's idle time (:func:`simulate` gives exactly this; it is used for fewer micro-batches).
+    ``interleaved-zb``: simulated (``zb-h1`` at ``vpp = 1``).
     """
-    if name != "zb-h1":
+    if name == "interleaved-zb" and vpp > 1:
+        theoretical_bubble(pp, microbatches, vpp)  # the same argument checks
+        return simulate(pp, microbatches, vpp, name).mean_bubble
+    if name not in ("zb-h1", "interleaved-zb"):
         return theoretical_bubble(pp, microbatches, vpp)
     theoretical_bubble(pp, microbatches, vpp)  # the same argument checks
     if microbatches >= pp:
