@@ -7,7 +7,8 @@ thread per rank, for
 
 * **plait**: :func:`plait.materialize.build_llama_stages` on ``ParallelMesh(2, rank, pp=2)`` driven by
   :class:`plait.pipeline.runtime.PipelineRuntime` with ``schedule="1f1b"`` (``--schedule zb-h1``: the
-  zero-bubble schedule, B and W split; the torch side stays ``Schedule1F1B``, what a user would run);
+  zero-bubble schedule, B and W split; ``--schedule interleaved-zb``: that split over ``--vpp`` chunks
+  per rank; the torch side stays ``Schedule1F1B``, what a user would run);
 * **torch.pipelining**: ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B`` around
   :class:`TorchStageModule`, a thin module that runs *the same* plait ``LlamaStage`` (same layers,
   same weights: built by the same ``build_llama_stages`` call) with the signature pipelining wants
@@ -42,6 +43,7 @@ Run (from the repository root, venv active)::
     python bench/bench_pipeline.py                 # spawns the 2 ranks itself
     python bench/bench_pipeline.py --smoke         # tiny end-to-end check
     python bench/bench_pipeline.py --schedule zb-h1
+    python bench/bench_pipeline.py --schedule interleaved-zb   # 2 chunks per rank
     python bench/bench_pipeline.py --compare-receives   # + plait with blocking receives, fresh buffers
     python bench/bench_pipeline.py --profile            # where one step's time goes, per rank
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/bench_pipeline.py
@@ -82,6 +84,7 @@ from plait.materialize import build_llama, build_llama_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.pipeline.layout import stage_layer_lists  # noqa: E402
 from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
+from plait.pipeline.schedules import INTERLEAVED_SCHEDULES  # noqa: E402
 
 PP = 2
 #: Pipeline-specific defaults (the model size is ``_common.DEFAULTS``).
@@ -177,12 +180,15 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     ids = random_batch(config, m * mbs, seq, args.seed)  # [m * mbs, seq]
     batch = ids.view(m, mbs, seq)
     layers = stage_layer_lists(config, PP, seq, method=args.split, cost="flops")
+    vpp = args.vpp if args.schedule in INTERLEAVED_SCHEDULES else 1  # plait's chunks per rank (torch: one stage)
+    plait_layers = layers if vpp == 1 else stage_layer_lists(config, PP * vpp, seq, method=args.split, cost="flops")
     log = print if rank == 0 else (lambda *a, **k: None)
     log(environment(), flush=True)
     busy_at_start = _busy()
     log(describe(config, args) + f"; PP={world} gloo ranks x 1 thread, plait {args.schedule} vs torch 1F1B, "
         f"{m} micro-batches of {mbs} x {seq}; "
-        f"split {args.split}: stage layers {layers}; AdamW {'foreach' if args.foreach else 'for-loop'} "
+        f"split {args.split}: stage layers {layers} (plait: {plait_layers}); "
+        f"AdamW {'foreach' if args.foreach else 'for-loop'} "
         f"step included", flush=True)
 
     ref_loss = float("nan")
@@ -194,7 +200,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     # plait: the pipeline runtime over this rank's stage.
     mesh = ParallelMesh(world, rank, pp=world)
-    plait_stages = build_llama_stages(config, mesh, layers, seed=args.seed)
+    plait_stages = build_llama_stages(config, mesh, plait_layers, seed=args.seed)
     for s in plait_stages:
         s.train()
     runtime = PipelineRuntime(plait_stages, mesh, schedule=args.schedule, microbatches=m, micro_batch_size=mbs,
@@ -203,7 +209,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     plait_opt = adamw([[p for s in plait_stages for p in s.parameters()]], args.foreach)
     runs = {"plait": (_step_fn(lambda: runtime.run(batch, train=True), plait_opt), Result("plait"))}
     if args.compare_receives:  # the same runtime with blocking receives into fresh buffers
-        blocking_stages = build_llama_stages(config, mesh, layers, seed=args.seed)
+        blocking_stages = build_llama_stages(config, mesh, plait_layers, seed=args.seed)
         for s in blocking_stages:
             s.train()
         blocking = PipelineRuntime(blocking_stages, mesh, schedule=args.schedule, microbatches=m,
@@ -320,8 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"sequences per micro-batch (default {PP_DEFAULTS['micro_batch_size']})")
     p.add_argument("--split", choices=("balanced", "even"), default="balanced",
                    help="layer split: plait's FLOP-balanced partition (default) or even by layer count")
-    p.add_argument("--schedule", choices=("1f1b", "zb-h1"), default="1f1b",
+    p.add_argument("--schedule", choices=("1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb"), default="1f1b",
                    help="plait's schedule (torch.distributed.pipelining runs Schedule1F1B either way)")
+    p.add_argument("--vpp", type=int, default=2, help="chunks per rank of plait's interleaved schedules (default 2)")
     p.add_argument("--compare-receives", action="store_true",
                    help="also run plait with blocking receives into fresh buffers (the runtime before pre-posting)")
     p.add_argument("--profile", action="store_true",
