@@ -363,6 +363,29 @@ def test_expert_rows_grow_with_ep_under_fixed_slots():
     assert eight.comm_buffers - one.comm_buffers == 2 * 8 * 4096 * 2 * 4096 * 2
 
 
+def test_sequence_parallel_memory_is_the_shards():
+    """Mixtral-8x7B at tp = 2: with SP a rank's exchange buffers hold its shard's rows (half), and
+    the backward's workspace (the stacked expert-weight gradient) gains the copy of one expert
+    projection's gradient that the TP gradient hook all-reduces (bf16-mixed: c = p = 2)."""
+    config = recipe_config("mixtral-8x7b.yaml")
+    kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=8)
+    base = Layout(tp=2, pp=4, dp=8, ep=2)
+    sp = dataclasses.replace(base, sequence_parallel=True)
+    one, two = (estimate_memory(config, lay, stage=1, **kw) for lay in (base, sp))
+    assert two.activations < one.activations
+    # comm buffers: the exchange's 2 * ep * N * h * r halves with the tokens; SP adds attention's
+    # gathered [B, S, h] input and halves the pipeline's B * S * h * r transfers (in flight: p2p)
+    h, S = 4096, 4096
+    exchange = 2 * 2 * S * 2 * h * 2  # ep = 2, N = S * k rows at k = 2, bf16
+    (chunk,) = rank_chunks(config, base, S, 1)
+    c_one, c_two = (chunk_cost(config, lay, "bf16-mixed", chunk, 1, S) for lay in (base, sp))
+    assert c_one.backward_transient == 4 * h * 14336 * 2  # E / ep = 4 stacked projections
+    assert c_two.backward_transient - c_one.backward_transient == h * 14336 * 2
+    p2p = {lay: m.comm_buffers - (exchange // (2 if lay.sequence_parallel else 1))
+           - (S * h * 2 if lay.sequence_parallel else 0) for lay, m in ((base, one), (sp, two))}
+    assert p2p[sp] * 2 == p2p[base] > 0
+
+
 # ------------------------------------------------------------------------------ all-to-all
 @pytest.mark.parametrize("precision,ep,ckpt", [("autocast", 2, "full"), pytest.param("fp32", 2, "none", marks=SLOW),
                                                pytest.param("autocast", 4, "none", marks=SLOW),
