@@ -642,3 +642,19 @@ def test_mixtral_recipe_is_the_plan_and_its_dry_run_matches(world, overrides):
     for rank in (0, world - 1):
         report = dry_run(config, layout, world, rank, precision="bf16-mixed", seq_len=4096, microbatches=p.microbatches)
         assert report.matches_exactly, report.check_line()
+
+
+def test_plan_command_keeps_sequence_parallelism_off_for_a_capacity_factor(capsys, tmp_path, monkeypatch):
+    """``plait plan`` searches SP for an MoE recipe at tp > 1, and not when the recipe sets a capacity
+    factor (which SP refuses)."""
+    from plait.cli import main
+
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    argv = ["plan", str(RECIPES / "moe-tiny.yaml"), "--world", "4", "--device", "h100", "--all", "--top", "200"]
+    layouts = []
+    for extra in ([], ["moe.capacity_factor=1.25"]):
+        assert main([argv[0], argv[1], *extra, *argv[2:]]) == 0
+        rows = [line.split()[1:5] for line in capsys.readouterr().out.splitlines() if " tp2 " in f" {line} "]
+        layouts.append(rows)
+    assert any("sp" in row for row in layouts[0]) and layouts[1]
+    assert not any("sp" in row for row in layouts[1])

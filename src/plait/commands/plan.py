@@ -309,6 +309,8 @@ def run(args) -> int:
                             options=SearchOptions(kv_placement=recipe.parallel.kv_placement, partition=method,
                                                   partition_cost=recipe.parallel.partition_cost,
                                                   try_zero1=not args.no_zero1,
+                                                  # a capacity factor is refused with sequence parallelism
+                                                  moe_sequence_parallel=recipe.moe.capacity_factor is None,
                                                   activation_checkpointing=("none",) if args.no_checkpointing
                                                   else ("none", "full")))
     except RecipeError as e:
