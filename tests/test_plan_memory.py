@@ -443,3 +443,16 @@ def test_step_time_links_recompute_and_efficiency():
     assert half.compute_s == pytest.approx(2 * in_node.compute_s)
     fp32 = estimate_step_time(config, layout, h100, **{**kw, "precision": "fp32"})
     assert fp32.peak_flops == h100.peak_flops["fp32"] and fp32.compute_s > in_node.compute_s
+
+
+@pytest.mark.parametrize("split, unsplit, vpp", [("zb-h1", "1f1b", 1), ("interleaved-zb", "interleaved-1f1b", 2)])
+def test_zero_bubble_schedules_hold_their_parents_activations(split, unsplit, vpp):
+    """A zero-bubble schedule runs its parent's forwards and backwards in the same order (its W tasks
+    only add the deferred weight-gradient working sets, not priced): the walked peak is the parent's,
+    never less (a W counted as a second backward would free a micro-batch twice)."""
+    config = _config()
+    for pp_rank in range(2):
+        est = {name: estimate_memory(config, _layout(config, pp=2, vpp=vpp, schedule=name), precision="fp32",
+                                     micro_batch_size=1, seq_len=64, microbatches=4, stage=pp_rank)
+               for name in (split, unsplit)}
+        assert est[split].total == est[unsplit].total and est[split].activations > 0, (split, pp_rank)

@@ -131,7 +131,7 @@ from plait.context_parallel.plan import attention_workspace_bytes, ring_buffer_b
 from plait.models.llama.config import LlamaConfig
 from plait.pipeline.layout import plan_partition
 from plait.pipeline.schedules import compute_order
-from plait.pipeline.tasks import Forward
+from plait.pipeline.tasks import Forward, WeightGrad
 from plait.plan.layout import Layout
 from plait.plan.moe import (
     MoEShape,
@@ -629,8 +629,10 @@ def _compute_order(schedule: str, pp_rank: int, pp: int, microbatches: int, vpp:
     for the same schedules many times."""
     if pp == 1:
         return tuple((fwd, mb, 0) for mb in range(microbatches) for fwd in (True, False))
+    # a zero-bubble schedule's W tasks free nothing the walk counts (their working sets, the deferred
+    # linear layers' inputs and output gradients, are not priced): only forwards and backwards
     return tuple((isinstance(t, Forward), t.microbatch, t.chunk)
-                 for t in compute_order(schedule, pp_rank, pp, microbatches, vpp))
+                 for t in compute_order(schedule, pp_rank, pp, microbatches, vpp) if not isinstance(t, WeightGrad))
 
 
 def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[ChunkCost], chunks: list[Chunk], *,

@@ -52,7 +52,7 @@ from plait.devices import DeviceError, DeviceSpec, get_device
 from plait.models.llama.config import LlamaConfig
 from plait.models.registry import family_of
 from plait.pipeline.partition import partition_model, unit_costs
-from plait.pipeline.schedules import ScheduleError, validate_schedule
+from plait.pipeline.schedules import INTERLEAVED_SCHEDULES, ScheduleError, validate_schedule
 from plait.plan.layout import Layout
 from plait.plan.memory import MemoryBreakdown, estimate_memory, precision_bytes
 from plait.plan.moe import MoEShape, moe_shape
@@ -83,7 +83,8 @@ class PlanError(ValueError):
 class SearchOptions:
     """What the enumeration may vary (the defaults vary everything the brief lists)."""
 
-    #: pipeline schedules tried when ``pp > 1`` (``"gpipe"`` may be added; it never beats 1F1B here)
+    #: pipeline schedules tried when ``pp > 1`` (``"gpipe"`` may be added, it never beats 1F1B here; the
+    #: zero-bubble ``"zb-h1"``/``"interleaved-zb"`` too, priced without their deferred W working sets)
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     #: largest number of virtual stages per pipeline rank (interleaved schedule)
     max_vpp: int = 2
@@ -234,7 +235,7 @@ def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_
                 pipeline.append((1, "1f1b"))
             else:
                 for name in options.schedules:
-                    vpps = range(2, options.max_vpp + 1) if name == "interleaved-1f1b" else (1,)
+                    vpps = range(2, options.max_vpp + 1) if name in INTERLEAVED_SCHEDULES else (1,)
                     for vpp in vpps:
                         if pp * vpp > layers:
                             reasons.add(f"pp*vpp={pp}*{vpp} exceeds the {layers} decoder layers")
