@@ -31,6 +31,7 @@ Run (from the repository root, venv active)::
     python bench/bench_single.py            # default ~22M-parameter model
     python bench/bench_single.py --compile  # also plait compiled
     python bench/bench_single.py --smoke    # tiny end-to-end check
+    python bench/bench_single.py --compile --profile --dtypes bf16-autocast   # where a step's time goes
 """
 
 from __future__ import annotations
@@ -128,10 +129,42 @@ def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtyp
         print(f"[{label}] round {r + 1}/{args.rounds}: "
               + "  ".join(f"{n} {res.tokens_per_s[-1]:,.0f} tok/s" for n, (_, res) in runs.items()), flush=True)
 
+    if args.profile:
+        for name, (step, _) in runs.items():
+            print(f"\n[{label}] {profile_step(step, name)}", flush=True)
     last = {n: step().item() for n, (step, _) in runs.items()}
     print(f"[{label}] loss after {args.warmup + args.rounds * args.steps + 1} steps: "
           + "  ".join(f"{n} {v:.6f}" for n, v in last.items()), flush=True)
     return {n: res for n, (_, res) in runs.items()}
+
+
+#: how --profile groups operators: matmul kernels, attention, dtype casts and copies, the rest
+OP_GROUPS: dict[str, tuple[str, ...]] = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"),
+    "attention": ("aten::_scaled_dot_product", "aten::_flash_attention"),
+    "casts and copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"),
+}
+
+
+def profile_step(step: Callable[[], torch.Tensor], name: str) -> str:
+    """One step under ``torch.profiler``: where the self CPU time goes by operator group (matmul,
+    attention, casts and copies, the rest, and inductor's compiled kernels), then the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ops) or 1.0
+    groups: dict[str, float] = {}
+    for e in ops:
+        group = next((g for g, prefixes in OP_GROUPS.items() if e.key.startswith(prefixes)),
+                     "compiled kernels" if "Torch-Compiled Region" in e.key or e.key.startswith("cpp_fused")
+                     else "other")
+        groups[group] = groups.get(group, 0.0) + e.self_cpu_time_total
+    shares = ", ".join(f"{g} {100 * t / total:.1f}%" for g, t in sorted(groups.items(), key=lambda kv: -kv[1]))
+    count = sum(e.count for e in ops if e.key.startswith("aten::"))
+    return (f"profile of one {name} step: self CPU {total / 1e3:.0f} ms, {count} aten operators; {shares}\n"
+            + ops.table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def mfu_table(config: LlamaConfig, args: argparse.Namespace, results: dict[str, dict[str, Result]]) -> str:
@@ -163,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also measure plait with compiled blocks and loss head (train.compile: true)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="torch.compile mode with --compile (train.compile_mode)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed rounds, profile one step of each contestant (operator groups and "
+                             "top operators by self CPU time)")
     parser.add_argument("--cold-cache", action="store_true",
                         help="with --compile: compile into a fresh temporary cache (a first run's compile time)")
     args = resolve_args(parser.parse_args(argv))
