@@ -23,6 +23,7 @@ from plait.activation_checkpointing import apply_activation_checkpointing
 from plait.config import RecipeError, check_recipe
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
+from plait.models.mixtral import MixtralConfig, MixtralForCausalLM
 from plait.train.compile import (
     MODES,
     compile_cache_dir,
@@ -94,6 +95,17 @@ def test_communicating_modules_run_eagerly_and_their_children_are_units():
                          "model.layers.0.post_attention_layernorm", "model.layers.0.mlp.act"]
 
 
+def test_moe_layers_run_eagerly_and_the_rest_of_their_blocks_is_compiled():
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=32)
+    model = MixtralForCausalLM(config, device="meta")
+    names = [n for n, _ in compile_units(model)]
+    assert names[:3] == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
+                         "model.layers.0.post_attention_layernorm"]
+    assert not any("block_sparse_moe" in n for n in names) and names[-2:] == ["model.norm", "output"]
+
+
 def test_evaluation_runs_the_eager_forward_and_compiles_nothing():
     torch.manual_seed(0)
     model = LlamaForCausalLM(TINY)
@@ -148,6 +160,13 @@ LAYOUTS = {
     # TP without SP: norms, attention core and the SwiGLU inside the (eager) checkpoint of the MLP are units
     "checkpoint-selective-tp2": (["parallel.tp=2", "train.activation_checkpointing=selective",
                                   "train.checkpoint_modules=[mlp]"], 2, 2),
+}
+#: MoE (tiny Mixtral, aux and z-losses on): compiled attention and norms around eager MoE layers
+MOE = ["model.family=mixtral", "model.intermediate_size=32", "model.num_local_experts=4",
+       "model.num_experts_per_tok=2", "moe.aux_loss_coef=0.1", "moe.z_loss_coef=0.01"]
+MOE_LAYOUTS = {
+    "moe-single": ([], 1, 2),
+    "moe-ep2": (["parallel.dp=2", "parallel.ep=2"], 2, 1),
 }
 
 
@@ -218,6 +237,19 @@ def test_compiled_layout_matches_eager_single_process(corpus, tmp_path, name):
                             world)
     _assert_close(compiled, eager)
     assert compile_cache_dir().is_dir() and any(compile_cache_dir().iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_compiled_moe_layout_matches_eager_single_process(corpus, tmp_path, name):
+    overrides, world, microbatches = MOE_LAYOUTS[name]
+    dp = 2 if "parallel.dp=2" in overrides else 1
+    base = [b for b in BASE if not b.startswith("model.intermediate_size")] + MOE
+    eager = _eager(corpus, tmp_path, base + [f"parallel.microbatches={microbatches * dp}"], 1)[0]
+    compiled = run_compiled(corpus, tmp_path / "compiled", base + overrides + [f"parallel.microbatches={microbatches}"],
+                            world)
+    assert all(not any("block_sparse_moe" in u for u in r["units"]) for r in compiled)
+    _assert_close(compiled, eager)
 
 
 @pytest.mark.slow

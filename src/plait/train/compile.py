@@ -29,6 +29,11 @@ that fork the per-TP-rank stream (:class:`~plait.tensor_parallel.random.TensorPa
 generator-state swap) with dropout on run eagerly. Compiled and eager runs draw identical masks,
 and checkpoint recomputation replays them as before.
 
+Mixture-of-Experts layers run eagerly, whole (:class:`~plait.nn.moe.MoELayer`: routing decides
+the rows each expert gets, the expert-parallel exchange communicates, and the load statistics
+and step-load hooks have side effects); the rest of an MoE block (norms, attention) is compiled
+as in a dense block.
+
 Evaluation and generation run with gradients off; compiled units then run their eager forward
 (:class:`_TrainingOnly`), so sampling text of growing length does not recompile for every length.
 
@@ -54,6 +59,7 @@ from torch import nn
 
 from plait.activation_checkpointing import checkpointed_modules, decoder_blocks
 from plait.data.tokenizer import cache_dir
+from plait.nn.moe import MoELayer
 from plait.tensor_parallel.random import TensorParallelRNG
 
 #: ``train.compile_mode`` values: torch.compile's modes without CUDA graphs (plait's steps keep
@@ -127,11 +133,13 @@ def compile_units(stage: nn.Module) -> list[tuple[str, nn.Module]]:
     checkpointed = {id(m) for _, m in checkpointed_modules(stage)}
 
     def boundary(m: nn.Module) -> bool:
-        return id(m) in checkpointed or runs_eagerly(m)
+        return id(m) in checkpointed or runs_eagerly(m) or isinstance(m, MoELayer)
 
     units: list[tuple[str, nn.Module]] = []
 
     def visit(name: str, module: nn.Module) -> None:
+        if isinstance(module, MoELayer):  # data-dependent routing: the whole layer runs eagerly
+            return
         if not any(boundary(m) for m in module.modules()):
             # a lone projection is one matmul kernel either way: compiling it only adds a call layer
             if not isinstance(module, nn.Linear) and (any(True for _ in module.parameters())

@@ -2,8 +2,9 @@
 dynamo, so that checking a recipe stays cheap).
 
 ``train.compile`` covers dense models with tensor, sequence, pipeline (non-split schedules) and
-data parallelism, ZeRO-1, activation checkpointing, LoRA and dropout, each checked against eager
-mode (tests/test_compile.py). Layouts it has not been checked with are refused up front rather
+data parallelism, ZeRO-1, activation checkpointing, LoRA and dropout, and MoE models (their MoE
+layers run eagerly, also under expert parallelism), each checked against eager mode
+(tests/test_compile.py). Layouts it has not been checked with are refused up front rather
 than left to fail inside a compiled graph.
 """
 
@@ -12,13 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from plait.config.problems import Problem
-from plait.moe import is_moe_config
 from plait.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES
 
 
 def compile_problems(recipe: Any, arch: Any) -> list[Problem]:
     """Problems of ``train.compile``/``train.compile_mode`` with the rest of ``recipe`` (``arch``: the
-    model config, ``None`` when it is itself broken)."""
+    model config, ``None`` when it is itself broken; no architecture is refused today)."""
     t, p = recipe.train, recipe.parallel
     if not t.compile:
         if t.compile_mode != "default":
@@ -34,8 +34,4 @@ def compile_problems(recipe: Any, arch: Any) -> list[Problem]:
     if p.cp > 1:
         problems.append(Problem("parallel.cp", p.cp, "context parallelism is not supported with train.compile=true "
                                                      "yet; use cp=1 or set train.compile=false"))
-    if arch is not None and is_moe_config(arch):
-        problems.append(Problem("train.compile", True, "Mixture-of-Experts models are not supported with "
-                                                       "train.compile=true yet (data-dependent routing); set "
-                                                       "train.compile=false"))
     return problems
