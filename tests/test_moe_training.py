@@ -26,7 +26,7 @@ from plait.data.batch import TokenBatch
 from plait.materialize import build_model, build_stages
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.mixtral import MixtralConfig
-from plait.moe import MoeSection, configure_moe, moe_layers
+from plait.moe import MoeSection, configure_moe, moe_layers, read_moe_stats
 from plait.nn.moe import load_balancing_loss, router_z_loss
 from plait.pipeline.runtime import PipelineRuntime
 
@@ -259,3 +259,41 @@ def test_load_map_keeps_a_resumed_steps_last_record_and_draws_a_png(tmp_path):
     assert [r["step"] for r in read_load(path, last_step=10)] == [10]
     png = plot_load_map(path, tmp_path / "moe_load.png")
     assert png is not None and png.read_bytes().startswith(b"\x89PNG")
+
+
+# ------------------------------------------------------------------------------ logged statistics
+def _stats_layer(routed: list[int], dropped: int = 0) -> list:
+    """One Mixtral stage's first MoE layer with hand-set interval counters (two forwards)."""
+    (stage,) = build_stages(_config(), single_process_mesh(), [[0, 1]], seed=5)
+    configure_moe([stage], MoeSection(), _config(), microbatches=1)
+    name, layer = moe_layers([stage])[0]
+    layer.stats.routed += torch.tensor(routed, dtype=torch.float32)
+    layer.stats.dropped += dropped
+    layer.stats.aux += 2.5
+    layer.stats.z += 0.5
+    layer.stats.forwards = 2
+    return [(name, layer)]
+
+
+def test_logged_statistics_are_ratios_of_the_interval_sums():
+    metrics, shares = read_moe_stats(_stats_layer([3, 1, 0, 0], dropped=1))
+    assert metrics["moe/layer0/imbalance"] == pytest.approx(3 / 1.0)
+    assert metrics["moe/layer0/dropped"] == pytest.approx(1 / 4)
+    assert metrics["moe/layer0/aux_loss"] == pytest.approx(1.25) and metrics["moe/layer0/z_loss"] == pytest.approx(0.25)
+    assert shares["layer0"] == pytest.approx([0.75, 0.25, 0.0, 0.0])
+    assert "moe/layer0/bias_range" not in metrics  # a softmax router has no bias
+
+
+def _two_rank_stats_worker(rank: int, world: int) -> tuple[dict, dict]:
+    routed = [[3, 1, 0, 0], [0, 1, 2, 2]][rank]
+    return read_moe_stats(_stats_layer(routed), None, world)
+
+
+@pytest.mark.slow  # two processes
+def test_ranks_add_their_counts_before_the_ratios():
+    """Ranks that route different tokens (replicas, sequence-parallel shards) add their counts: the
+    imbalance of [3, 1, 0, 0] + [0, 1, 2, 2] is 3 / 2.25, not the mean of the ranks' 3.0 and 2.0."""
+    for metrics, shares in run_distributed(_two_rank_stats_worker, 2):
+        assert metrics["moe/layer0/imbalance"] == pytest.approx(3 / 2.25)
+        assert shares["layer0"] == pytest.approx([3 / 9, 2 / 9, 2 / 9, 2 / 9])
+        assert metrics["moe/layer0/aux_loss"] == pytest.approx(1.25)

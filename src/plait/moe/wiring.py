@@ -77,51 +77,66 @@ def read_moe_stats(layers: list[tuple[str, MoELayer]], group: Any = None,
     """The interval's MoE metrics, then the counters reset: per layer (``moe/<layer>/...``) the
     load imbalance (max / mean assignments per expert), the dropped share of assignments, and the
     mean aux and z-loss per forward, and for a sigmoid router the spread (max - min) of its expert
-    bias. One host read for all of this rank's layers; with ``world > 1``
-    every rank of ``group`` (all ranks) must call it, and each value is the mean over the ranks
-    holding that layer (data-parallel replicas routed different tokens; pipeline stages hold
-    different layers). Second: each layer's per-expert share of the assignments (for the load map).
+    bias. Second: each layer's per-expert share of the assignments (for the load map).
+
+    One host read for all of this rank's layers; with ``world > 1`` every rank of ``group`` (all
+    ranks) must call it. The ranks' raw sums (assignments per expert, drops, loss sums, forwards)
+    are added before any ratio is formed, so the figures are those of every token the layer saw in
+    the interval, whatever the layout: data-parallel replicas and, under sequence parallelism, TP
+    ranks route different tokens and add theirs; TP ranks without sequence parallelism count the
+    same tokens ``tp`` times, which scales every sum alike and changes no ratio; pipeline stages
+    hold different layers.
     """
-    local = _local_stats(layers)
-    if world == 1:
-        return local
-    gathered: list[tuple[dict[str, float], dict[str, list[float]]] | None] = [None] * world
-    dist.all_gather_object(gathered, local, group=group)
-    sums: dict[str, list[float]] = {}
-    shares: dict[str, list[list[float]]] = {}
-    for part in gathered:
-        metrics, loads = part or ({}, {})
-        for name, value in metrics.items():
-            sums.setdefault(name, []).append(value)
-        for name, row in loads.items():
-            shares.setdefault(name, []).append(row)
-    return ({name: sum(v) / len(v) for name, v in sums.items()},
-            {name: [sum(col) / len(rows) for col in zip(*rows, strict=True)] for name, rows in shares.items()})
+    local = _local_sums(layers)
+    parts: list[dict[str, list[float]] | None] = [local]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, local, group=group)
+    totals: dict[str, list[float]] = {}
+    for part in parts:
+        for name, sums in (part or {}).items():
+            if name not in totals:
+                totals[name] = list(sums)
+            else:
+                totals[name][:-1] = [a + b for a, b in zip(totals[name][:-1], sums[:-1], strict=True)]
+    metrics: dict[str, float] = {}
+    shares: dict[str, list[float]] = {}
+    for name, (*routed, dropped, aux, z, forwards, bias_range) in ((n, t) for n, t in totals.items()):
+        total = max(sum(routed), 1.0)
+        metrics[f"moe/{name}/imbalance"] = max(routed) / max(sum(routed) / len(routed), 1e-9)
+        metrics[f"moe/{name}/dropped"] = dropped / total
+        metrics[f"moe/{name}/aux_loss"] = aux / forwards
+        metrics[f"moe/{name}/z_loss"] = z / forwards
+        if bias_range == bias_range:  # NaN: not a sigmoid router
+            metrics[f"moe/{name}/bias_range"] = bias_range
+        shares[name] = [r / total for r in routed]
+    return metrics, shares
 
 
-def _local_stats(layers: list[tuple[str, MoELayer]]) -> tuple[dict[str, float], dict[str, list[float]]]:
-    names, values, load_names, loads = [], [], [], []
+def _local_sums(layers: list[tuple[str, MoELayer]]) -> dict[str, list[float]]:
+    """Per layer (short name ``layerN``): ``[assignments per expert..., dropped, aux sum, z sum,
+    forwards, bias spread (NaN without a sigmoid router)]`` since the last read, then the counters
+    reset; the last entry is a state, not a sum (equal on every rank holding the layer)."""
+    names, rows = [], []
     for name, layer in layers:
         s = layer.stats
         if s is None or s.forwards == 0:
             continue
-        routed = s.routed.float()
-        total = routed.sum().clamp(min=1)
-        short = name.replace("model.layers.", "layer").split(".")[0]
-        names += [f"moe/{short}/imbalance", f"moe/{short}/dropped", f"moe/{short}/aux_loss", f"moe/{short}/z_loss"]
-        values += [routed.max() / routed.mean().clamp(min=1e-9), s.dropped / total, s.aux / s.forwards,
-                   s.z / s.forwards]
         if isinstance(layer.gate, SigmoidTopKRouter):  # how far the load-balancing bias has moved apart
             bias = layer.gate.expert_bias
-            names.append(f"moe/{short}/bias_range")
-            values.append(bias.max() - bias.min())
-        load_names.append(short)
-        loads.append(routed / total)
-        layer.stats = MoEStats.zeros(layer.num_experts, routed.device)
-    if not values:
-        return {}, {}
-    read = torch.cat([torch.stack([v.float() for v in values])] + loads).tolist()  # the one host read
-    scalars, rest = read[:len(values)], read[len(values):]
-    per_layer = len(rest) // len(load_names)
-    shares = {n: rest[i * per_layer:(i + 1) * per_layer] for i, n in enumerate(load_names)}
-    return dict(zip(names, scalars, strict=True)), shares
+            spread = (bias.max() - bias.min()).float()
+        else:
+            spread = torch.tensor(float("nan"), device=s.routed.device)
+        forwards = torch.tensor(float(s.forwards), device=s.routed.device)
+        rows.append(torch.cat([s.routed.float(), torch.stack([s.dropped.float(), s.aux.float(), s.z.float(),
+                                                              forwards, spread])]))
+        names.append(name.replace("model.layers.", "layer").split(".")[0])
+        layer.stats = MoEStats.zeros(layer.num_experts, s.routed.device)
+    if not rows:
+        return {}
+    read = torch.cat(rows).tolist()  # the one host read
+    out, at = {}, 0
+    for name, row in zip(names, rows, strict=True):
+        out[name] = read[at:at + row.numel()]
+        at += row.numel()
+    return out
