@@ -257,3 +257,41 @@ def test_sigterm_to_plait_train_is_quiet_and_logs_the_stopped_step(corpus, tmp_p
     step = int(latest_checkpoint(tmp_path / "checkpoints").name.split("-")[1])
     last = _records(metrics)[-1]
     assert last["step"] == step and last["stopped_by_signal"] == signal.SIGTERM, (last, step)
+
+
+@pytest.mark.slow  # two `plait train` launches and stops: `make test-slow`
+def test_a_stop_after_training_or_before_any_step_says_what_was_saved(corpus, tmp_path):
+    """A SIGTERM during the end-of-run outputs (here a long sample) skips them and leaves at once, with
+    the summary written and the run's checkpoint named; one before the first step says that nothing
+    was saved (the launcher used to claim a checkpoint either way, and to wait 30 s for workers that
+    ignored the signal while sampling)."""
+    import time
+
+    from plait.checkpoint.store import latest_checkpoint
+
+    out_dir = tmp_path / "after"
+    items = TINY + ["parallel.tp=1", "parallel.dp=2", "data.micro_batch_size=4", "train.log_every=1",
+                    "train.eval_every=100000", "train.steps=3", "checkpoint.save_every=3",
+                    "train.sample_tokens=100000", "model.max_position_embeddings=200000",
+                    f"data.source={corpus}", f"run.output_dir={out_dir}"]
+    start = time.monotonic()
+    returncode, out = train_then_sigterm([sys.executable, "-m", "plait.cli", "train", *items],
+                                         out_dir / "metrics.jsonl", records=3)
+    assert returncode == 0, out
+    assert time.monotonic() - start < 150 and "Unable to shutdown" not in out, out
+    assert "stopped by signal 15 after training ended at step 3" in out, out
+    assert f"the latest complete checkpoint is {latest_checkpoint(out_dir / 'checkpoints')}" in out, out
+    assert (out_dir / "summary.txt").is_file() and not (out_dir / "sample.txt").exists()
+
+    early = tmp_path / "early"
+    proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", *items[:-1], f"run.output_dir={early}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "launching 2 process(es)" in line:
+            break
+    time.sleep(1.0)  # the launcher is up, its workers are still importing: nothing can have been saved
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert "no checkpoint was saved" in out and "saved a checkpoint" not in out, out

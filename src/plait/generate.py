@@ -84,14 +84,18 @@ def _sequence_multiple(model: nn.Module) -> int:
 def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, greedy: bool = False, seed: int = 0,
              eos_id: int | Iterable[int] | None = None,
-             on_token: Callable[[int], None] | None = None) -> torch.Tensor:
+             on_token: Callable[[int], None] | None = None, should_stop: Callable[[], bool] | None = None,
+             check_every: int = 16) -> torch.Tensor:
     """Extend ``prompt_ids`` (``[1, n]``) by up to ``max_new_tokens`` tokens; returns ``[1, n + k]``.
 
     ``greedy`` takes the argmax (first index on ties); otherwise a token is drawn from
     ``softmax(top_p(top_k(logits / temperature)))`` with a CPU generator seeded by ``seed``, so a
     given seed gives the same text on every run and on every TP rank. Generation stops after a
     token in ``eos_id`` (which is kept in the output). ``on_token(id)`` is called for each new
-    token, e.g. to stream text. The model is put in eval mode and restored afterwards.
+    token, e.g. to stream text. ``should_stop()``, called after every ``check_every`` new tokens,
+    ends generation early when it returns True (a stop signal; every rank of a model spread over
+    processes calls it at the same tokens, so it may be a collective). The model is put in eval
+    mode and restored afterwards.
     """
     _check(prompt_ids, max_new_tokens, temperature, top_k, top_p, greedy)
     stop = set() if eos_id is None else ({int(eos_id)} if isinstance(eos_id, int) else {int(i) for i in eos_id})
@@ -109,7 +113,7 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, *,
         multiple = _sequence_multiple(model)
         if max_len is not None:
             max_len -= max_len % multiple
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             context = ids if max_len is None else ids[:, -max_len:]
             n = context.shape[1]
             pad = -n % multiple
@@ -122,6 +126,8 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, *,
             if on_token is not None:
                 on_token(token)
             if token in stop:
+                break
+            if should_stop is not None and (step + 1) % check_every == 0 and should_stop():
                 break
     finally:
         model.train(was_training)

@@ -105,12 +105,22 @@ def _rendezvous_message(hosts: Hosts, error: Exception) -> str:
             f"--rdzv-id on every host, and check that {hosts.endpoint} is reachable from each (launch.iface)")
 
 
+class StoppedBySignal(Exception):
+    """The launcher received SIGTERM/SIGINT (preemption, Ctrl-C) and the workers have ended: a normal
+    end of a run, whose caller reports what the workers saved."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
 def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any, hosts: Hosts | None = None) -> None:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks with a c10d rendezvous on localhost, or
     with ``hosts``, as this host's share of a multi-host run (the same call on every host).
 
     Raises :class:`WorkersFailed` when a worker fails: the elastic launcher's own report (a
-    traceback of the launcher per failed rank) says nothing the worker did not print; and
+    traceback of the launcher per failed rank) says nothing the worker did not print;
+    :class:`StoppedBySignal` when a stop signal ended the run; and
     :class:`RendezvousFailed` when the hosts do not all join within ``hosts.timeout_s``.
     """
     if in_launched_world():
@@ -141,9 +151,9 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any, hosts: 
             raise
         raise RendezvousFailed(_rendezvous_message(hosts, e)) from None
     except SignalException as e:
-        # SIGTERM/SIGINT reached the launcher as well as the workers; the workers have written a
-        # checkpoint and exited cleanly (see Trainer.fit), so preemption is a normal end here.
-        print(f"plait: stopped by signal {e.sigval}; the workers saved a checkpoint", flush=True)
+        # SIGTERM/SIGINT reached the launcher as well as the workers; workers that were training have
+        # written a checkpoint and exited cleanly (see Trainer.fit); the caller says what was saved
+        raise StoppedBySignal(int(e.sigval)) from None
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)

@@ -167,8 +167,9 @@ def _prepare_and_launch(resolved, data: dict, world: int, hosts=None) -> int:
 
     With ``hosts`` (several hosts) the ranks prepare it, global rank 0 first, as under torchrun.
     """
+    from plait.checkpoint.store import latest_checkpoint
     from plait.config.load import dump_recipe_text
-    from plait.launch import RendezvousFailed, WorkersFailed, in_launched_world, launch_local
+    from plait.launch import RendezvousFailed, StoppedBySignal, WorkersFailed, in_launched_world, launch_local
     from plait.train.entry import prepare_data, train_worker
 
     # The ranks receive the recipe as the user wrote it (file + overrides) and validate it again
@@ -196,4 +197,9 @@ def _prepare_and_launch(resolved, data: dict, world: int, hosts=None) -> int:
     except RendezvousFailed as e:
         print(f"plait train: {e}", file=sys.stderr)
         return 1
+    except StoppedBySignal as e:
+        latest = latest_checkpoint(resolved.save_dir)
+        saved = (f"the latest complete checkpoint is {latest} (continue with checkpoint.resume=auto)"
+                 if latest is not None else "no checkpoint was saved")
+        print(f"plait: stopped by signal {e.signum}; {saved}", flush=True)
     return 0

@@ -100,6 +100,8 @@ def train_worker(recipe_yaml: str) -> None:
         if trainer.stopped_by_signal:  # preempted: the checkpoint is written; leave quickly and cleanly
             exit_worker_now(0)  # the launcher is shutting down too; do not wait for it to collect a return value
         trainer.finish(final, prepared)
+        if trainer.stopped_by_signal:  # stopped during the end-of-run outputs: leave as after a preemption
+            exit_worker_now(0)
     except USER_ERRORS as e:
         # A problem of the run's inputs or numbers (bad data met mid-run, a checkpoint that does not
         # fit, a loss that became NaN): one line from the rank that met it, then a quick exit the

@@ -14,6 +14,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,7 @@ class Trainer:
         self.checkpoints = CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
                                             keep_every=c.keep_every)
         self._stop_signal = 0
+        self.stopped_by_signal = 0  # the agreed stop signal once one ended training or its outputs
         sampler = GlobalBatchSampler(len(st.train_data), resolved.global_batch_size, r.run.seed)
         self.loader = BatchLoader(st.train_data, sampler, dp_rank=st.dp.rank, dp=st.dp.size,
                                   microbatches=r.parallel.microbatches, prefetch=r.data.prefetch,
@@ -145,7 +147,9 @@ class Trainer:
             return
 
         def request_stop(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
-            self._stop_signal = signum
+            # the first signal is the user's (Ctrl-C's SIGINT reaches the workers before the launcher
+            # forwards its SIGTERM)
+            self._stop_signal = self._stop_signal or signum
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
@@ -375,11 +379,17 @@ class Trainer:
         ``sample.txt`` is written.
         """
         r, st = self.recipe, self.state
-        if r.checkpoint.save_final and r.lora.rank is not None:
-            self._export_adapter()
-        elif r.checkpoint.save_final:
-            self._export_final(final.get("final_step", r.train.steps))
-        sample = self._sample() if r.train.sample_tokens > 0 else None
+        step = final.get("final_step", r.train.steps)
+        if r.checkpoint.save_final and not self._stopped_before("the final export", step):
+            if r.lora.rank is not None:
+                self._export_adapter()
+            else:
+                self._export_final(step)
+        sample = None
+        if r.train.sample_tokens > 0 and not self._stopped_before("the sample", step):
+            sample = self._sample(lambda: self._stopped_before("the sample", step))
+            if self.stopped_by_signal:  # cut short: no partial sample is written
+                sample = None
         if not self.is_writer:
             return
         for name in ("tokenizer.json", TOKENIZER_CONFIG):  # the chat template travels with fine-tuning data
@@ -408,6 +418,20 @@ class Trainer:
             (self.out / "sample.txt").write_text(sample + "\n")
             print(f"\nsample ({r.train.sample_tokens} tokens after {r.train.sample_prompt!r}):\n{sample}\n", flush=True)
         print(f"outputs in {self.out}", flush=True)
+
+    def _stopped_before(self, what: str, step: int) -> bool:
+        """Whether a stop signal came after training ended (all ranks agree): then ``what``, slow
+        end-of-run work, is skipped so the run leaves before a preemption's grace period ends."""
+        if self.stopped_by_signal:
+            return True
+        signum = self._stop_requested()
+        if signum:
+            self.stopped_by_signal = signum
+            if self.rank == 0:
+                print(f"stopped by signal {signum} after training ended at step {step}: {what} and the rest of "
+                      f"the end-of-run outputs are skipped (the training checkpoints are in "
+                      f"{self.resolved.save_dir}; run again with checkpoint.resume=auto to write them)", flush=True)
+        return bool(signum)
 
     def _export_adapter(self) -> None:
         """A LoRA run's final model is its adapter in the PEFT layout (``adapter_config.json`` and
@@ -446,12 +470,14 @@ class Trainer:
             if export is not None:
                 shutil.rmtree(export, ignore_errors=True)
 
-    def _sample(self) -> str:
-        """``train.sample_tokens`` tokens generated after ``train.sample_prompt`` (every rank takes part)."""
+    def _sample(self, should_stop: Callable[[], bool] | None = None) -> str:
+        """``train.sample_tokens`` tokens generated after ``train.sample_prompt`` (every rank takes part;
+        ``should_stop``, a collective, may end it early)."""
         r, st = self.recipe, self.state
         tokenizer = st.train_data.tokenizer()
         prompt = tokenizer.encode(r.train.sample_prompt).ids or [st.train_data.eos_id]
         with whole_sequences(st.stages):  # every cp rank generates from the whole prompt (no-op at cp=1)
             ids = generate(StagesCausalLM(st.stages, st.mesh), torch.tensor([prompt]), r.train.sample_tokens,
-                           top_k=40, top_p=0.95, temperature=0.8, seed=r.run.seed, eos_id=st.train_data.eos_id)
+                           top_k=40, top_p=0.95, temperature=0.8, seed=r.run.seed, eos_id=st.train_data.eos_id,
+                           should_stop=should_stop)
         return tokenizer.decode(ids[0].tolist())
