@@ -60,6 +60,9 @@ def test_compile_rules_name_the_field_and_the_fix():
     message = _problems(["train.compile=true", "parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=2",
                          "model.num_hidden_layers=4"], world=2)
     assert "parallel.schedule: 'zb-h1'" in message and "train.compile=false" in message
+    message = _problems(["train.compile=true", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-zb",
+                         "parallel.microbatches=2", "model.num_hidden_layers=4"], world=2)
+    assert "use 'interleaved-1f1b'" in message
     check_recipe(None, ["train.compile=true", "parallel.tp=2", "parallel.sequence_parallel=true",
                         "train.activation_checkpointing=full"], 2)  # a supported layout passes
 

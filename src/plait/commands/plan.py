@@ -221,7 +221,7 @@ def moe_line(candidate, precision: str) -> str:
     experts = mem.expert_parameter_count
     dense = mem.parameter_count - experts
     shard = lay.dp // lay.ep if lay.zero1 and lay.dp > 1 else 1
-    text = (f"  experts: ep={lay.ep}, {experts / 1e9:.2f}B expert + {dense / 1e9:.2f}B dense parameters per rank "
+    text = (f"  experts: ep={lay.ep}, {_count(experts)} expert + {_count(dense)} dense parameters per rank "
             f"({experts * pb.param / GiB:.1f} + {dense * pb.param / GiB:.1f} GiB)")
     if lay.zero1 and lay.dp > 1 and lay.ep > 1:
         text += f"; ZeRO-1 shards expert states over dp/ep={shard}, dense over dp={lay.dp}"
@@ -230,6 +230,14 @@ def moe_line(candidate, precision: str) -> str:
     if lay.ep > 1:
         text += f"; all-to-all {t.ep_bytes / 1e9:.1f} GB sent per rank per step"
     return text
+
+
+def _count(n: float) -> str:
+    """A parameter count the way people say it: ``7.24B``, ``3.6M``, ``850K``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
 
 
 def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every: bool = False) -> str:
@@ -241,7 +249,7 @@ def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every:
              if same_batch else f"{plan.candidates[0].microbatches} micro-batches per DP rank (global batch varies "
                                 f"with dp; ranked by time per sequence)")
     lines = [
-        f"plan: {recipe_name} ({n_params / 1e9:.2f}B parameters) on {plan.world} x {spec.name} "
+        f"plan: {recipe_name} ({_count(n_params)} parameters) on {plan.world} x {spec.name} "
         f"({plan.memory_bytes / 1e9:.1f} GB, {plan.devices_per_node} per node); budget "
         f"{plan.budget_bytes / GiB:.1f} GiB per rank after {plan.headroom:.0%} headroom",
         f"{batch}, micro-batch {plan.micro_batch_size}, precision {plan.precision}",

@@ -47,10 +47,10 @@ def moe_problems(moe: MoeSection, arch: Any, family: str, *, tp: int, parallel: 
         default = MoeSection()
         for key in ("router_bias_update_rate", "router_groups", "router_topk_groups"):
             if getattr(moe, key) != getattr(default, key):
-                router = "is not set (the family's softmax router)" if moe.router is None else f"={moe.router!r}"
-                out.append((f"moe.{key}", getattr(moe, key), f"only the sigmoid router uses it (moe.router "
-                                                              f"{router}); set moe.router: sigmoid or remove "
-                                                              f"moe.{key}"))
+                router = ("moe.router is not set: the family's softmax router" if moe.router is None
+                          else f"moe.router={moe.router!r}")
+                out.append((f"moe.{key}", getattr(moe, key), f"only the sigmoid router uses it ({router}); set "
+                                                              f"moe.router: sigmoid or remove moe.{key}"))
     if moe.router_topk_groups > moe.router_groups:
         out.append(("moe.router_topk_groups", moe.router_topk_groups,
                     f"must be <= moe.router_groups={moe.router_groups}"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from plait.config.problems import Problem
-from plait.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES
+from plait.pipeline.schedules import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 
 def compile_problems(recipe: Any, arch: Any) -> list[Problem]:
@@ -27,10 +27,11 @@ def compile_problems(recipe: Any, arch: Any) -> list[Problem]:
         return []
     problems = []
     if p.schedule in SPLIT_BACKWARD_SCHEDULES:
-        problems.append(Problem("parallel.schedule", p.schedule, "is not supported with train.compile=true yet "
-                                                                 "(its deferred weight gradients are untested "
-                                                                 "under compile); use '1f1b' or set "
-                                                                 "train.compile=false"))
+        unsplit = "interleaved-1f1b" if p.schedule in INTERLEAVED_SCHEDULES else "1f1b"
+        problems.append(Problem("parallel.schedule", p.schedule, f"is not supported with train.compile=true yet "
+                                                                 f"(its deferred weight gradients are untested "
+                                                                 f"under compile); use {unsplit!r} or set "
+                                                                 f"train.compile=false"))
     if p.cp > 1:
         problems.append(Problem("parallel.cp", p.cp, "context parallelism is not supported with train.compile=true "
                                                      "yet; use cp=1 or set train.compile=false"))
