@@ -225,3 +225,16 @@ def test_plan_overrides_select_the_recommended_layout():
     assert "train.activation_checkpointing=full" in items and "parallel.zero1=true" in items
     resolved = validate_recipe(load_recipe(str(RECIPES / "default.yaml"), items).model_dump(), 4, check_paths=False)
     assert resolved.recipe.train.activation_checkpointing == "full" and resolved.recipe.parallel.zero1
+
+
+def test_ctrl_c_outside_training_ends_without_a_traceback(capsys, monkeypatch):
+    """A KeyboardInterrupt while a command loads or launches (before any training step has its own
+    handler) is one line and status 130, not a traceback."""
+    import plait.cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plait.cli, "_run", interrupted)
+    assert plait.cli.main(["train"]) == 130
+    assert capsys.readouterr().err.strip() == "plait: interrupted"

@@ -25,6 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (imports, loading, launching): no traceback
+        print("plait: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     # Overrides may come after options (`plait train --nproc 2 optimizer.lr=1e-3`); argparse leaves
     # such trailing positionals unparsed, so they are handed to the command's item list.
