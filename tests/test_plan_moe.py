@@ -56,6 +56,7 @@ from plait.plan.moe import (
 from plait.plan.search import SearchOptions, enumerate_layouts, rank_layouts
 from plait.plan.timing import estimate_step_time, rank_flops
 from plait.precision import policy_for
+from test_plan_memory import _saved_bytes as saved_bytes
 
 RECIPES = Path(__file__).resolve().parent.parent / "src" / "plait" / "recipes"
 
@@ -205,20 +206,10 @@ def _training_moe(model) -> None:
 
 
 def _saved_bytes(model, ids, precision: str) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in params:
-            seen.setdefault(key, t.untyped_storage().nbytes())
-        return t
-
+    """tests/test_plan_memory.py's count of what autograd saves, with the all-to-all replaced by a copy."""
     a, b = _copy_exchange()
-    with a, b, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
-        model(ids, ids)
-    return sum(seen.values())
+    with a, b:
+        return saved_bytes(model, ids, precision)
 
 
 def _estimate_saved(config, layout: Layout, precision: str, B: int, S: int) -> int:

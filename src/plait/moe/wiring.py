@@ -101,7 +101,7 @@ def read_moe_stats(layers: list[tuple[str, MoELayer]], group: Any = None,
                 totals[name][:-1] = [a + b for a, b in zip(totals[name][:-1], sums[:-1], strict=True)]
     metrics: dict[str, float] = {}
     shares: dict[str, list[float]] = {}
-    for name, (*routed, dropped, aux, z, forwards, bias_range) in ((n, t) for n, t in totals.items()):
+    for name, (*routed, dropped, aux, z, forwards, bias_range) in totals.items():
         total = max(sum(routed), 1.0)
         metrics[f"moe/{name}/imbalance"] = max(routed) / max(sum(routed) / len(routed), 1e-9)
         metrics[f"moe/{name}/dropped"] = dropped / total
