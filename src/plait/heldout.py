@@ -61,6 +61,22 @@ class PreferenceAccuracy:
         return self.correct / self.total if self.total else 0.0
 
 
+def adapter_base(adapter: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
+    """The Hugging Face directory an adapter applies to: ``base``, else the adapter's
+    ``base_model_name_or_path`` (a packaged model's name resolves to its cached directory)."""
+    path = Path(adapter)
+    if base is None:
+        found = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+        if not found:
+            raise DataError(f"{path / ADAPTER_CONFIG} names no base model; give it with --base DIR")
+        base = found
+    base_path = model_directory(base)
+    if not (base_path / "config.json").is_file():
+        raise DataError(f"the adapter's base model {str(base_path)!r} is not a Hugging Face directory (no "
+                        f"config.json); give the base with --base DIR")
+    return base_path
+
+
 def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[nn.Module, Path]:
     """``(model, tokenizer directory)``: a Hugging Face model directory, or a PEFT adapter directory
     (``adapter_config.json``) loaded onto ``base`` (default: the adapter's ``base_model_name_or_path``)."""
@@ -71,15 +87,7 @@ def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | N
             raise DataError(f"{path} is a run directory; its model is {final}: give that directory")
     if not (path / ADAPTER_CONFIG).is_file():
         return load_from_hf(path, single_process_mesh()), path
-    if base is None:
-        found = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
-        if not found:
-            raise DataError(f"{path / ADAPTER_CONFIG} names no base model; give it with --base DIR")
-        base = found
-    base_path = model_directory(base)
-    if not (base_path / "config.json").is_file():
-        raise DataError(f"the adapter's base model {str(base_path)!r} is not a Hugging Face directory (no "
-                        f"config.json); give the base with --base DIR")
+    base_path = adapter_base(path, base)
     model = load_from_hf(base_path, single_process_mesh())
     apply_lora([model], read_peft_settings(path), seed=0)
     load_peft_adapter([model], path)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from plait.checkpoint.contents import CONTENTS_KEY, contents_of, resume_problems, saved_contents
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.writer import checkpointed_buffers
@@ -43,7 +44,8 @@ def rng_states(state: RunState) -> dict[str, torch.Tensor]:
 def checkpoint_meta(state: RunState, step: int) -> dict[str, Any]:
     return {"layout": layout_of(state), "recipe": state.resolved.as_recipe().model_dump(mode="json"),
             "optimizer_step": state.optimizer.step_count(), "train_step": step,
-            "model_config": model_config_dict(state.config), "model_family": type(state.config).family}
+            "model_config": model_config_dict(state.config), "model_family": type(state.config).family,
+            CONTENTS_KEY: contents_of(state.recipe)}
 
 
 def model_config_dict(config) -> dict[str, Any]:
@@ -55,7 +57,12 @@ def model_config_dict(config) -> dict[str, Any]:
 def restore(state: RunState, directory: str | Path) -> int:
     """Load ``directory`` into the run's stages and optimizer (any layout); returns the step to resume at."""
     with CheckpointReader(directory) as reader:
-        params = named_parameters_with_specs(state.modules)
+        problems = resume_problems(saved_contents(reader.manifest), state.recipe)
+        if problems:
+            raise CheckpointError(f"{directory} cannot continue this recipe: " + "; ".join(problems))
+        # the trained parameters come from the checkpoint; frozen ones (a LoRA run's base) stay as
+        # the run built them from its base, which the check above found to be the checkpoint's
+        params = [entry for entry in named_parameters_with_specs(state.modules) if entry[2].requires_grad]
         reader.check_model({name: tuple(spec.full_shape) if spec is not None else tuple(p.shape)
                             for _, name, p, spec in params})
         step = int(reader.manifest.get("train_step", reader.step))

@@ -67,7 +67,7 @@ def run(args) -> int:
                 return 0
             if args.dest is None:
                 return _fail("give the output Hugging Face directory")
-            _check_dest(Path(args.dest), src)
+            _check_dest(Path(args.dest), [("the source", src)])
             out = plait_to_hf(ckpt, args.dest, dtype=args.dtype, progress=not args.no_progress,
                               overwrite=args.overwrite)
             print(f"wrote {out} from {ckpt}")
@@ -76,7 +76,7 @@ def run(args) -> int:
             return _fail(f"{src} is neither a plait checkpoint nor a Hugging Face directory (no config.json)")
         if args.dest is None:
             return _fail("give the directory that receives the plait checkpoint")
-        _check_dest(Path(args.dest), src)
+        _check_dest(Path(args.dest), [("the source", src)])
         out = hf_to_plait(src, args.dest, progress=not args.no_progress, overwrite=args.overwrite)
         print(f"wrote {out}; train from it with checkpoint.resume={out}")
         return 0
@@ -91,11 +91,11 @@ def _merge_lora(src: Path, args) -> int:
     (``W + scale * B A``), with the tokenizer files of the adapter directory (or the base)."""
     import shutil
 
-    from plait.heldout import ADAPTER_CONFIG, load_scoring_model
+    from plait.heldout import ADAPTER_CONFIG, adapter_base, load_scoring_model
     from plait.lora import merge_lora_
     from plait.mesh import single_process_mesh
     from plait.models.hf_io import save_hf_checkpoint
-    from plait.outputs.ownership import probe_writable, require_target
+    from plait.outputs.ownership import require_target
 
     if not (src / ADAPTER_CONFIG).is_file():
         return _fail(f"--merge-lora: {src} holds no {ADAPTER_CONFIG}; give a LoRA adapter directory (a LoRA run's "
@@ -104,11 +104,11 @@ def _merge_lora(src: Path, args) -> int:
         return _fail("give the output Hugging Face directory: plait convert ADAPTER_DIR DEST --merge-lora")
     dest = Path(args.dest)
     try:
-        _check_dest(dest, src)
+        base = adapter_base(src, args.base)
+        _check_dest(dest, [("the adapter", src), ("the base model", base)])
         require_target(dest, "hf-model", what="DEST", replace=args.overwrite,
                        replace_hint="allow replacing it (--overwrite)")
-        probe_writable(dest.parent, what="DEST", target=dest)
-        model, tokenizer_dir = load_scoring_model(src, args.base)
+        model, tokenizer_dir = load_scoring_model(src, base)
         merged = merge_lora_([model])
         save_hf_checkpoint(model, dest, single_process_mesh().info("tp"), replace=args.overwrite)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -133,13 +133,12 @@ def _from_gguf(src: Path, args) -> int:
         return _fail("a .gguf file converts to a Hugging Face directory (--to hf); convert that directory "
                      "with --to plait afterwards if you need a plait checkpoint")
     try:
-        from plait.outputs.ownership import probe_writable, require_not_containing, require_target
+        from plait.outputs.ownership import require_target
 
         dest = Path(args.dest)
-        require_not_containing(dest, [("the source", src)], what="DEST")
+        _check_dest(dest, [("the source", src)])
         require_target(dest, "hf-model", what="DEST", replace=args.overwrite,  # before minutes of dequantising
                        replace_hint="allow replacing it (--overwrite)")
-        probe_writable(dest.parent, what="DEST", target=dest)
         out = gguf_to_hf_dir(src, args.dest, overwrite=args.overwrite)
     except ValueError as e:
         return _fail(str(e))
@@ -149,11 +148,10 @@ def _from_gguf(src: Path, args) -> int:
     return 0
 
 
-def _check_dest(dest: Path, src: Path) -> None:
-    """DEST may neither contain the source nor lie inside it, and must be writable (before any work)."""
-    from plait.outputs.ownership import OutputDirError, is_within, probe_writable, require_not_containing
+def _check_dest(dest: Path, inputs: list[tuple[str, Path]]) -> None:
+    """DEST may not be, contain or lie inside any input (even with --overwrite), and must be
+    writable (before any work)."""
+    from plait.outputs.ownership import probe_writable, require_apart
 
-    require_not_containing(dest, [("the source", src)], what="DEST")
-    if is_within(dest, src):
-        raise OutputDirError(f"DEST={dest} lies inside the source {src}; write the output outside it")
+    require_apart(dest, inputs, what="DEST")
     probe_writable(dest.parent, what="DEST", target=dest)

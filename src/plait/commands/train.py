@@ -99,6 +99,9 @@ def run(args) -> int:
         if nnodes < 1 or (nnodes > 1 and not getattr(args, "rdzv_endpoint", None)):
             raise ValueError(f"--nnodes={nnodes} needs a positive count and, above 1, --rdzv-endpoint HOST:PORT "
                              f"(the first host's address)")
+        if nnodes == 1 and getattr(args, "rdzv_endpoint", None):
+            raise ValueError(f"--rdzv-endpoint={args.rdzv_endpoint} is for a run over several hosts and needs "
+                             f"--nnodes N (the number of hosts); drop it to train on this host alone")
         if nnodes > 1:
             _check_endpoint(args.rdzv_endpoint)
         if in_launched_world():
@@ -136,15 +139,22 @@ def run(args) -> int:
         print(f"plait train: {e}", file=sys.stderr)
         return 2
     apply_iface(resolved.recipe.launch.iface)  # read by gloo/NCCL here (torchrun) or in the ranks started below
+    from plait.checkpoint.contents import check_resumable, resume_target
+    from plait.checkpoint.format import CheckpointError
     from plait.outputs import OutputDirError
     from plait.outputs.preflight import claim_outputs
+    from plait.outputs.undo import missing_roots, remove_untouched
 
     try:
+        resumed = resume_target(resolved.recipe, resolved.save_dir)
+        if resumed is not None:  # what the checkpoint holds, against the recipe, from its manifest alone
+            check_resumable(resumed, resolved.recipe)
+        created = missing_roots([resolved.output_dir, resolved.save_dir, resolved.checkpoint_dir])
         # Held until this process ends: the launcher here, global rank 0 under torchrun/SLURM.
         # (several hosts started by plait train: no host knows it holds rank 0 before the rendezvous)
         locks = claim_outputs(resolved, lock=(not in_launched_world() and nnodes == 1)
                               or (in_launched_world() and launched_rank() == 0))
-    except OutputDirError as e:
+    except (OutputDirError, CheckpointError) as e:
         print(f"plait train: {e}", file=sys.stderr)
         return 2
     hosts = None
@@ -155,36 +165,47 @@ def run(args) -> int:
         iface = resolved.recipe.launch.iface
         hosts = Hosts(nnodes, args.rdzv_endpoint, args.rdzv_id, resolved.recipe.launch.rdzv_timeout_s,
                       local_addr=iface_address(iface) if iface else None)
+    launched = False
     try:
-        return _prepare_and_launch(resolved, data, world, hosts)
+        if not in_launched_world() and hosts is None:  # else the ranks prepare it, global rank 0 first
+            status = _prepare(resolved)
+            if status:
+                return status
+            print(f"launching {world} process(es): {resolved.summary_line()}", flush=True)
+        launched = True
+        return _launch(resolved, data, world, hosts)
     finally:
         for lock in locks:
             lock.release()
+        if not launched:  # refused before any rank started: the directories it created go again
+            remove_untouched(created)
 
 
-def _prepare_and_launch(resolved, data: dict, world: int, hosts=None) -> int:
-    """Prepare the data once (in the parent) and start the ranks; exit status 2 for data errors.
+def _prepare(resolved) -> int:
+    """Prepare the data once, in the parent, before any rank starts; an exit status on failure."""
+    from plait.train.entry import prepare_data
 
-    With ``hosts`` (several hosts) the ranks prepare it, global rank 0 first, as under torchrun.
-    """
+    try:
+        prepare_data(resolved.recipe, progress=True)
+    except ValueError as e:  # DataError (source, prepared data, seq_len, vocabulary) or ModelConfigError
+        print(f"plait train: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"plait train: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _launch(resolved, data: dict, world: int, hosts=None) -> int:
+    """Start the ranks (this host's share of them with ``hosts``) and report how they ended."""
     from plait.checkpoint.store import latest_checkpoint
     from plait.config.load import dump_recipe_text
-    from plait.launch import RendezvousFailed, StoppedBySignal, WorkersFailed, in_launched_world, launch_local
-    from plait.train.entry import prepare_data, train_worker
+    from plait.launch import RendezvousFailed, StoppedBySignal, WorkersFailed, launch_local
+    from plait.train.entry import train_worker
 
     # The ranks receive the recipe as the user wrote it (file + overrides) and validate it again
     # for their world; defaults are not frozen in, so fields that come from model.hf_path stay free.
     text = dump_recipe_text(data)  # read back by the ranks with the recipe loader's own YAML 1.2 rules
-    if not in_launched_world() and hosts is None:
-        try:
-            prepare_data(resolved.recipe, progress=True)  # once, in the parent, before any rank starts
-        except ValueError as e:  # DataError (source, prepared data, seq_len, vocabulary) or ModelConfigError
-            print(f"plait train: {' '.join(str(e).split())}", file=sys.stderr)
-            return 2
-        except OSError as e:
-            print(f"plait train: {e}", file=sys.stderr)
-            return 1
-        print(f"launching {world} process(es): {resolved.summary_line()}", flush=True)
     if hosts is not None:
         print(f"joining the rendezvous at {hosts.endpoint} (run id {hosts.run_id!r}) with {world // hosts.nnodes} "
               f"of {world} process(es), {hosts.nnodes} hosts: {resolved.summary_line()}", flush=True)

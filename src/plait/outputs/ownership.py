@@ -148,6 +148,23 @@ def require_not_containing(target: str | Path, protected: Iterable[tuple[str, st
                                  f"{name}: choose a directory outside it")
 
 
+def require_apart(target: str | Path, inputs: Iterable[tuple[str, str | Path | None]], *, what: str) -> None:
+    """The rule every command that writes applies to its inputs: ``target`` may not be, contain, or
+    lie inside any ``(name, path)`` it reads (a base model, an adapter, ``lora.init_from``,
+    ``model.hf_path``, data, a tokenizer), with or without ``--overwrite``. Writing over an input
+    would destroy it; writing inside one would change what the next reader of it sees."""
+    for name, path in inputs:
+        if path is None or not Path(path).expanduser().exists():
+            continue
+        if is_within(path, target):
+            relation = "is" if _resolved(path) == _resolved(target) else "contains"
+            raise OutputDirError(f"{_named(what, target)} {relation} {name} ({path}), which this command reads; "
+                                 f"writing there would replace it: choose a directory outside it")
+        if is_within(target, path):
+            raise OutputDirError(f"{_named(what, target)} lies inside {name} ({path}), which this command reads; "
+                                 f"write the output outside it")
+
+
 def probe_writable(path: str | Path, *, what: str, target: str | Path | None = None) -> None:
     """Create ``path`` (and its parents) and write a file in it, so an unwritable place fails now.
 

@@ -17,6 +17,7 @@ from plait.outputs.ownership import (
     OutputDirError,
     is_within,
     probe_writable,
+    require_apart,
     require_not_containing,
     require_target,
     write_marker,
@@ -29,7 +30,7 @@ def _input_paths(resolved) -> list[tuple[str, Path]]:
     found = []
     for what, value in (("data.source", r.data.source), ("data.tokenizer", r.data.tokenizer),
                         ("model.hf_path", r.model.hf_path), ("data.cache_dir", r.data.cache_dir),
-                        ("checkpoint.resume", r.checkpoint.resume)):
+                        ("lora.init_from", r.lora.init_from), ("checkpoint.resume", r.checkpoint.resume)):
         if value and Path(value).expanduser().exists():
             found.append((what, Path(value).expanduser()))
     return found
@@ -48,6 +49,9 @@ def check_outputs(resolved) -> None:
     """
     r = resolved.recipe
     out, save, final = Path(resolved.output_dir), Path(resolved.save_dir), Path(resolved.checkpoint_dir)
+    inputs = _input_paths(resolved)
+    read_only = [(what, path) for what, path in inputs if what != "checkpoint.resume"]  # resumed: plait's own
+    require_apart(out, read_only, what="run.output_dir")
     run_state = require_target(out, "run", what="run.output_dir")
     if is_within(out, save):
         raise OutputDirError(f"checkpoint.save_dir={save} contains run.output_dir={out}; checkpoints need a "
@@ -58,15 +62,11 @@ def check_outputs(resolved) -> None:
         raise OutputDirError(f"checkpoint.save_dir={save} holds the checkpoints of an earlier run (newest: step "
                              f"{earlier[-1][0]}); continue it with checkpoint.resume=auto, start anew over them with "
                              f"checkpoint.overwrite=true, or choose another run.output_dir")
-    inputs = _input_paths(resolved)
-    for what, path in inputs:
-        if what != "checkpoint.resume" and is_within(path, save):
-            raise OutputDirError(f"checkpoint.save_dir={save} contains {what} ({path}); old checkpoints there are "
-                                 f"deleted by retention: choose a directory outside it")
+    require_apart(save, read_only, what="checkpoint.save_dir")  # retention deletes old checkpoints there
     if not r.checkpoint.save_final:
         return
-    protected = [("run.output_dir", out), ("checkpoint.save_dir", save), *inputs]
-    require_not_containing(final, protected, what="checkpoint.dir")
+    require_apart(final, inputs, what="checkpoint.dir")
+    require_not_containing(final, [("run.output_dir", out), ("checkpoint.save_dir", save)], what="checkpoint.dir")
     own = is_within(final, out) and run_state in ("ours", "absent", "empty")
     require_target(final, "hf-model", what="checkpoint.dir", replace=own or r.checkpoint.overwrite,
                    replace_hint="set checkpoint.overwrite=true")
