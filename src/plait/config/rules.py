@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.activation_checkpointing import checkpointable_names
+from plait.config.applicability import inapplicable_fields
 from plait.config.problems import Problem, Verbatim, divisors, format_value, suggest
 from plait.config.resolve import derive_world_and_dp
 from plait.config.schema import ARCH_FIELDS, PREFERENCE_OBJECTIVES, REFERENCE_OBJECTIVES, Recipe, read_hf_config
@@ -513,6 +514,15 @@ def _check_context_parallel(c: _Checker, arch: LlamaConfig | None) -> None:
     check_context_parallel(c, arch)
 
 
+def _check_applicability(c: _Checker) -> None:
+    """Keys set to something that cannot take effect for this recipe (:mod:`plait.config.applicability`)."""
+    if not c.ok("data.format", "data.source"):
+        return
+    for problem in inapplicable_fields(c.r):
+        if c.ok(problem.field):
+            c.add(problem.field, problem.value, problem.valid)
+
+
 def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | None = None, *,
                      check_paths: bool = True) -> tuple[list[Problem], list[str], LlamaConfig | None]:
     """``(problems, warnings, architecture)`` of the rules between fields, skipping rules that
@@ -535,4 +545,5 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_context_parallel(c, arch)
     _check_moe(c, arch, dp)
     _check_compile(c, arch)
+    _check_applicability(c)
     return c.problems, c.warnings, arch

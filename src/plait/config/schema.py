@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
+from plait.config.applicability import applies_when
 from plait.models.llama.config import LlamaConfig, ModelConfigError
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
 from plait.moe.section import MoeSection
@@ -177,7 +178,8 @@ class ParallelSection(Section):
                                                  "(zigzag chunks, ring attention; needs seq_len % (2 * cp) == 0)")
     cp_mode: Literal["ring", "allgather"] = Field(
         default="ring", description="How attention crosses the cp ranks: 'ring' (K/V blocks passed around, "
-                                    "overlapped with compute) or 'allgather' (all K/V gathered; short rings)")
+                                    "overlapped with compute) or 'allgather' (all K/V gathered; short rings)",
+                                    json_schema_extra=applies_when("context_parallel"))
     vpp: Int = Field(default=1, ge=1, description="Virtual pipeline stages per pipeline rank (needs pp > 1)")
     ep: Int = Field(default=1, ge=1, description="Expert-parallel degree (MoE families): experts split over this "
                                                  "many data-parallel ranks, tokens exchanged by all-to-all; divides "
@@ -188,7 +190,8 @@ class ParallelSection(Section):
     kv_replication: Int | None = Field(default=None, ge=1, description="TP ranks that hold the same K/V heads; "
                                                                        "null = the smallest that needs no padding")
     kv_placement: Literal["interleaved", "adjacent"] = Field(
-        default="interleaved", description="Placement of K/V replicas in the TP group: 'interleaved' or 'adjacent'")
+        default="interleaved", description="Placement of K/V replicas in the TP group: 'interleaved' or 'adjacent'",
+        json_schema_extra=applies_when("tensor_parallel"))
     zero1: Bool = Field(default=False, description="Shard optimizer state and master weights over DP (ZeRO-1); "
                                                    "no effect (a warning) with dp=1")
     bucket_mb: Float = Field(default=25.0, gt=0, description="Size cap of a gradient bucket in MB; each "
@@ -204,9 +207,11 @@ class ParallelSection(Section):
                                     "'interleaved-zb' (both) (used when pp > 1)")
     partition: Literal["balanced", "even", "manual"] = Field(
         default="balanced", description="Pipeline split: 'balanced' by cost, 'even' "
-                                        "by layer count, 'manual' at pipeline_cuts")
+                                        "by layer count, 'manual' at pipeline_cuts",
+                                        json_schema_extra=applies_when("pipeline"))
     partition_cost: Literal["flops", "params"] = Field(
-        default="flops", description="Per-unit cost the balanced split evens out (embedding and head included)")
+        default="flops", description="Per-unit cost the balanced split evens out (embedding and head included)",
+        json_schema_extra=applies_when("pipeline"))
     pipeline_cuts: list[str] | None = Field(
         default=None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)")
 
@@ -260,7 +265,8 @@ class DataSection(Section):
                                     "of them, or a prepared data directory")
     tokenizer: str = Field(default="bpe", min_length=1, description="'bpe' = train a byte-level BPE on the source, or "
                                                                     "a path to a tokenizer.json")
-    vocab_size: Int = Field(default=2048, ge=257, description="Size of the trained BPE (tokenizer: bpe)")
+    vocab_size: Int = Field(default=2048, ge=257, description="Size of the trained BPE (tokenizer: bpe)",
+                            json_schema_extra=applies_when("bpe"))
     seq_len: Int = Field(default=128, ge=1, description="Tokens per training sequence")
     val_fraction: Float = Field(default=0.05, gt=0, lt=1, description="Share of the tokens held out for validation")
     micro_batch_size: Int = Field(default=8, ge=1, description="Sequences per micro-batch on one DP rank")
@@ -276,14 +282,16 @@ class DataSection(Section):
                                     "'preference': a .jsonl of prompt/chosen/rejected rows, each pair kept "
                                     "in one row (train.objective dpo, ipo, orpo or simpo)")
     packing: Bool = Field(default=True, description="sft: pack several samples into each row (attention and "
-                                                    "positions stay within a sample); false = one sample per row")
+                                                    "positions stay within a sample); false = one sample per row",
+                                                    json_schema_extra=applies_when("rows"))
     truncation: Literal["drop", "truncate_left", "truncate_right"] = Field(
         default="drop", description="sft: a sample longer than seq_len is dropped, or cut from the left or right "
-                                    "(counted and reported)")
+                                    "(counted and reported)", json_schema_extra=applies_when("rows"))
     train_on_prompt: Bool = Field(default=False, description="sft: take the loss on every token, not only on the "
-                                                             "assistant's")
+                                                             "assistant's", json_schema_extra=applies_when("sft"))
     skip_bad_rows: Bool = Field(default=False, description="sft: skip malformed rows (counted per reason) "
-                                                           "instead of stopping at the first")
+                                                           "instead of stopping at the first",
+                                                           json_schema_extra=applies_when("rows"))
 
 
 class TrainSection(Section):
@@ -302,7 +310,8 @@ class TrainSection(Section):
     detect_host_syncs: Bool = Field(default=False, description="Watch the first 3 steps for device-to-host reads "
                                                                "(torch.cuda.set_sync_debug_mode on CUDA, counted "
                                                                "tensor reads on CPU) and print each with its stack")
-    sample_prompt: str = Field(default="ROMEO:", description="Prompt of the text sample generated at the end")
+    sample_prompt: str = Field(default="ROMEO:", description="Prompt of the text sample generated at the end",
+                               json_schema_extra=applies_when("sample"))
     sample_tokens: Int = Field(default=48, ge=0, description="Tokens generated for the final "
                                                              "sample; 0 = no sample text")
     stall_timeout_s: Float = Field(default=600.0, ge=0, description="Abort (exit status 3, naming the rank, group and "
@@ -328,7 +337,8 @@ class CheckpointSection(Section):
     save_final: Bool = Field(default=True, description="Write a Hugging Face model directory at the end")
     dir: str = Field(default="{output_dir}/final", min_length=1,
                      description="Directory of the final Hugging Face checkpoint; "
-                                 "{output_dir} and {name} are substituted")
+                                 "{output_dir} and {name} are substituted",
+                                 json_schema_extra=applies_when("final_model"))
     overwrite: Bool = Field(default=False, description="Replace what plait wrote earlier: a Hugging Face model at "
                                                        "checkpoint.dir outside this run's directory, or (with resume "
                                                        "none) an earlier run's checkpoints in save_dir; what plait did "
@@ -357,11 +367,15 @@ def _attention_targets() -> list[LoraTarget]:
 class LoraSection(Section):
     rank: Int | None = Field(default=None, ge=1, description="Adapter rank; null = no LoRA (every weight trains)")
     alpha: Float = Field(default=16.0, gt=0, description="Scale numerator: the update is (alpha / rank) B A "
-                                                         "(alpha / sqrt(rank) with rslora)")
-    dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input")
+                                                         "(alpha / sqrt(rank) with rslora)",
+                                                         json_schema_extra=applies_when("lora"))
+    dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input",
+                           json_schema_extra=applies_when("lora"))
     target_modules: list[LoraTarget] = Field(default_factory=_attention_targets,
-                                             description="Projections of each decoder block that get an adapter")
-    rslora: Bool = Field(default=False, description="Rank-stabilised scale alpha / sqrt(rank)")
+                                             description="Projections of each decoder block that get an adapter",
+                                             json_schema_extra=applies_when("lora"))
+    rslora: Bool = Field(default=False, description="Rank-stabilised scale alpha / sqrt(rank)",
+                         json_schema_extra=applies_when("lora"))
     init_from: str | None = Field(default=None, description="A PEFT adapter directory (adapter_config.json + "
                                                             "adapter_model.safetensors) to start the adapters from, "
                                                             "e.g. an earlier LoRA run's final/; its rank, alpha, "

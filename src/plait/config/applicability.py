@@ -1,0 +1,133 @@
+"""Recipe keys that cannot take effect for this recipe are refused, not ignored.
+
+A field of the schema names the condition under which it does anything with
+``json_schema_extra={"applies": NAME}`` (:func:`applies_when`); a whole section may name one for
+all its fields in its ``applies`` class attribute. One rule (:func:`inapplicable_fields`) walks the
+schema: a field the recipe sets to something other than its default while its condition does not
+hold is a problem naming the field, the condition, why it does not hold here and the fix. So a
+new knob is covered by one word in the schema, and the docs table can say when each knob
+applies.
+
+A written recipe holds every field once it is loaded, so only a value that differs from the
+default counts as "set": ``lora.alpha: 16`` with LoRA off is harmless, ``lora.alpha: 32`` is
+a mistake (the user expects it to do something).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from plait.config.problems import Problem
+from plait.data.sft_prepare import rows_directory, rows_index
+
+#: a condition: ``None`` when it holds for the recipe, else why it does not (the recipe's own values)
+Condition = Callable[[Any], str | None]
+
+
+def _rows(r) -> str | None:
+    return None if r.data.format != "text" else "data.format is 'text' (plain text has no rows to shape)"
+
+
+def _sft(r) -> str | None:
+    return None if r.data.format == "sft" else f"data.format is {r.data.format!r}"
+
+
+def _lora(r) -> str | None:
+    return None if r.lora.rank is not None else "lora.rank is null (LoRA off: every weight trains)"
+
+
+def _bpe(r) -> str | None:
+    return None if r.data.tokenizer == "bpe" else (f"data.tokenizer is {r.data.tokenizer!r} (a tokenizer file "
+                                                   f"has its own vocabulary size)")
+
+
+def _pipeline(r) -> str | None:
+    return None if r.parallel.pp > 1 else "parallel.pp is 1 (one stage: nothing is split)"
+
+
+def _context_parallel(r) -> str | None:
+    return None if r.parallel.cp > 1 else "parallel.cp is 1 (sequences are not split)"
+
+
+def _tensor_parallel(r) -> str | None:
+    return None if r.parallel.tp > 1 else "parallel.tp is 1 (no K/V heads are replicated)"
+
+
+def _final_model(r) -> str | None:
+    return None if r.checkpoint.save_final else "checkpoint.save_final is false (no final model is written)"
+
+
+def _sample(r) -> str | None:
+    return None if r.train.sample_tokens > 0 else "train.sample_tokens is 0 (no sample is generated)"
+
+
+#: condition name -> (when the field applies, in words; the test)
+CONDITIONS: dict[str, tuple[str, Condition]] = {
+    "rows": ("data.format is 'sft' or 'preference'", _rows),
+    "sft": ("data.format is 'sft'", _sft),
+    "lora": ("lora.rank is set", _lora),
+    "bpe": ("data.tokenizer is 'bpe' (a BPE trained on the source)", _bpe),
+    "pipeline": ("parallel.pp > 1", _pipeline),
+    "context_parallel": ("parallel.cp > 1", _context_parallel),
+    "tensor_parallel": ("parallel.tp > 1", _tensor_parallel),
+    "final_model": ("checkpoint.save_final is true", _final_model),
+    "sample": ("train.sample_tokens > 0", _sample),
+}
+#: conditions whose fields shape prepared rows: with an already prepared data.source they cannot change
+SHAPES_ROWS = ("rows", "sft")
+
+
+def applies_when(condition: str) -> dict[str, str]:
+    """The ``json_schema_extra`` of a field that takes effect only under ``condition``."""
+    if condition not in CONDITIONS:
+        raise KeyError(f"unknown applicability condition {condition!r}; known: {sorted(CONDITIONS)}")
+    return {"applies": condition}
+
+
+def field_condition(section: type[BaseModel], name: str) -> str | None:
+    """The condition under which ``section.name`` takes effect (``None``: always)."""
+    extra = section.model_fields[name].json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("applies"), str):
+        return str(extra["applies"])
+    found = getattr(section, "applies", None)
+    return found if isinstance(found, str) else None
+
+
+def _changed(section: BaseModel) -> list[str]:
+    defaults = type(section)()
+    return sorted(n for n in section.model_fields_set if getattr(section, n) != getattr(defaults, n))
+
+
+def inapplicable_fields(recipe: BaseModel) -> list[Problem]:
+    """Every field set to a non-default value whose condition does not hold for ``recipe``; and,
+    when ``data.source`` is an already prepared rows directory, every row-shaping field set to
+    another value than the rows were made with."""
+    problems = []
+    prepared = rows_directory(recipe.data.source) if recipe.data.format != "text" else None  # type: ignore[attr-defined]
+    index = rows_index(prepared) if prepared is not None else None
+    for section_name in type(recipe).model_fields:
+        section = getattr(recipe, section_name)
+        if not isinstance(section, BaseModel):
+            continue
+        for name in _changed(section):
+            condition = field_condition(type(section), name)
+            if condition is None:
+                continue
+            when, test = CONDITIONS[condition]
+            value = getattr(section, name)
+            why = test(recipe)
+            field = f"{section_name}.{name}"
+            if why is not None:
+                problems.append(Problem(field, value, f"takes effect only when {when}, and {why}; remove it"))
+            elif index is not None and condition in SHAPES_ROWS and index.get(name, value) != value:
+                problems.append(Problem(field, value, f"data.source={prepared} holds rows already prepared with "
+                                                      f"{name}={index[name]!r}, which this setting cannot change; "
+                                                      f"remove it, or prepare the rows again from the .jsonl file"))
+            elif index is not None and condition in SHAPES_ROWS and name not in index:
+                problems.append(Problem(field, value, f"data.source={prepared} holds rows already prepared (their "
+                                                      f"{name} is not recorded); this setting cannot change them: "
+                                                      f"remove it, or prepare the rows again from the .jsonl file"))
+    return problems

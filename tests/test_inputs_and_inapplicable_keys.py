@@ -1,0 +1,227 @@
+"""Three rules at the edges of every command, each tested as a class rather than case by case.
+
+* Recipe keys that cannot take effect are refused before launch: every schema field that names a
+  condition (``json_schema_extra={"applies": ...}``) is set, in turn, to a value other than its
+  default in a recipe where its condition fails, and must be refused naming the field; the same
+  values where the condition holds are accepted. Row-shaping keys against already prepared rows
+  are refused unless they match what the rows were made with.
+* No command writes over, around or into what it reads: ``checkpoint.dir``, ``run.output_dir``
+  and ``plait convert DEST`` may not be, contain or lie inside an input (``model.hf_path``,
+  ``lora.init_from``, the adapter, its base), with or without ``--overwrite``; the input is left
+  byte for byte.
+* A run refused before launch leaves nothing behind that was not there before.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from chat_task import chat_tokenizer
+from plait.cli import main
+from plait.config import RecipeError, check_recipe
+from plait.config.applicability import CONDITIONS, field_condition
+from plait.config.schema import Recipe
+from plait.data.tasks import write_task_files
+from plait.lora import LoraSettings, apply_lora, save_peft_adapter
+from plait.materialize import build_model
+from plait.mesh import single_process_mesh
+from plait.models.hf_io import save_hf_checkpoint
+from plait.models.llama.config import LlamaConfig
+
+#: a recipe where each condition fails, and one where it holds (on top of the schema's defaults)
+FAILS = {"rows": [], "sft": [], "lora": [], "bpe": ["data.tokenizer=TOKENIZER"], "pipeline": [],
+         "context_parallel": [], "tensor_parallel": [],
+         "final_model": ["checkpoint.save_final=false"], "sample": ["train.sample_tokens=0"]}
+HOLDS = {"rows": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
+         "sft": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
+         "lora": ["lora.rank=4"], "bpe": [], "pipeline": ["parallel.pp=2", "parallel.tp=1",
+                                                          "parallel.sequence_parallel=false",
+                                                          "parallel.microbatches=2"],
+         "context_parallel": ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false"],
+         "tensor_parallel": ["parallel.tp=2"], "final_model": [], "sample": []}
+
+
+def _tagged_fields() -> list[tuple[str, str, str]]:
+    """``(section, field, condition)`` of every field of the schema that names a condition."""
+    out = []
+    for section_name, info in Recipe.model_fields.items():
+        section = info.annotation
+        if not (isinstance(section, type) and hasattr(section, "model_fields")):
+            continue
+        for name in section.model_fields:
+            condition = field_condition(section, name)
+            if condition is not None:
+                out.append((section_name, name, condition))
+    return out
+
+
+def _other_value(section_name: str, name: str) -> str:
+    """An override value of ``section.name`` other than its default, of its type."""
+    section = Recipe.model_fields[section_name].annotation
+    info = section.model_fields[name]
+    default = info.get_default(call_default_factory=True)
+    choices = [a for a in typing.get_args(info.annotation) if isinstance(a, str)]
+    if choices:
+        return next(c for c in choices if c != default)
+    if isinstance(default, bool):
+        return str(not default).lower()
+    if isinstance(default, int):
+        return str(default + 300)
+    if isinstance(default, float):
+        return str(0.25 if default == 0 else default / 2 if default < 1 else default + 1.0)
+    if isinstance(default, list):
+        return "[q_proj]"
+    if isinstance(default, str):
+        return "DIRECTORY/other" if "{" in default else "other prompt"
+    raise AssertionError(f"no other value for {section_name}.{name} (default {default!r})")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("apply")
+    paths = write_task_files(root / "task", seed=1, train=20, heldout=2)
+    chat_tokenizer(paths["sft_train"].read_text(), 300).save(str(root / "tokenizer.json"))
+    return root, paths
+
+
+def _fill(items: list[str], files) -> list[str]:
+    root, paths = files
+    return [i.replace("TOKENIZER", str(root / "tokenizer.json")).replace("ROWS", str(paths["sft_train"]))
+            .replace("DIRECTORY", str(root)) for i in items]
+
+
+def test_every_field_that_names_a_condition_is_covered():
+    tagged = _tagged_fields()
+    assert {c for _, _, c in tagged} == set(CONDITIONS), "every condition is used by a field"
+    assert {"data.packing", "data.train_on_prompt", "lora.alpha", "lora.target_modules", "checkpoint.dir",
+            "parallel.cp_mode", "data.vocab_size"} <= {f"{s}.{n}" for s, n, _ in tagged}
+
+
+@pytest.mark.parametrize(("section", "name", "condition"), _tagged_fields(),
+                         ids=[f"{s}.{n}" for s, n, _ in _tagged_fields()])
+def test_a_key_that_cannot_take_effect_is_refused_and_accepted_where_it_does(files, section, name, condition):
+    field = f"{section}.{name}"
+    setting = f"{field}={_other_value(section, name)}"
+    with pytest.raises(RecipeError) as info:
+        check_recipe(None, _fill(FAILS[condition], files) + [setting], world_size=None)
+    assert field in info.value.fields, str(info.value)
+    message = next(str(p) for p in info.value.problems if p.field == field)
+    assert "takes effect only when" in message and "remove it" in message, message
+    holds = _fill(HOLDS[condition], files) + [setting]
+    if name == "target_modules":
+        holds.append("lora.rank=4")
+    try:
+        check_recipe(None, holds, world_size=None)
+    except RecipeError as e:
+        assert field not in e.fields, str(e)
+
+
+def test_row_shaping_keys_must_match_already_prepared_rows(files, tmp_path):
+    root, paths = files
+    prepared = tmp_path / "rows"
+    assert main(["data", "prepare", str(paths["sft_train"]), "--format", "sft", "--tokenizer",
+                 str(root / "tokenizer.json"), "--out", str(prepared), "--seq-len", "256"]) == 0
+    base = ["data.format=sft", "train.objective=sft", f"data.source={prepared}", "data.seq_len=256",
+            f"data.tokenizer={root / 'tokenizer.json'}"]
+    check_recipe(None, base + ["data.packing=true"], world_size=None)  # what the rows were made with
+    for setting in ("data.packing=false", "data.train_on_prompt=true", "data.truncation=truncate_left"):
+        with pytest.raises(RecipeError, match="already prepared") as info:
+            check_recipe(None, base + [setting], world_size=None)
+        assert setting.split("=")[0] in info.value.fields
+
+
+# ---------------------------------------------------------------------------------- inputs
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A tiny random base model and a LoRA adapter on it (names the base in its config)."""
+    root = tmp_path_factory.mktemp("inputs")
+    tok = chat_tokenizer("hello world " * 50, 280)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    mesh = single_process_mesh()
+    model = build_model(config, mesh, seed=1)
+    save_hf_checkpoint(model, root / "base", mesh.info("tp"))
+    tok.save(str(root / "base" / "tokenizer.json"))
+    apply_lora([model], LoraSettings(rank=2, alpha=4.0), seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora.B"):
+                p.normal_(0, 0.5)
+    save_peft_adapter([model], root / "adapter", mesh.info("tp"), str(root / "base"))
+    return root
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("dest", ["base", "adapter", "adapter/merged", "base/merged", "."])
+def test_merge_lora_never_writes_over_around_or_into_its_inputs(adapter, capsys, dest):
+    before = {d: _snapshot(adapter / d) for d in ("base", "adapter")}
+    target = adapter / dest
+    assert main(["convert", str(adapter / "adapter"), str(target), "--merge-lora", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "which this command reads" in err and len(err.strip().splitlines()) == 1, err
+    assert {d: _snapshot(adapter / d) for d in ("base", "adapter")} == before
+    assert not (adapter / "adapter" / "merged").exists() and not (adapter / "base" / "merged").exists()
+
+
+def test_merge_lora_into_a_new_directory_still_works(adapter, tmp_path):
+    assert main(["convert", str(adapter / "adapter"), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    assert (tmp_path / "merged" / "config.json").is_file()
+
+
+def _train_items(files, out, *extra: str) -> list[str]:
+    root, paths = files
+    return ["data.format=sft", "train.objective=sft", f"data.source={paths['sft_train']}",
+            f"data.tokenizer={root / 'tokenizer.json'}", f"run.output_dir={out}", "parallel.tp=1",
+            "parallel.sequence_parallel=false", "model.hidden_size=32", "model.intermediate_size=64",
+            "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+            "data.seq_len=128", "model.max_position_embeddings=128", "train.steps=2", "scheduler.warmup_steps=0",
+            "logging.progress_bar=false", "train.sample_tokens=0", *extra]
+
+
+def test_lora_init_from_inside_the_runs_own_output_is_refused(files, adapter, tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    for f in (adapter / "adapter").iterdir():
+        (out / "final" / f.name).write_bytes(f.read_bytes())
+    before = _snapshot(out)
+    items = _train_items(files, out, "lora.rank=2", "lora.alpha=4.0", f"lora.init_from={out / 'final'}")
+    assert main(["train", *items, "--nproc", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "lora.init_from" in err and "which this command reads" in err, err
+    assert _snapshot(out) == before
+
+
+def test_a_run_refused_for_its_data_leaves_no_directory_behind(files, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": 3}\n')
+    out = tmp_path / "new" / "nested" / "run"
+    items = _train_items(files, out, f"data.source={bad}", "checkpoint.save_dir=" + str(tmp_path / "ckpt" / "x"))
+    assert main(["train", *items, "--nproc", "1"]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and not (tmp_path / "ckpt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_refused_run_keeps_a_directory_that_existed(files, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": 3}\n')
+    out = tmp_path / "existing"
+    out.mkdir()
+    assert main(["train", *_train_items(files, out, f"data.source={bad}"), "--nproc", "1"]) == 2
+    capsys.readouterr()
+    assert out.is_dir()
+
+
+def test_rendezvous_endpoint_without_several_hosts_is_refused(files, tmp_path, capsys):
+    items = _train_items(files, tmp_path / "run")
+    assert main(["train", *items, "--rdzv-endpoint", "localhost:29400"]) == 2
+    err = capsys.readouterr().err
+    assert "--rdzv-endpoint=localhost:29400" in err and "needs --nnodes" in err, err
+    assert not (tmp_path / "run").exists()
