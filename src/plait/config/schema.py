@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from plait.config.applicability import applies_when
+from plait.config.applicability import CONDITIONS, applies_when, field_condition
 from plait.models.llama.config import LlamaConfig, ModelConfigError
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
 from plait.moe.section import MoeSection
@@ -497,6 +497,8 @@ def reference_markdown() -> str:
             bounds = _bounds(f)
             kind = _type_name(f.annotation) + (f" ({bounds})" if bounds else "")
             default = f.get_default(call_default_factory=True)  # a default_factory field has no f.default
-            out.append(f"| `{name}.{field_name}` | {kind} | {_default_text(default)} | {f.description} |")
+            condition = field_condition(cls, field_name)
+            applies = f" *Takes effect only when {CONDITIONS[condition][0]}.*" if condition else ""
+            out.append(f"| `{name}.{field_name}` | {kind} | {_default_text(default)} | {f.description}{applies} |")
         out.append("")
     return "\n".join(out)
