@@ -6,10 +6,13 @@ largest tensor, so host memory stays near one tensor (plus safetensors' serialis
 whatever the model size. Neither direction needs a process group or the training code.
 
 * plait -> HF: ``config.json`` from the checkpoint's model config, the weights in their saved
-  dtype (``--dtype`` casts), and ``tokenizer.json`` when the checkpoint carries one.
+  dtype (``--dtype`` casts), and the files that say how the model is used when the checkpoint
+  carries them (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
+  ``special_tokens_map.json``, ``generation_config.json``: :mod:`plait.data.tokenizer_files`).
   ``lm_head.weight`` is left out for tied embeddings, as Hugging Face does.
-* HF -> plait: a checkpoint at step 0 with the weights only (no optimizer state). ``plait
-  train`` with ``checkpoint.resume=<dir>`` starts from it, with fresh AdamW moments.
+* HF -> plait: a checkpoint at step 0 with the weights only (no optimizer state) and the same
+  files of the Hugging Face directory. ``plait train`` with ``checkpoint.resume=<dir>`` starts
+  from it, with fresh AdamW moments.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.store import commit
 from plait.checkpoint.training import model_config_dict
 from plait.checkpoint.writer import DTYPE_NAMES
+from plait.data.tokenizer_files import copy_model_use_files
 from plait.models.hf_io import _weight_map, load_hf_config, write_hf_dir
 from plait.models.registry import get_family
 from plait.outputs.ownership import OutputDirError, require_not_containing, require_target, write_marker
@@ -107,10 +111,7 @@ def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | Non
                 bar.update(1)
                 yield name, full if cast is None else full.to(cast)
 
-        extra = []
-        tok = Path(checkpoint) / TOKENIZER
-        if tok.is_file():
-            extra.append((TOKENIZER, lambda d: shutil.copy(tok, d / TOKENIZER)))
+        extra = [("model use files", lambda d: copy_model_use_files(d, checkpoint))]
         try:
             write_hf_dir(out_dir, config_dict, entries, stream(), max_shard_bytes=max_shard_bytes or largest,
                          extra_files=extra,
@@ -161,8 +162,7 @@ def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = Tr
             bar.update(1)
     finally:
         bar.close()
-    if (hf_dir / TOKENIZER).is_file():
-        shutil.copy(hf_dir / TOKENIZER, tmp / TOKENIZER)
+    copy_model_use_files(tmp, hf_dir)  # tokenizer, chat template, ...: plait_to_hf writes them out again
     manifest = {"format": FORMAT, "version": VERSION, "step": 0, "train_step": 0, "optimizer_step": 0,
                 "complete": True, "world_size": 1, "source": str(hf_dir), "tensors": tensors_json, "files": files,
                 "model_config": model_config_dict(config), "model_family": type(config).family}

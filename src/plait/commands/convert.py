@@ -88,9 +88,10 @@ def run(args) -> int:
 
 def _merge_lora(src: Path, args) -> int:
     """Base model + PEFT adapter -> one Hugging Face model whose weights include the adapter
-    (``W + scale * B A``), with the tokenizer files of the adapter directory (or the base)."""
-    import shutil
-
+    (``W + scale * B A``), with the files that say how it is used: the tokenizer files of the
+    adapter directory (or, without a tokenizer.json there, the base's) and the first
+    generation_config.json of the two (:func:`plait.data.tokenizer_files.model_use_files`)."""
+    from plait.data.tokenizer_files import copy_model_use_files
     from plait.heldout import ADAPTER_CONFIG, adapter_base, load_scoring_model
     from plait.lora import merge_lora_
     from plait.mesh import single_process_mesh
@@ -108,12 +109,10 @@ def _merge_lora(src: Path, args) -> int:
         _check_dest(dest, [("the adapter", src), ("the base model", base)])
         require_target(dest, "hf-model", what="DEST", replace=args.overwrite,
                        replace_hint="allow replacing it (--overwrite)")
-        model, tokenizer_dir = load_scoring_model(src, base)
+        model, _ = load_scoring_model(src, base)
         merged = merge_lora_([model])
-        save_hf_checkpoint(model, dest, single_process_mesh().info("tp"), replace=args.overwrite)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (tokenizer_dir / name).is_file():
-                shutil.copyfile(tokenizer_dir / name, dest / name)
+        save_hf_checkpoint(model, dest, single_process_mesh().info("tp"), replace=args.overwrite,
+                           extra_files=[("model use files", lambda d: copy_model_use_files(d, src, base))])
     except ValueError as e:
         return _fail(str(e))
     except OSError as e:

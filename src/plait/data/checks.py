@@ -23,6 +23,7 @@ from plait.data.token_shards import (
     load_index,
 )
 from plait.data.tokenizer import load_tokenizer_file, tokenizer_vocab_size
+from plait.data.tokenizer_files import file_sha256
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,12 @@ def _check_tokenizer(directory: Path, index: dict) -> None:
         if found != index["eos_id"]:
             raise DatasetFormatError(f"{path}: {eos_token} is id {found} but {directory / INDEX_FILE} says eos_id "
                                      f"{index['eos_id']}; delete {directory} and run 'plait data prepare' again")
+    recorded = index.get("tokenizer_sha256")  # absent in datasets prepared before the identity was recorded
+    if isinstance(recorded, str) and file_sha256(path) != recorded:
+        raise DatasetFormatError(f"{path}: sha256 {file_sha256(path)[:12]} is not the tokenizer "
+                                 f"{directory / INDEX_FILE} records (sha256 {recorded[:12]}; the tokenizer was "
+                                 f"replaced by another of the same size); delete {directory} and run "
+                                 f"'plait data prepare' again")
 
 
 def check_model_vocab(data: PreparedData, model_vocab_size: int) -> None:

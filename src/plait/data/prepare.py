@@ -50,6 +50,7 @@ from plait.data.tokenizer import (
     train_bpe,
 )
 from plait.data.tokenizer import cache_dir as resolve_cache_dir
+from plait.data.tokenizer_files import copy_model_use_files, file_sha256, model_use_digests
 
 SOURCE_SUFFIXES = (".txt", ".jsonl")
 _ENCODE_BATCH_DOCS, _ENCODE_BATCH_CHARS = 256, 4_000_000
@@ -324,6 +325,9 @@ def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size
     else:
         tok_path = _tokenizer_file(tok_spec_arg)
         tok_spec = f"tokenizer.json:{_hash_file(tok_path)}"
+        # the files kept beside it (chat template, special tokens, ...) travel on to the model: keyed too
+        companions = {k: v for k, v in model_use_digests(tok_path).items() if k != TOKENIZER_FILE}
+        tok_spec += "".join(f";{name}:{digest}" for name, digest in companions.items())
     key = dataset_key(src, tok_spec, val_fraction, seed, limit)
     cache = resolve_cache_dir(cache_dir)
     out = Path(out_dir).expanduser() if out_dir is not None else cache / "datasets" / f"{src.name}-{key}"
@@ -397,7 +401,7 @@ def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[i
         tok.save(str(tmp / TOKENIZER_FILE))
     else:
         tok = load_tokenizer_file(tok_path)
-        shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
+        copy_model_use_files(tmp, tok_path)  # tokenizer.json and the files beside it that describe the model's use
     eos_token, eos_id = find_eos(tok)
     vocab = tokenizer_vocab_size(tok)
     dtype = token_dtype(vocab)
@@ -440,6 +444,7 @@ def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[i
         "eos_id": eos_id,
         "eos_token": eos_token,
         "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": file_sha256(tmp / TOKENIZER_FILE),  # the identity: two tokenizers of one size differ
         "shard_tokens": shard_tokens,
         "train_tokens": splits["train"]["tokens"],
         "val_tokens": splits["val"]["tokens"],

@@ -8,10 +8,15 @@ tokenises them with the tokenizer's chat template and marks the assistant tokens
 target tokens of each row (and, for preference rows, the number of pairs and of chosen-response
 target tokens of each row). :class:`RowDataset` serves them to the loader.
 
-The directory is keyed by everything that changes its content (file hash, tokenizer hash, format,
-sequence length, packing, truncation, train_on_prompt, split), written under a temporary name and
-renamed into place, so a rerun with the same inputs reuses it and a killed run leaves no half
-directory behind.
+The directory is keyed by everything that changes its content (file hash, format, sequence length,
+packing, truncation, train_on_prompt, split) and by everything of the tokenizer: the hash of each
+file that travels with a model directory (``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja``, ``special_tokens_map.json``, ``generation_config.json``, see
+:mod:`plait.data.tokenizer_files`), the chat template's text and its BOS/EOS tokens. It keeps those
+files (they travel on to the trained model) and records the tokenizer's identity (the sha256 of
+``tokenizer.json``), so rows are never used with another tokenizer of the same size
+(:func:`check_rows_tokenizer`). It is written under a temporary name and renamed into place, so a
+rerun with the same inputs reuses it and a killed run leaves no half directory behind.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from tokenizers import Tokenizer
 
 from plait.data.batch import PairCounts, TokenBatch
-from plait.data.chat_template import load_chat_template
+from plait.data.chat_template import ChatTemplate, load_chat_template
 from plait.data.errors import DataError
 from plait.data.packing import IGNORE_INDEX, PackedRows, pack
 from plait.data.reference_table import batch_reference, pair_offsets
@@ -40,6 +45,7 @@ from plait.data.sft_tokenize import describe_counts, tokenize_preference, tokeni
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import cache_dir as resolve_cache_dir
 from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
+from plait.data.tokenizer_files import copy_model_use_files, model_use_digests, tokenizer_sha256
 
 #: ``index.json`` ``format`` of a prepared fine-tuning directory
 ROWS_FORMAT = "plait-rows-v1"
@@ -87,8 +93,12 @@ def _hash_file(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _key(source: Path, tokenizer: Path, settings: RowsSettings) -> str:
-    text = json.dumps({"source": _hash_file(source), "tokenizer": _hash_file(tokenizer),
+def _key(source: Path, tokenizer: Path, settings: RowsSettings, template: ChatTemplate) -> str:
+    """Everything the rows depend on: the source, every tokenizer file that travels with the model
+    (their hashes, so a new chat_template.jinja or special token is a new key), the chat template's
+    text and special tokens as rendered, and the settings."""
+    text = json.dumps({"source": _hash_file(source), "tokenizer_files": model_use_digests(tokenizer),
+                       "template": template.text, "bos_token": template.bos_token, "eos_token": template.eos_token,
                        **settings.__dict__, "format": ROWS_FORMAT}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -170,7 +180,8 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
     if not tok_path.is_file():
         raise DataError(f"data.tokenizer {str(tokenizer)!r}: data.format {settings.kind!r} needs the model's "
                         f"tokenizer.json (its chat template renders the rows); no such file")
-    key = _key(src, tok_path, settings)
+    template = load_chat_template(tok_path)  # the text and special tokens of tokenizer_config.json: for the key
+    key = _key(src, tok_path, settings, template)
     cache = resolve_cache_dir(cache_dir)
     default = cache / "datasets" / f"{src.stem}-{settings.kind}-{key}"
     out = Path(out_dir).expanduser() if out_dir is not None else default
@@ -200,6 +211,8 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
         counts.update({f"{split}_{k}": v for k, v in c.items()})
     index = {"format": ROWS_FORMAT, "key": key, "kind": settings.kind, "seq_len": settings.seq_len,
              "packing": settings.packing, "source": str(src), "template": template.source,
+             "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
+             "tokenizer_sha256": tokenizer_sha256(tok_path), "tokenizer_source": str(tok_path),
              "vocab_size": tokenizer_vocab_size(tok),
              "rows": {s: p.num_rows for s, p in packed.items()},
              "efficiency": {s: round(p.efficiency, 4) for s, p in packed.items()},
@@ -209,10 +222,7 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
     try:
         for split, rows_of_split in packed.items():
             _write_split(tmp, split, rows_of_split, settings.kind)
-        shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
-        config = tok_path.parent / "tokenizer_config.json"
-        if config.is_file():
-            shutil.copyfile(config, tmp / config.name)
+        copy_model_use_files(tmp, tok_path)  # they travel on with the trained model
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1), encoding="utf-8")
         os.chmod(tmp, 0o777 & ~_umask())
         if stale:
@@ -236,6 +246,44 @@ def rows_directory(path: str | os.PathLike) -> Path | None:
     """``path`` as a prepared fine-tuning directory, else None."""
     p = Path(path).expanduser()
     return p if _rows_index(p) is not None else None
+
+
+class TokenizerMismatchError(DataError):
+    """Prepared rows used with a tokenizer other than the one they were made with."""
+
+
+def check_rows_tokenizer(directory: str | os.PathLike, tokenizer: str | os.PathLike | None) -> None:
+    """Refuse rows of ``directory`` that are not made with ``tokenizer`` (a ``tokenizer.json`` or a
+    directory holding one; ``None`` or ``"bpe"``: the rows' own tokenizer is used, nothing to compare).
+
+    The identity is the sha256 of ``tokenizer.json``, so another tokenizer of the same vocabulary
+    size is told apart; the directory's own ``tokenizer.json`` must still be the one its index
+    records (directories prepared before the identity was recorded are compared by their file)."""
+    d = Path(directory)
+    index = _rows_index(d) or {}
+    own = d / TOKENIZER_FILE
+    if not own.is_file():
+        raise TokenizerMismatchError(f"{own}: missing; prepared rows keep the tokenizer they were made with; "
+                                     f"prepare the rows again")
+    found = tokenizer_sha256(own)
+    recorded = index.get("tokenizer_sha256")
+    if recorded is not None and recorded != found:
+        raise TokenizerMismatchError(f"{own}: sha256 {found[:12]} is not the tokenizer {d / INDEX_FILE} records "
+                                     f"(sha256 {str(recorded)[:12]}): the file was replaced; prepare the rows again")
+    if tokenizer is None or str(tokenizer) in ("", "bpe"):
+        return
+    given = Path(tokenizer).expanduser()
+    if given.is_dir():
+        given = given / TOKENIZER_FILE
+    if not given.is_file():
+        raise TokenizerMismatchError(f"data.tokenizer {str(tokenizer)!r}: no such file; give the tokenizer.json "
+                                     f"the rows of {d} were prepared with ({own})")
+    wanted = tokenizer_sha256(given)
+    if wanted != found:
+        raise TokenizerMismatchError(f"data.tokenizer {given} (sha256 {wanted[:12]}) is not the tokenizer the rows "
+                                     f"of {d} were prepared with ({own}, sha256 {found[:12]}); set "
+                                     f"data.tokenizer={own}, or prepare the rows again from their .jsonl with "
+                                     f"this tokenizer")
 
 
 class RowDataset:

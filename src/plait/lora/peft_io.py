@@ -14,6 +14,8 @@ import json
 import math
 import os
 import re
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,8 @@ def settings_of(modules: list[nn.Module]) -> LoraSettings:
 
 def save_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str], tp_group_info: GroupInfo,
                       base_model_name_or_path: str | None, *, settings: LoraSettings | None = None,
-                      pp: GroupInfo | None = None, replace: bool = False) -> None:
+                      pp: GroupInfo | None = None, replace: bool = False,
+                      extra_files: Mapping[str, str | os.PathLike[str]] | None = None) -> None:
     """Write the adapters of ``modules`` as a PEFT adapter directory.
 
     Every rank of the TP group must call this (full tensors are gathered over it); global rank 0
@@ -82,8 +85,10 @@ def save_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str
     (pipeline stages of one rank are fine when that rank holds all blocks), or, with ``pp``, the
     stages of every pipeline rank together: the adapters (small) are gathered over the pipeline
     group, and every rank of it must call this. ``settings`` fills
-    ``adapter_config.json``; by default, the settings ``apply_lora`` was given.
-    Returns after the files exist, on every rank.
+    ``adapter_config.json``; by default, the settings ``apply_lora`` was given. ``extra_files``
+    (``{name: file}``, read on the writing rank) are copied into the directory with the adapter,
+    e.g. the tokenizer and chat template it was trained with
+    (:func:`plait.data.tokenizer_files.model_use_files`). Returns after the files exist, on every rank.
     """
     settings = settings if settings is not None else settings_of(modules)
     tensors = _full_adapter_tensors(modules, tp_group_info)
@@ -98,7 +103,8 @@ def save_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str
     error: BaseException | None = None
     if is_writer:
         try:
-            _write(Path(directory), peft_config(settings, base_model_name_or_path), tensors, replace)
+            _write(Path(directory), peft_config(settings, base_model_name_or_path), tensors, replace,
+                   extra_files or {})
         except Exception as e:  # reported to every rank below, so none waits forever
             error = e
     if dist.is_initialized():  # doubles as the barrier: nobody returns before the files exist
@@ -154,7 +160,8 @@ def _full_adapter_tensors(modules: list[nn.Module], tp: GroupInfo) -> dict[str, 
     return out
 
 
-def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], replace: bool) -> None:
+def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], replace: bool,
+           extra_files: Mapping[str, str | os.PathLike[str]]) -> None:
     """The adapter directory, written whole under a temporary name and swapped in, carrying plait's
     marker: only an absent or empty directory, or (with ``replace``) a model directory plait wrote,
     is ever replaced, and a reader never sees half an adapter."""
@@ -162,6 +169,8 @@ def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Ten
                        replace_hint="allow replacing it (--overwrite, checkpoint.overwrite=true)") as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, source in extra_files.items():
+            shutil.copyfile(source, tmp / name)
 
 
 # ------------------------------------------------------------------------------ read

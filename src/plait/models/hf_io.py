@@ -309,15 +309,16 @@ def _gathered(model: nn.Module, names: list[str], tp: GroupInfo,
 
 
 def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
-                       max_shard_bytes: int = 5 * 1024**3, replace: bool = False) -> None:
+                       max_shard_bytes: int = 5 * 1024**3, replace: bool = False,
+                       extra_files: Iterable[tuple[str, Any]] = ()) -> None:
     """Write ``model`` (sharded over ``tp_info``) as a Hugging Face directory at ``path``.
 
     Every rank of the job must call this (tensors are gathered over the TP group, and rank 0's
     outcome is broadcast to all ranks); global rank 0 writes. Pipeline-parallel models (each stage
     holding some layers) are not supported yet. ``lm_head.weight`` is dropped when the embeddings
     are tied, as Hugging Face does. Returns after the directory is complete on every rank.
-    ``replace``: a model directory plait wrote before at ``path`` may be replaced (see
-    :func:`write_hf_dir`).
+    ``replace``: a model directory plait wrote before at ``path`` may be replaced, and
+    ``extra_files`` are written into it (on the writing rank), as in :func:`write_hf_dir`.
     """
     config = config_of(model)
     config_dict = config.to_hf_dict()  # raises for configs HF cannot express, before any I/O
@@ -337,7 +338,8 @@ def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
     error: BaseException | None = None
     if is_writer:
         try:
-            write_hf_dir(path, config_dict, entries, stream, max_shard_bytes=max_shard_bytes, replace=replace)
+            write_hf_dir(path, config_dict, entries, stream, max_shard_bytes=max_shard_bytes, replace=replace,
+                         extra_files=extra_files)
         except Exception as e:  # reported to every rank below, so none waits forever
             error = e
             for _ in stream:  # finish the gathers the other ranks are waiting in
@@ -357,7 +359,8 @@ def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
 # ---------------------------------------------------------------------------------- GGUF
 def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: int = 5 * 1024**3,
                    overwrite: bool = False) -> Path:
-    """Dequantise a GGUF model into a float32 safetensors HF directory with its tokenizer.
+    """Dequantise a GGUF model into a float32 safetensors HF directory with its tokenizer, chat
+    template and generation config.
 
     transformers can read GGUF but refuses ``save_pretrained`` on the result, so the tensors and
     config are written here instead. Used to get real weights without a model hub.
@@ -378,8 +381,11 @@ def gguf_to_hf_dir(gguf_file: PathLike, out_dir: PathLike, *, max_shard_bytes: i
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     entries = [(k, v.numel() * v.element_size()) for k, v in state.items()]
-    write_hf_dir(out_dir, cfg, entries, state.items(), max_shard_bytes=max_shard_bytes,
-                 extra_files=[("tokenizer", tokenizer.save_pretrained)], replace=overwrite)
+    extra: list[tuple[str, Any]] = [("tokenizer", tokenizer.save_pretrained)]  # with its chat template
+    if getattr(hf, "generation_config", None) is not None:  # the decoding defaults (BOS/EOS/pad ids)
+        extra.append(("generation config", hf.generation_config.save_pretrained))
+    write_hf_dir(out_dir, cfg, entries, state.items(), max_shard_bytes=max_shard_bytes, extra_files=extra,
+                 replace=overwrite)
     return Path(out_dir)
 
 

@@ -15,7 +15,14 @@ from plait.config.schema import Recipe
 from plait.data.checks import check_model_vocab, check_samples, verify_prepared
 from plait.data.errors import DataError
 from plait.data.prepare import prepare_dataset
-from plait.data.sft_prepare import RowDataset, RowFormat, RowsSettings, prepare_rows, rows_directory
+from plait.data.sft_prepare import (
+    RowDataset,
+    RowFormat,
+    RowsSettings,
+    check_rows_tokenizer,
+    prepare_rows,
+    rows_directory,
+)
 from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
 from plait.train.trainer import Trainer
 
@@ -44,7 +51,8 @@ def prepare_data(recipe: Recipe, progress: bool = False) -> Path:
 
 def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
     """The prepared rows of a ``data.format: sft`` or ``preference`` recipe (or the prepared directory it names),
-    checked against the model's vocabulary; ``report`` prints what preparation kept and dropped."""
+    checked against ``data.tokenizer`` (the rows' tokenizer identity) and the model's vocabulary; ``report``
+    prints what preparation kept and dropped."""
     d = recipe.data
     given = rows_directory(d.source)
     if given is not None:
@@ -58,6 +66,7 @@ def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
         path = result.directory
         if report:
             print(f"data: {result.describe()} -> {path}", flush=True)
+    check_rows_tokenizer(path, d.tokenizer)
     rows = RowDataset(path, "train")
     if rows.kind != d.format:
         raise DataError(f"data.source {d.source!r} holds {rows.kind} rows but data.format is {d.format!r}; "

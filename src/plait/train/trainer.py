@@ -30,9 +30,9 @@ from plait.config.resolve import ResolvedRecipe
 from plait.context_parallel.apply import whole_sequences
 from plait.data.baseline import unigram_loss
 from plait.data.batch import TokenBatch
-from plait.data.chat_template import CONFIG_FILE as TOKENIZER_CONFIG
 from plait.data.loader import BatchLoader
 from plait.data.sampler import GlobalBatchSampler
+from plait.data.tokenizer_files import TOKENIZER_FILE, copy_model_use_files, model_use_files
 from plait.devices import detect_device, peak_flops
 from plait.generate import generate
 from plait.lora import save_peft_adapter
@@ -124,8 +124,7 @@ class Trainer:
         seconds the training loop was held up. ``writer``: another root than the run's save dir."""
         start = time.perf_counter()
         st = self.state
-        tokenizer = st.train_data.directory / st.train_data.index.get("tokenizer", "tokenizer.json")
-        attachments = {"tokenizer.json": tokenizer} if tokenizer.is_file() else {}
+        attachments = self._model_use_files()  # tokenizer, chat template, ...: plait convert writes them out
         writer = writer or self.checkpoints
         snap = writer.snapshot(step, st.stages, st.optimizer, st.mesh, checkpoint_meta(st, step), rng_states(st),
                                attachments)
@@ -392,11 +391,12 @@ class Trainer:
                 sample = None
         if not self.is_writer:
             return
-        for name in ("tokenizer.json", TOKENIZER_CONFIG):  # the chat template travels with fine-tuning data
-            if (Path(prepared_dir) / name).is_file():
-                shutil.copy(Path(prepared_dir) / name, self.out / name)
-                if r.checkpoint.save_final:
-                    shutil.copy(Path(prepared_dir) / name, Path(self.resolved.checkpoint_dir) / name)
+        # the tokenizer, chat template, special tokens and generation defaults travel with the model
+        # (the final export wrote them into checkpoint.dir already; a run resumed from an older
+        # checkpoint gets them here)
+        copy_model_use_files(self.out, *self._model_use_sources())
+        if r.checkpoint.save_final and Path(self.resolved.checkpoint_dir).is_dir():
+            copy_model_use_files(self.resolved.checkpoint_dir, *self._model_use_sources())
         metrics_file = self.out / "metrics.jsonl"
         if r.logging.plot and metrics_file.exists():
             plot_run(metrics_file, self.out / "loss.png")
@@ -440,7 +440,17 @@ class Trainer:
         st = self.state
         self.finish_checkpoints()
         save_peft_adapter(st.stages, self.resolved.checkpoint_dir, st.tp, self.recipe.model.hf_path, pp=st.pp,
-                          replace=True)  # checked before launch, as for the full model
+                          replace=True,  # checked before launch, as for the full model
+                          extra_files=self._model_use_files() if self.is_writer else None)
+
+    def _model_use_sources(self) -> tuple[Path, str | None]:
+        """Where the files describing the model's use come from: the prepared data's tokenizer (the
+        one trained with, with its chat template), then ``model.hf_path`` (its generation_config.json)."""
+        data = self.state.train_data
+        return data.directory / data.index.get("tokenizer", TOKENIZER_FILE), self.recipe.model.hf_path
+
+    def _model_use_files(self) -> dict[str, Path]:
+        return model_use_files(*self._model_use_sources())
 
     def _export_final(self, step: int) -> None:
         """Write the final Hugging Face model through the sharded checkpoint of ``step``.
