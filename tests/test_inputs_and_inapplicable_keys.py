@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from pathlib import Path
 
@@ -146,6 +147,8 @@ def adapter(tmp_path_factory):
     model = build_model(config, mesh, seed=1)
     save_hf_checkpoint(model, root / "base", mesh.info("tp"))
     tok.save(str(root / "base" / "tokenizer.json"))
+    shallow = build_model(dataclasses.replace(config, num_hidden_layers=1), mesh, seed=1)
+    save_hf_checkpoint(shallow, root / "shallow-base", mesh.info("tp"))
     apply_lora([model], LoraSettings(rank=2, alpha=4.0), seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -173,6 +176,15 @@ def test_merge_lora_never_writes_over_around_or_into_its_inputs(adapter, capsys,
 def test_merge_lora_into_a_new_directory_still_works(adapter, tmp_path):
     assert main(["convert", str(adapter / "adapter"), str(tmp_path / "merged"), "--merge-lora"]) == 0
     assert (tmp_path / "merged" / "config.json").is_file()
+
+
+def test_merge_into_a_base_with_fewer_layers_is_refused(adapter, tmp_path, capsys):
+    status = main(["convert", str(adapter / "adapter"), str(tmp_path / "merged"), "--merge-lora", "--base",
+                   str(adapter / "shallow-base")])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "beyond the model's 1 decoder layers" in err, err
+    assert not (tmp_path / "merged").exists()
 
 
 def _train_items(files, out, *extra: str) -> list[str]:
@@ -225,3 +237,13 @@ def test_rendezvous_endpoint_without_several_hosts_is_refused(files, tmp_path, c
     err = capsys.readouterr().err
     assert "--rdzv-endpoint=localhost:29400" in err and "needs --nnodes" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_lora_targets_the_family_does_not_have_are_refused_before_launch():
+    moe = ["model.family=mixtral", "model.num_local_experts=4", "model.num_experts_per_tok=2", "lora.rank=4"]
+    with pytest.raises(RecipeError) as info:
+        check_recipe(None, moe + ["lora.target_modules=[q_proj,gate_proj]"], world_size=None)
+    assert info.value.fields == ["lora.target_modules"]
+    assert "no gate_proj projection in any decoder block" in str(info.value)
+    check_recipe(None, moe + ["lora.target_modules=[q_proj,v_proj]"], world_size=None)
+    check_recipe(None, ["lora.rank=4", "lora.target_modules=[gate_proj,down_proj]"], world_size=None)  # dense

@@ -24,6 +24,10 @@ from plait.data.sft_prepare import rows_directory
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
 from plait.lora import PeftAdapterError, read_peft_settings
+from plait.lora.apply import projections
+from plait.lora.settings import TARGETS
+from plait.materialize import build_model
+from plait.mesh import single_process_mesh
 from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scaling_problems
 from plait.moe import moe_problems
 from plait.pipeline.layout import plan_partition
@@ -470,6 +474,22 @@ def _check_data(c: _Checker, arch: LlamaConfig | None, check_paths: bool) -> Non
                                                 f"or null to use the tokenizer's size")
 
 
+def _check_lora_targets(c: _Checker, arch: LlamaConfig | None) -> None:
+    """Every ``lora.target_modules`` entry is a projection the model has in at least one decoder
+    block (an MoE family's experts have none of the dense MLP's): read off the model built on the
+    meta device, so what the rule accepts is what ``apply_lora`` adapts."""
+    lo = c.r.lora
+    if lo.rank is None or arch is None or not c.ok("lora.target_modules", "lora.rank"):
+        return
+    model = build_model(arch, single_process_mesh(), device="meta", init=False)
+    present = sorted({p.target for p in projections([model])}, key=TARGETS.index)
+    absent = [t for t in lo.target_modules if t not in present]
+    if absent:
+        c.add("lora.target_modules", list(lo.target_modules),
+              f"the {type(arch).family} model has no {', '.join(absent)} projection in any decoder block, so "
+              f"{'it' if len(absent) == 1 else 'they'} would adapt nothing; its projections: {present}")
+
+
 def _check_lora(c: _Checker, check_paths: bool) -> None:
     """``lora.init_from`` names a PEFT adapter made with this section's settings."""
     lo = c.r.lora
@@ -542,6 +562,7 @@ def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | 
     _check_paths(c)
     _check_data(c, arch, check_paths)
     _check_lora(c, check_paths)
+    _check_lora_targets(c, arch)
     _check_context_parallel(c, arch)
     _check_moe(c, arch, dp)
     _check_compile(c, arch)
