@@ -247,3 +247,19 @@ def test_lora_targets_the_family_does_not_have_are_refused_before_launch():
     assert "no gate_proj projection in any decoder block" in str(info.value)
     check_recipe(None, moe + ["lora.target_modules=[q_proj,v_proj]"], world_size=None)
     check_recipe(None, ["lora.rank=4", "lora.target_modules=[gate_proj,down_proj]"], world_size=None)  # dense
+
+
+def test_precompute_into_prepared_rows_that_cannot_take_the_table_is_refused_before_launch(files, tmp_path, capsys):
+    root, paths = files
+    prepared = tmp_path / "pairs"
+    assert main(["data", "prepare", str(paths["preference_train"]), "--format", "preference", "--tokenizer",
+                 str(root / "tokenizer.json"), "--out", str(prepared), "--seq-len", "256"]) == 0
+    (prepared / "reference").write_text("not a directory")  # the table's place cannot be created
+    capsys.readouterr()
+    items = [*_train_items(files, tmp_path / "run"), "data.format=preference", "train.objective=dpo",
+             f"data.source={prepared}", "data.seq_len=256", "model.max_position_embeddings=256",
+             "preference.reference=precompute"]
+    assert main(["train", *items, "--nproc", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "preference.reference=precompute" in captured.err and "launching" not in captured.out, captured
+    assert not (tmp_path / "run").exists()

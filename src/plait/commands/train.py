@@ -184,9 +184,13 @@ def run(args) -> int:
 def _prepare(resolved) -> int:
     """Prepare the data once, in the parent, before any rank starts; an exit status on failure."""
     from plait.train.entry import prepare_data
+    from plait.train.reference_precompute import check_reference_storable
 
+    r = resolved.recipe
     try:
-        prepare_data(resolved.recipe, progress=True)
+        prepared = prepare_data(r, progress=True)
+        if r.preference.reference_mode(r.train.objective, r.lora.rank) == "precompute":
+            check_reference_storable(r, prepared)
     except ValueError as e:  # DataError (source, prepared data, seq_len, vocabulary) or ModelConfigError
         print(f"plait train: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -25,18 +25,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from plait.config.schema import Recipe
 from plait.data.reference_table import load_table, pair_offsets, reference_key, table_path, write_table
 from plait.data.sft_prepare import RowDataset
 from plait.lora import adapters_disabled
+from plait.outputs.ownership import OutputDirError, probe_writable
 from plait.train.preference import eval_mode
 from plait.train.run_state import RunState
 
 
-def reference_identity(state: RunState) -> dict[str, Any]:
+def reference_identity(r: Recipe) -> dict[str, Any]:
     """What determines the reference log-probabilities besides the rows: the model section (its
     architecture, or ``hf_path`` with its weight files' sizes and modification times), the run seed
     (random initialisation is a function of seed and parameter name) and the precision section."""
-    r = state.recipe
     identity: dict[str, Any] = {"model": r.model.model_dump(mode="json"), "seed": r.run.seed,
                                 "precision": r.precision.model_dump(mode="json")}
     if r.model.hf_path is not None:
@@ -101,7 +102,7 @@ def compute_table(state: RunState, dataset: RowDataset) -> np.ndarray:
 def attach_precomputed_reference(state: RunState, prepared_dir: str | Path) -> None:
     """Give both splits of the run their reference table: read it when the prepared directory holds
     one for this model, else compute and store it (rank 0 writes; every rank waits for the file)."""
-    key = reference_key(reference_identity(state))
+    key = reference_key(reference_identity(state.recipe))
     for dataset in (state.train_data, state.val_data):
         assert isinstance(dataset, RowDataset), "precompute needs preference rows (checked by the recipe rules)"
         table = load_table(prepared_dir, key, dataset.split, dataset.total_pairs)
@@ -125,4 +126,18 @@ def attach_precomputed_reference(state: RunState, prepared_dir: str | Path) -> N
         dataset.attach_reference(table)
 
 
-__all__ = ["attach_precomputed_reference", "compute_table", "reference_identity"]
+def check_reference_storable(recipe: Recipe, prepared_dir: str | Path) -> None:
+    """Before launch: when a split has no stored table for this model yet, the prepared directory
+    must take one (a read-only directory would fail only after the reference pass)."""
+    key = reference_key(reference_identity(recipe))
+    if all(table_path(prepared_dir, key, split).is_file() for split in ("train", "val")):
+        return
+    try:
+        probe_writable(table_path(prepared_dir, key, "train").parent, what="the prepared data directory")
+    except OutputDirError as e:
+        raise OutputDirError(f"preference.reference=precompute stores the reference log-probabilities beside the "
+                             f"prepared rows, and {e}; make it writable, prepare the rows elsewhere (data.cache_dir), "
+                             f"or use preference.reference=frozen") from None
+
+
+__all__ = ["attach_precomputed_reference", "check_reference_storable", "compute_table", "reference_identity"]
