@@ -381,3 +381,42 @@ def test_packed_labels_give_the_masked_tokens_and_end_markers(tok, chatml):
     targets = packed.labels[0][packed.labels[0] != IGNORE_INDEX]
     assert tok.decode(targets.tolist(), skip_special_tokens=False) == (
         "I am a small model.<|im_end|>Answer questions, briefly.<|im_end|>" * 2)
+
+
+class _CountingTokenizer:
+    """The tokenizer, counting the characters it is asked to encode (a Rust object cannot be patched)."""
+
+    truncation = None
+    padding = None
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner, self.encoded_chars = inner, 0
+
+    def get_vocab(self, with_added_tokens: bool = True):
+        return self.inner.get_vocab(with_added_tokens=with_added_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        self.encoded_chars += len(text)
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_a_row_surely_too_long_is_dropped_without_being_tokenized(tok, chatml):
+    huge = parse_sft_row({"messages": [{"role": "user", "content": "fox " * 200_000},
+                                       {"role": "assistant", "content": "ok"}]}, "big:1")
+    small = parse_sft_row({"messages": CHAT}, "small:2")
+    counting = _CountingTokenizer(tok)
+    samples, counts = tokenize_sft([huge, small], counting, chatml, seq_len=64)
+    assert counts["dropped_too_long"] == 1 and counts["samples"] == 1
+    assert counting.encoded_chars < 1000, "the 800 kB row was tokenized"
+    assert np.array_equal(samples[0].input_ids, sft_sample(small, tok, chatml).input_ids)
+    pair = parse_preference_row({"messages": [{"role": "user", "content": "hi"}], "chosen": "fox " * 100_000,
+                                 "rejected": "no"}, "big:3")
+    counting = _CountingTokenizer(tok)
+    with pytest.raises(DataError, match="all 1 preference pairs were dropped"):
+        tokenize_preference([pair], counting, chatml, seq_len=64)
+    assert counting.encoded_chars == 0
+    # a row the byte bound cannot rule out is still tokenized and measured exactly
+    counting = _CountingTokenizer(tok)
+    with pytest.raises(DataError, match="dropped_too_long 1"):
+        tokenize_sft([parse_sft_row({"messages": CHAT}, "c:1")], counting, chatml, seq_len=8)
+    assert counting.encoded_chars > 0

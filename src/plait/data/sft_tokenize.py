@@ -264,28 +264,50 @@ def _eos_text(template: ChatTemplate, tokenizer: Tokenizer) -> str:
     return template.eos_token or find_eos(tokenizer)[0]
 
 
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most bytes of text one token can stand for, bounded above by the UTF-8 length of the
+    longest entry of the vocabulary (added tokens included): a text of ``n`` bytes then needs at
+    least ``n / longest`` tokens, which tells a surely too long row without tokenizing it."""
+    return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
+def _surely_longer(texts: Sequence[str], seq_len: int, longest: int | None) -> bool:
+    """Whether ``texts`` together need more than ``seq_len`` tokens, by their bytes alone."""
+    return longest is not None and sum(len(t.encode("utf-8")) for t in texts) > seq_len * longest
+
+
+def render_sft_row(row: SFTRow, tokenizer: Tokenizer, template: ChatTemplate) -> Rendered:
+    """One row's text and answer spans (the template's rendering, or prompt + completion + EOS)."""
+    if row.messages is not None:
+        return render_conversation(template, row.messages, where=row.where)
+    assert row.prompt is not None and row.completion is not None, "SFTRow holds messages or prompt+completion"
+    return render_raw(row.prompt, row.completion, _eos_text(template, tokenizer))
+
+
 def sft_sample(row: SFTRow, tokenizer: Tokenizer, template: ChatTemplate, *,
                train_on_prompt: bool = False) -> Sample:
     """One row tokenized, before any truncation."""
-    if row.messages is not None:
-        rendered = render_conversation(template, row.messages, where=row.where)
-    else:
-        assert row.prompt is not None and row.completion is not None, "SFTRow holds messages or prompt+completion"
-        rendered = render_raw(row.prompt, row.completion, _eos_text(template, tokenizer))
-    return tokenize_rendered(tokenizer, rendered, where=row.where, train_on_prompt=train_on_prompt)
+    return tokenize_rendered(tokenizer, render_sft_row(row, tokenizer, template), where=row.where,
+                             train_on_prompt=train_on_prompt)
+
+
+def render_preference_row(row: PreferenceRow, tokenizer: Tokenizer,
+                          template: ChatTemplate) -> tuple[Rendered, Rendered]:
+    """The chosen and the rejected conversation, rendered; the answer alone is loss-bearing."""
+    def one(answer: str) -> Rendered:
+        if row.conversation is not None:
+            messages = (*row.conversation, Message("assistant", answer))
+            return render_conversation(template, messages, where=row.where, loss_turns="last")
+        assert row.prompt is not None, "PreferenceRow holds a conversation or a prompt"
+        return render_raw(row.prompt, answer, _eos_text(template, tokenizer))
+    return one(row.chosen), one(row.rejected)
 
 
 def preference_pair(row: PreferenceRow, tokenizer: Tokenizer, template: ChatTemplate) -> PreferencePair:
     """One preference row as two samples, before any truncation; the answer alone is loss-bearing."""
-    def one(answer: str) -> Sample:
-        if row.conversation is not None:
-            messages = (*row.conversation, Message("assistant", answer))
-            rendered = render_conversation(template, messages, where=row.where, loss_turns="last")
-        else:
-            assert row.prompt is not None, "PreferenceRow holds a conversation or a prompt"
-            rendered = render_raw(row.prompt, answer, _eos_text(template, tokenizer))
-        return tokenize_rendered(tokenizer, rendered, where=row.where)
-    return PreferencePair(one(row.chosen), one(row.rejected))
+    chosen, rejected = render_preference_row(row, tokenizer, template)
+    return PreferencePair(tokenize_rendered(tokenizer, chosen, where=row.where),
+                          tokenize_rendered(tokenizer, rejected, where=row.where))
 
 
 def tokenize_sft(rows: Iterable[SFTRow], tokenizer: Tokenizer, template: ChatTemplate, *, seq_len: int,
@@ -294,13 +316,19 @@ def tokenize_sft(rows: Iterable[SFTRow], tokenizer: Tokenizer, template: ChatTem
     ``dropped_too_long``, ``truncated_left``/``truncated_right``, ``dropped_no_loss_tokens``."""
     _check_mode(truncation, seq_len)
     tokenizer = plain_tokenizer(tokenizer)
+    # a row dropped anyway is not tokenized whole first (a long one would cost ~200 bytes a character)
+    longest = longest_token_bytes(tokenizer) if truncation == "drop" else None
     samples: list[Sample] = []
     counts: Counter[str] = Counter()
     total = 0
     for row in rows:
         total += 1
-        fitted = fit_sample(sft_sample(row, tokenizer, template, train_on_prompt=train_on_prompt), seq_len,
-                            truncation, counts)
+        rendered = render_sft_row(row, tokenizer, template)
+        if _surely_longer([rendered.text], seq_len, longest):
+            counts["dropped_too_long"] += 1
+            continue
+        fitted = fit_sample(tokenize_rendered(tokenizer, rendered, where=row.where, train_on_prompt=train_on_prompt),
+                            seq_len, truncation, counts)
         if fitted is not None:
             samples.append(fitted)
     counts["samples"] = len(samples)
@@ -317,9 +345,16 @@ def tokenize_preference(rows: Iterable[PreferenceRow], tokenizer: Tokenizer, tem
     pairs: list[PreferencePair] = []
     counts: Counter[str] = Counter()
     total = 0
+    longest = longest_token_bytes(tokenizer) if truncation == "drop" else None
     for row in rows:
         total += 1
-        fitted = fit_pair(preference_pair(row, tokenizer, template), seq_len, truncation, counts)
+        chosen, rejected = render_preference_row(row, tokenizer, template)
+        if _surely_longer([chosen.text, rejected.text], seq_len, longest):
+            counts["dropped_too_long"] += 1
+            continue
+        pair = PreferencePair(tokenize_rendered(tokenizer, chosen, where=row.where),
+                              tokenize_rendered(tokenizer, rejected, where=row.where))
+        fitted = fit_pair(pair, seq_len, truncation, counts)
         if fitted is not None:
             pairs.append(fitted)
     counts["pairs"] = len(pairs)
