@@ -418,5 +418,5 @@ def test_a_row_surely_too_long_is_dropped_without_being_tokenized(tok, chatml):
     # a row the byte bound cannot rule out is still tokenized and measured exactly
     counting = _CountingTokenizer(tok)
     with pytest.raises(DataError, match="dropped_too_long 1"):
-        tokenize_sft([parse_sft_row({"messages": CHAT}, "c:1")], counting, chatml, seq_len=8)
+        tokenize_sft([parse_sft_row({"messages": CHAT}, "c:1")], counting, chatml, seq_len=24)
     assert counting.encoded_chars > 0
