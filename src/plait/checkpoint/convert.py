@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from plait.checkpoint.contents import saved_contents
 from plait.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -87,6 +88,10 @@ def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | Non
     require_target(out_dir, "hf-model", what="the output directory", replace=overwrite,
                    replace_hint="pass --overwrite")
     with CheckpointReader(checkpoint, keep_open=False) as reader:
+        if saved_contents(reader.manifest)["model"] == "adapters":
+            raise CheckpointError(f"{checkpoint} holds a LoRA run's adapters, not a whole model; the run's final/ "
+                                  f"directory is its adapter in the PEFT layout, and plait convert ADAPTER DEST "
+                                  f"--merge-lora writes the base model with the adapter folded in")
         config = _config_of(reader.manifest)
         config_dict = config.to_hf_dict()
         names = [k[len("model/"):] for k in reader.tensors if k.startswith("model/")]

@@ -145,7 +145,7 @@ def _read_rows(source: Path, settings: RowsSettings) -> tuple[list[SFTRow] | lis
     return read_preference_rows(source, skip_bad_rows=settings.skip_bad_rows)
 
 
-def _rows_index(directory: Path) -> dict | None:
+def rows_index(directory: Path) -> dict | None:
     """The ``index.json`` of a prepared fine-tuning directory, else None (absent, unreadable, another kind)."""
     index = directory / INDEX_FILE
     if not index.is_file():
@@ -158,7 +158,7 @@ def _rows_index(directory: Path) -> dict | None:
 
 
 def _existing(out: Path, key: str) -> dict | None:
-    found = _rows_index(out)
+    found = rows_index(out)
     return found if found is not None and found.get("key") == key else None
 
 
@@ -210,7 +210,9 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
             packed[split] = pack(pairs, settings.seq_len, pad_id=pad_id, packed=settings.packing)
         counts.update({f"{split}_{k}": v for k, v in c.items()})
     index = {"format": ROWS_FORMAT, "key": key, "kind": settings.kind, "seq_len": settings.seq_len,
-             "packing": settings.packing, "source": str(src), "template": template.source,
+             "packing": settings.packing, "truncation": settings.truncation,
+             "train_on_prompt": settings.train_on_prompt, "skip_bad_rows": settings.skip_bad_rows,
+             "source": str(src), "template": template.source,
              "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
              "tokenizer_sha256": tokenizer_sha256(tok_path), "tokenizer_source": str(tok_path),
              "vocab_size": tokenizer_vocab_size(tok),
@@ -245,7 +247,7 @@ def _umask() -> int:
 def rows_directory(path: str | os.PathLike) -> Path | None:
     """``path`` as a prepared fine-tuning directory, else None."""
     p = Path(path).expanduser()
-    return p if _rows_index(p) is not None else None
+    return p if rows_index(p) is not None else None
 
 
 class TokenizerMismatchError(DataError):
@@ -260,7 +262,7 @@ def check_rows_tokenizer(directory: str | os.PathLike, tokenizer: str | os.PathL
     size is told apart; the directory's own ``tokenizer.json`` must still be the one its index
     records (directories prepared before the identity was recorded are compared by their file)."""
     d = Path(directory)
-    index = _rows_index(d) or {}
+    index = rows_index(d) or {}
     own = d / TOKENIZER_FILE
     if not own.is_file():
         raise TokenizerMismatchError(f"{own}: missing; prepared rows keep the tokenizer they were made with; "

@@ -28,12 +28,14 @@ from torch import nn
 from plait.comm.primitives import GroupInfo
 from plait.lora.apply import adapted
 from plait.lora.settings import TARGETS, LoraSettings, LoraSettingsError
+from plait.models.family import config_of
 from plait.outputs.whole import written_whole
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*\.layers\.\d+\.(?:self_attn|mlp)\.(?P<target>\w+))"
                   r"\.lora_(?P<ab>[AB])\.weight$")
 
@@ -230,7 +232,7 @@ def load_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str
         raise PeftAdapterError(f"{weights}: missing; a PEFT adapter directory holds {WEIGHTS_FILE}")
     with safe_open(str(weights), framework="pt") as f:
         keys = list(f.keys())
-        held = _match_keys(weights, keys, found)
+        held = _match_keys(weights, keys, found, config_of(modules[0]).num_hidden_layers)
         missing = [peft_key(n, ab) for n in found for ab in "AB" if (n, ab) not in held]
         if missing:
             raise PeftAdapterError(f"{weights}: no tensors {missing[:4]} ({len(missing)} missing); the adapter "
@@ -257,10 +259,14 @@ def _check_settings(directory: Path, settings: LoraSettings, found: dict[str, An
             f"apply_lora with plait.lora.read_peft_settings(directory)")
 
 
-def _match_keys(weights: Path, keys: list[str], found: dict[str, Any]) -> dict[tuple[str, str], str]:
-    """``(projection name, "A"/"B") -> key`` for the tensors of projections ``found`` holds."""
+def _match_keys(weights: Path, keys: list[str], found: dict[str, Any],
+                num_layers: int) -> dict[tuple[str, str], str]:
+    """``(projection name, "A"/"B") -> key`` for the tensors of projections ``found`` holds.
+
+    Keys of blocks this rank does not hold are skipped (other pipeline stages), but a key of a
+    layer the whole model does not have (``num_layers``) means the adapter is of another model."""
     held: dict[tuple[str, str], str] = {}
-    unknown, unadapted = [], []
+    unknown, unadapted, beyond = [], [], []
     held_blocks = {name.rsplit(".", 2)[0] for name in found}
     for key in keys:
         m = _KEY.match(key)
@@ -268,10 +274,17 @@ def _match_keys(weights: Path, keys: list[str], found: dict[str, Any]) -> dict[t
             unknown.append(key)
             continue
         name = m.group("module")
+        layer = _LAYER.search(name)
+        if layer is not None and int(layer.group(1)) >= num_layers:
+            beyond.append(key)
+            continue
         if name in found:
             held[(name, m.group("ab"))] = key
         elif name.rsplit(".", 2)[0] in held_blocks:
             unadapted.append(key)
+    if beyond:
+        raise PeftAdapterError(f"{weights}: tensors {beyond[:2]} adapt layers beyond the model's {num_layers} "
+                               f"decoder layers; the adapter was trained on another model: give its own base")
     if unknown:
         raise PeftAdapterError(f"{weights}: tensors {unknown[:4]} are not LoRA weights of a decoder projection "
                                f"(plait reads adapters on {', '.join(TARGETS)} only)")
