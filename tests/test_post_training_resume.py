@@ -148,6 +148,11 @@ def test_recipes_that_cannot_continue_a_lora_checkpoint_are_refused_before_launc
         assert "cannot continue this recipe" in err and needle in err, (override, err)
         assert len(err.strip().splitlines()) == 1, err
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before, "nothing written by a refused run"
+    # an adapters-only checkpoint is no Hugging Face model: convert names the adapter and --merge-lora
+    assert main(["convert", str(out / "checkpoints"), str(tmp_path / "hf"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a LoRA run's adapters" in err and "--merge-lora" in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_whole_model_checkpoint_refused_by_a_lora_recipe(task, tmp_path, capsys):
