@@ -111,7 +111,10 @@ def run(args) -> int:
             check_outputs(resolved)  # the output directories' rules, reading only (plait train also locks)
     except RecipeError as e:
         n = len(e.problems)
-        print(f"plait config {action}: the recipe has {n} problem{'s' if n != 1 else ''}:\n{e}", file=sys.stderr)
+        if n == 1:  # one problem: one line
+            print(f"plait config {action}: {e}", file=sys.stderr)
+        else:
+            print(f"plait config {action}: the recipe has {n} problems:\n{e}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"plait config {action}: {e}", file=sys.stderr)

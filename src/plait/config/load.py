@@ -34,7 +34,7 @@ from ruamel.yaml.resolver import BaseResolver
 from ruamel.yaml.tag import Tag
 
 from plait.config.parse import parse_recipe_partial
-from plait.config.problems import Problem, RecipeError, Verbatim
+from plait.config.problems import Problem, RecipeError, Verbatim, suggest
 from plait.config.schema import SECTIONS, Recipe
 
 # ---------------------------------------------------------------------- YAML 1.2 core schema
@@ -269,16 +269,77 @@ def _decode(raw: bytes, source: str) -> str:
                                    "the file is not UTF-8 text; save it as UTF-8")]) from None
 
 
+#: What every "this is not a recipe" problem says a recipe is.
+RECIPE_SHAPE = ("a recipe is a YAML file mapping sections (model:, data:, train:, ...) to their fields, "
+                "like recipes/default.yaml")
+#: Suffixes of data, weights and archive files: such a file given where the recipe goes is refused
+#: by its name, before it is read (a JSON Lines file of one row would otherwise parse as YAML).
+DATA_SUFFIXES = {".jsonl": "a JSON Lines data file", ".ndjson": "a JSON Lines data file", ".txt": "a text file",
+                 ".parquet": "a Parquet data file", ".arrow": "an Arrow data file", ".csv": "a CSV data file",
+                 ".tsv": "a TSV data file", ".npy": "a NumPy array", ".npz": "a NumPy archive",
+                 ".safetensors": "a weights file", ".gguf": "a GGUF model file", ".bin": "a binary file",
+                 ".pt": "a PyTorch file", ".pth": "a PyTorch file", ".ckpt": "a checkpoint file",
+                 ".jinja": "a chat template", ".gz": "a compressed file", ".zst": "a compressed file",
+                 ".xz": "a compressed file", ".bz2": "a compressed file", ".zip": "an archive", ".tar": "an archive"}
+_DATA_KINDS = {".jsonl", ".ndjson", ".txt", ".parquet", ".arrow", ".csv", ".tsv"}
+
+
+def _not_a_recipe(path: str | Path, why: str) -> RecipeError:
+    return RecipeError([Problem("recipe", str(path), f"not a recipe: {why}; {RECIPE_SHAPE}")])
+
+
+def _check_recipe_name(path: Path) -> None:
+    """A data, weights or archive file given as the recipe is refused by its suffix."""
+    suffix = path.suffix.lower()
+    if suffix in DATA_SUFFIXES:
+        hint = f" (to train on it, set data.source={path} in a recipe)" if suffix in _DATA_KINDS else ""
+        raise _not_a_recipe(path, f"{DATA_SUFFIXES[suffix]} ({suffix}){hint}")
+
+
+def _check_recipe_keys(data: Mapping[str, Any], path: str | Path) -> None:
+    """A mapping none of whose keys is a recipe section, or near one (a typo the section check
+    names), is some other file: a model's config.json, a data row, an NxDT config."""
+    keys = [str(k) for k in data]
+    if any(k in SECTIONS or suggest(k, SECTIONS) for k in keys):
+        return
+    shown = ", ".join(keys[:5]) + (", ..." if len(keys) > 5 else "")
+    raise _not_a_recipe(path, f"none of its keys ({shown}) is a recipe section" if keys else "an empty mapping")
+
+
+def check_sections(data: Mapping[str, Any]) -> None:
+    """Every recipe section present is a mapping of fields (or null): a section written as a list
+    or a value (``parallel: [tp, 2]``) is a problem naming it, before anything reads its fields."""
+    def problem(name: str, value: Any) -> Problem:
+        kind = "list" if isinstance(value, list) else "single value"
+        return Problem(name, value, f"a section must be a mapping of its fields, one 'field: value' per line "
+                                    f"indented under '{name}:', not a {kind}")
+
+    problems = [problem(name, value) for name, value in data.items()
+                if name in SECTIONS and value is not None and not isinstance(value, Mapping)]
+    if problems:
+        raise RecipeError(problems)
+
+
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
-    """The raw data of a recipe file (an empty file is the default recipe)."""
+    """The raw data of a recipe file (an empty file is the default recipe). A file that is not a
+    recipe (a data or weights file by its suffix, a YAML list or text, a mapping without any
+    recipe section) is a :class:`RecipeError` naming it and saying what a recipe is."""
     p = Path(path)
     if not p.is_file():
-        raise RecipeError([Problem("recipe", str(path), "no such file" if not p.exists() else "not a file")])
+        raise RecipeError([Problem("recipe", str(path), "no such file" if not p.exists() else
+                                   f"is a directory, not a file; {RECIPE_SHAPE}" if p.is_dir() else "not a file")])
+    _check_recipe_name(p)
     try:
         raw = p.read_bytes()
     except OSError as e:
         raise RecipeError([Problem("recipe", str(path), f"cannot be read: {e.strerror or e}")]) from None
-    return _as_mapping(parse_yaml(_decode(raw, str(path)), str(path)), str(path))
+    data = parse_yaml(_decode(raw, str(path)), str(path))
+    if data is not None and not isinstance(data, Mapping):
+        kind = "a list" if isinstance(data, list) else "plain text or a single value"
+        raise _not_a_recipe(path, f"it holds {kind}, not a mapping of sections")
+    if data is not None:
+        _check_recipe_keys(data, path)
+    return _as_mapping(data, str(path))
 
 
 def parse_recipe_text(text: str, source: str = "<recipe>") -> dict[str, Any]:
@@ -388,7 +449,9 @@ def recipe_data(path: str | Path | None, overrides: Iterable[str] = ()) -> dict[
     :data:`DEFAULT_RECIPE`; commands pass it explicitly.
     """
     base = read_recipe_file(path) if path is not None else {}
-    return apply_overrides(base, overrides)
+    data = apply_overrides(base, overrides)
+    check_sections(data)  # an override may set a whole section (parallel=5)
+    return data
 
 
 def parse_recipe(data: Mapping[str, Any]) -> Recipe:
