@@ -4,7 +4,9 @@ A run directory holds ``final/`` (the Hugging Face directory the trainer writes 
 wherever its ``recipe.yaml`` puts ``checkpoint.dir``) and ``tokenizer.json``; a Hugging Face
 directory holds ``config.json``, ``*.safetensors`` and ``tokenizer.json``. Problems with the inputs
 (a device this build lacks, a truncated weights file, a run without a final checkpoint) are
-reported on one line with exit status 2, before the model is built where they can be.
+reported on one line with exit status 2, before the model is built where they can be: so is a
+prompt plus ``--max-new-tokens`` longer than the model's context (``max_position_embeddings``),
+which the model could not attend over (without the option, the default shrinks to what fits).
 The text goes to stdout; a progress bar, when there is one, to stderr.
 """
 
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 EOS_TOKEN = "<|endoftext|>"
+#: new tokens when --max-new-tokens is not given (fewer when the model's context has less room)
+DEFAULT_NEW_TOKENS = 100
 #: generations of more tokens than this show a progress bar on a terminal
 PROGRESS_MIN_TOKENS = 16
 
@@ -50,7 +54,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="treat --prompt as a user message: render it with the model's chat template (its "
                         "tokenizer_config.json or chat_template.jinja; ChatML otherwise) and print the answer")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
-    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to add (default 100)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to add (default {DEFAULT_NEW_TOKENS}, or what fits in the model's context: "
+                        f"the prompt and the new tokens together are at most its max_position_embeddings)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
@@ -65,7 +71,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 0:
+    if args.system is not None and not args.chat:
+        raise _UsageError("--system needs --chat: a system message is part of a chat conversation (plain "
+                          "generation continues --prompt as text); add --chat, or put the text in --prompt")
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise _UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.top_k < 0:
         raise _UsageError(f"--top-k={args.top_k} must be >= 0 (0 disables top-k)")
@@ -87,6 +96,9 @@ def _check_device(name: str) -> None:
 
 
 def _check_model_dir(path: Path, what: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise _UsageError(f"{what} {path} is a file, not a directory; give the directory that holds config.json, "
+                          f"*.safetensors and tokenizer.json")
     if not (path / "config.json").is_file():
         raise _UsageError(f"{what} {path} has no config.json")
     files = sorted(path.glob("*.safetensors"))
@@ -171,6 +183,9 @@ def resolve_paths(args: argparse.Namespace) -> tuple[Path, Path]:
     """``(model_dir, tokenizer_file)`` for ``--run`` or ``--hf``, or a :class:`_UsageError`."""
     if args.run is not None:
         run_dir = Path(args.run)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise _UsageError(f"run directory {run_dir} is a file, not a directory; give the run's output "
+                              f"directory (run.output_dir), which holds final/ and tokenizer.json")
         if not run_dir.is_dir():
             raise _UsageError(f"run directory {run_dir} does not exist")
         model_dir = _run_model_dir(run_dir)
@@ -185,6 +200,9 @@ def resolve_paths(args: argparse.Namespace) -> tuple[Path, Path]:
         model_dir = model_directory(args.hf)  # a packaged model's name (smollm2-135m-instruct) or a directory
     except PackagedModelError as e:
         raise _UsageError(str(e)) from None
+    if model_dir.exists() and not model_dir.is_dir():
+        raise _UsageError(f"Hugging Face directory {model_dir} is a file, not a directory; give the directory "
+                          f"that holds config.json, *.safetensors and tokenizer.json")
     if not model_dir.is_dir():
         raise _UsageError(f"Hugging Face directory {model_dir} does not exist")
     _check_model_dir(model_dir, "Hugging Face directory")
@@ -234,9 +252,9 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     from tokenizers import Tokenizer
 
     from plait.generate import generate
-    from plait.materialize import load_from_hf
+    from plait.materialize import build_model
     from plait.mesh import single_process_mesh
-    from plait.models.hf_io import CheckpointMismatchError
+    from plait.models.hf_io import CheckpointMismatchError, load_hf_config
     from plait.models.llama.config import ModelConfigError
 
     try:
@@ -246,12 +264,9 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     from safetensors import SafetensorError
 
     try:
-        model = load_from_hf(model_dir, single_process_mesh(), device=args.device)  # any family
-    except (ModelConfigError, CheckpointMismatchError, FileNotFoundError) as e:
-        raise _UsageError(f"cannot load {model_dir}: {e}") from None
-    except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)
-        raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})") from None
-    config = model.config  # a plain attribute of every family's model; torch types it Tensor | Module
+        config = load_hf_config(model_dir)  # config.json only: the prompt is checked before the weights load
+    except (ModelConfigError, OSError) as e:
+        raise _UsageError(f"cannot load {model_dir}: {_one_line(e)}") from None
     assert isinstance(config, TokenConfig), f"model config {type(config).__name__} lacks the token fields"
     start, stop = start_and_stop_ids(tokenizer, config)
     shown = args.prompt
@@ -269,6 +284,14 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     if too_big:
         raise _UsageError(f"the tokenizer produced id {too_big[0]} but the model's vocab_size is "
                           f"{config.vocab_size}; the tokenizer does not belong to this model")
+    args.max_new_tokens = new_token_count(args.max_new_tokens, len(ids),
+                                          getattr(config, "max_position_embeddings", None), model_dir)
+    try:
+        model = build_model(config, single_process_mesh(), device=args.device, hf_path=model_dir)  # any family
+    except (ModelConfigError, CheckpointMismatchError, FileNotFoundError) as e:
+        raise _UsageError(f"cannot load {model_dir}: {e}") from None
+    except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)
+        raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})") from None
     prompt = torch.tensor([ids], dtype=torch.long)
     with _progress(args, sys.stderr) as bar:
         out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -281,6 +304,31 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     return 0
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def new_token_count(asked: int | None, prompt_tokens: int, context: int | None, model_dir: Path) -> int:
+    """The new tokens to generate: ``asked`` (``None``: :data:`DEFAULT_NEW_TOKENS`, or fewer so the
+    prompt and the answer fit the model's context). The model never sees more than
+    ``max_position_embeddings`` tokens, so a prompt that fills it, or an explicit ``--max-new-tokens``
+    beyond the room left, is refused here rather than generated with a forgotten beginning."""
+    if not isinstance(context, int) or context < 1:
+        return DEFAULT_NEW_TOKENS if asked is None else asked
+    where = f"max_position_embeddings={context} in {model_dir / 'config.json'}"
+    room = context - prompt_tokens
+    if room < 1:
+        raise _UsageError(f"the prompt is {prompt_tokens} tokens, which leaves no room for new tokens in the "
+                          f"model's context ({where}); give a prompt of at most {context - 1} tokens")
+    if asked is None:
+        return min(DEFAULT_NEW_TOKENS, room)
+    if asked > room:
+        raise _UsageError(f"--max-new-tokens={asked} does not fit the model's context: the prompt is "
+                          f"{prompt_tokens} tokens and {where}, so at most {room} new tokens; give "
+                          f"--max-new-tokens {room} or less")
+    return asked
+
+
 def _chat_prompt(args: argparse.Namespace, tok_file: Path, tokenizer) -> tuple[str, set[int]]:
     """The conversation (optional system message, the user's --prompt) rendered with a generation
     prompt, and the ids that end an assistant turn under that template."""
@@ -289,13 +337,20 @@ def _chat_prompt(args: argparse.Namespace, tok_file: Path, tokenizer) -> tuple[s
 
     if not args.prompt:
         raise _UsageError("--chat needs --prompt TEXT (the user's message)")
-    template = load_chat_template(tok_file, tokenizer)
+    try:
+        template = load_chat_template(tok_file, tokenizer)
+    except DataError as e:  # the template does not compile, tokenizer_config.json is not JSON, ...
+        raise _UsageError(_one_line(e)) from None
+    except (OSError, UnicodeDecodeError) as e:  # chat_template.jinja unreadable, or not UTF-8
+        where = getattr(e, "filename", None) or tok_file.parent / "chat_template.jinja"
+        raise _UsageError(f"chat template {where} cannot be read as UTF-8 text ({_one_line(e)}); fix it, or "
+                          f"remove it to use plait's default ChatML template") from None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     try:
         text = template.render(messages, add_generation_prompt=True)
     except DataError as e:
-        raise _UsageError(str(e)) from None
+        raise _UsageError(_one_line(e)) from None
     ends = {tokenizer.token_to_id(t) for t in (template.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>") if t}
     return text, {i for i in ends if i is not None}
 
@@ -303,7 +358,7 @@ def _chat_prompt(args: argparse.Namespace, tok_file: Path, tokenizer) -> tuple[s
 def show_progress(args: argparse.Namespace, stream) -> bool:
     """A bar only helps a person watching: a terminal, a generation long enough to wait for, and
     no ``--no-progress``. Redirected or piped stderr gets none, so logs stay clean."""
-    if args.no_progress or args.max_new_tokens <= PROGRESS_MIN_TOKENS:
+    if args.no_progress or (args.max_new_tokens or 0) <= PROGRESS_MIN_TOKENS:
         return False
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
@@ -325,5 +380,5 @@ def _progress(args: argparse.Namespace, stream) -> Iterator:
         bar.close()
 
 
-__all__ = ["PROGRESS_MIN_TOKENS", "RunCheckpoints", "add_parser", "resolve_paths", "run", "run_checkpoints",
-           "show_progress", "start_and_stop_ids"]
+__all__ = ["DEFAULT_NEW_TOKENS", "PROGRESS_MIN_TOKENS", "RunCheckpoints", "add_parser", "new_token_count",
+           "resolve_paths", "run", "run_checkpoints", "show_progress", "start_and_stop_ids"]
