@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +67,10 @@ def adapter_base(adapter: str | os.PathLike, base: str | os.PathLike | None = No
     """The Hugging Face directory an adapter applies to: ``base``, else the adapter's
     ``base_model_name_or_path`` (a packaged model's name resolves to its cached directory)."""
     path = Path(adapter)
+    adapter_config = read_adapter_config(path / ADAPTER_CONFIG)  # before the base model loads
     if base is None:
-        found = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
-        if not found:
+        found = adapter_config.get("base_model_name_or_path")
+        if not isinstance(found, str) or not found:
             raise DataError(f"{path / ADAPTER_CONFIG} names no base model; give it with --base DIR")
         base = found
     base_path = model_directory(base)
@@ -77,22 +80,66 @@ def adapter_base(adapter: str | os.PathLike, base: str | os.PathLike | None = No
     return base_path
 
 
-def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[nn.Module, Path]:
-    """``(model, tokenizer directory)``: a Hugging Face model directory, or a PEFT adapter directory
-    (``adapter_config.json``) loaded onto ``base`` (default: the adapter's ``base_model_name_or_path``)."""
+def read_adapter_config(path: Path) -> dict:
+    """The JSON object of an adapter's ``adapter_config.json``, or a :class:`DataError` naming it."""
+    try:
+        loaded = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
+                        f"save the adapter again") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); save the "
+                        f"adapter again") from None
+    if not isinstance(loaded, dict):
+        raise DataError(f"{path}: holds a JSON {type(loaded).__name__}, not the object of a PEFT adapter config")
+    return loaded
+
+
+def scoring_model_dir(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[Path, Path | None]:
+    """``(model directory, base directory or None)`` of a scoring model, checked without loading
+    anything: it exists and is a directory, it is not a run directory, and an adapter's
+    ``adapter_config.json`` reads and names a base that is a Hugging Face directory. Each problem is
+    a :class:`DataError` naming the path."""
     path = model_directory(directory)
+    if not path.exists():
+        raise DataError(f"{path}: no such directory; give a Hugging Face directory (config.json, *.safetensors, "
+                        f"tokenizer.json), a packaged model's name or a LoRA adapter directory (adapter_config.json)")
+    if not path.is_dir():
+        raise DataError(f"{path} is a file, not a model directory; give a Hugging Face directory (config.json, "
+                        f"*.safetensors, tokenizer.json) or a LoRA adapter directory (adapter_config.json)")
     if not (path / "config.json").is_file() and not (path / ADAPTER_CONFIG).is_file():
         final = path / "final"
         if (final / "config.json").is_file() or (final / ADAPTER_CONFIG).is_file():
             raise DataError(f"{path} is a run directory; its model is {final}: give that directory")
     if not (path / ADAPTER_CONFIG).is_file():
+        return path, None
+    return path, adapter_base(path, base)
+
+
+def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[nn.Module, Path]:
+    """``(model, tokenizer directory)``: a Hugging Face model directory, or a PEFT adapter directory
+    (``adapter_config.json``) loaded onto ``base`` (default: the adapter's ``base_model_name_or_path``)."""
+    path, base_path = scoring_model_dir(directory, base)
+    if base_path is None:
         return load_from_hf(path, single_process_mesh()), path
-    base_path = adapter_base(path, base)
     model = load_from_hf(base_path, single_process_mesh())
     apply_lora([model], read_peft_settings(path), seed=0)
     load_peft_adapter([model], path)
     tokenizer_dir = path if (path / "tokenizer.json").is_file() else base_path
     return model, tokenizer_dir
+
+
+def scoring_template(tokenizer_dir: Path, tokenizer: Tokenizer) -> ChatTemplate:
+    """The chat template of the tokenizer directory; an unreadable template file is a
+    :class:`DataError` naming it (compile errors already are)."""
+    try:
+        return load_chat_template(tokenizer_dir / "tokenizer.json", tokenizer)
+    except (OSError, UnicodeDecodeError) as e:
+        where = getattr(e, "filename", None) or tokenizer_dir / "chat_template.jinja"
+        raise DataError(f"chat template {where} cannot be read as UTF-8 text ({' '.join(str(e).split())}); fix "
+                        f"it, or remove it to use plait's default ChatML template") from None
 
 
 def _stop_ids(tokenizer: Tokenizer, template: ChatTemplate) -> list[int]:
@@ -112,14 +159,41 @@ def _prompt_and_answer(row: SFTRow, template: ChatTemplate) -> tuple[str, str, s
     return row.prompt, row.prompt, row.completion
 
 
+@overload
+def scoring_rows(kind: Literal["sft"], rows_file: str | os.PathLike, limit: int | None = None) -> list[SFTRow]: ...
+
+
+@overload
+def scoring_rows(kind: Literal["preference"], rows_file: str | os.PathLike,
+                 limit: int | None = None) -> list[PreferenceRow]: ...
+
+
+def scoring_rows(kind: Literal["sft", "preference"], rows_file: str | os.PathLike,
+                 limit: int | None = None) -> list[SFTRow] | list[PreferenceRow]:
+    """The first ``limit`` rows of ``rows_file`` (all when ``None``), read and checked before any
+    model loads; a file without rows is a :class:`DataError` (a score of nothing means nothing)."""
+    rows: list[SFTRow] | list[PreferenceRow]
+    rows = read_sft_rows(rows_file)[0] if kind == "sft" else read_preference_rows(rows_file)[0]
+    if not rows:
+        raise DataError(f"{rows_file}: no rows to score (the file is empty or only blank lines); give a .jsonl of "
+                        f"held-out {'SFT' if kind == 'sft' else 'preference'} rows, e.g. from `plait data task`")
+    return rows[:limit] if limit is not None else rows
+
+
+def _rows(kind: Literal["sft", "preference"], rows: str | os.PathLike | Sequence, limit: int | None) -> list:
+    if isinstance(rows, (str, os.PathLike)):
+        return scoring_rows(kind, rows, limit)
+    return list(rows)[:limit] if limit is not None else list(rows)
+
+
 @torch.no_grad()
-def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathLike, *, limit: int | None = None,
-                max_new_tokens: int = 16, examples: int = 3) -> ExactMatch:
-    """Greedy answers to the SFT rows of ``rows_file`` against their last assistant turn."""
+def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathLike | Sequence[SFTRow], *,
+                limit: int | None = None, max_new_tokens: int = 16, examples: int = 3) -> ExactMatch:
+    """Greedy answers to the SFT rows of ``rows_file`` (a path, or rows from :func:`scoring_rows`)
+    against their last assistant turn."""
     tokenizer = load_tokenizer_file(tokenizer_dir / "tokenizer.json")
-    template = load_chat_template(tokenizer_dir / "tokenizer.json", tokenizer)
-    rows, _ = read_sft_rows(rows_file)
-    rows = rows[:limit] if limit is not None else rows
+    template = scoring_template(tokenizer_dir, tokenizer)
+    rows: list[SFTRow] = _rows("sft", rows_file, limit)
     stop = _stop_ids(tokenizer, template)
     plain = plain_tokenizer(tokenizer)
     correct, shown = 0, list[tuple[str, str, str]]()
@@ -143,13 +217,14 @@ def _response_logprob(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -
 
 
 @torch.no_grad()
-def preference_accuracy(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathLike, *,
+def preference_accuracy(model: nn.Module, tokenizer_dir: Path,
+                        rows_file: str | os.PathLike | Sequence[PreferenceRow], *,
                         limit: int | None = None) -> PreferenceAccuracy:
-    """How often the chosen answer is more likely than the rejected one, after the same prompt."""
+    """How often the chosen answer is more likely than the rejected one, after the same prompt
+    (``rows_file``: a path, or rows from :func:`scoring_rows`)."""
     tokenizer = plain_tokenizer(load_tokenizer_file(tokenizer_dir / "tokenizer.json"))
-    template = load_chat_template(tokenizer_dir / "tokenizer.json", tokenizer)
-    rows: list[PreferenceRow] = read_preference_rows(rows_file)[0]
-    rows = rows[:limit] if limit is not None else rows
+    template = scoring_template(tokenizer_dir, tokenizer)
+    rows: list[PreferenceRow] = _rows("preference", rows_file, limit)
     model.eval()
     correct, margins = 0, []
     for row in rows:

@@ -30,41 +30,59 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _kind(path: Path) -> str:
-    with path.open(encoding="utf-8") as f:
-        first = f.readline()
-    try:
-        row = json.loads(first)
-    except ValueError:
-        return "sft"  # the row reader reports the bad line with its number
-    return "preference" if isinstance(row, dict) and "chosen" in row else "sft"
+    """``preference`` when the first non-blank line is an object with ``chosen``, else ``sft``;
+    bytes that are not UTF-8 or JSON are left to the row reader, which names the line."""
+    with path.open("rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except ValueError:  # not UTF-8, or not JSON
+                    return "sft"
+                return "preference" if isinstance(row, dict) and "chosen" in row else "sft"
+    return "sft"
+
+
+def _fail(message: str) -> int:
+    print(f"plait eval: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.heldout import exact_match, load_scoring_model, preference_accuracy
+    from safetensors import SafetensorError
+
+    from plait.heldout import exact_match, load_scoring_model, preference_accuracy, scoring_model_dir, scoring_rows
 
     data = Path(args.data).expanduser()
+    if data.is_dir():
+        return _fail(f"--data {args.data}: is a directory; give the .jsonl file of held-out rows")
     if not data.is_file():
-        print(f"plait eval: --data {args.data}: no such file", file=sys.stderr)
-        return 2
+        return _fail(f"--data {args.data}: no such file")
     if args.limit is not None and args.limit < 1:
-        print(f"plait eval: --limit {args.limit} must be at least 1", file=sys.stderr)
-        return 2
-    kind = _kind(data) if args.kind == "auto" else args.kind
+        return _fail(f"--limit {args.limit} must be at least 1")
+    if args.max_new_tokens < 1:
+        return _fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1 (the answer's length cap)")
     try:
-        model, tokenizer_dir = load_scoring_model(args.model, args.base)
+        scoring_model_dir(args.model, args.base)  # the paths first, then every row (an empty file is refused),
+        kind = _kind(data) if args.kind == "auto" else args.kind  # then the model loads
         if kind == "sft":
-            em = exact_match(model, tokenizer_dir, data, limit=args.limit, max_new_tokens=args.max_new_tokens)
+            sft_rows = scoring_rows("sft", data, args.limit)
+            model, tokenizer_dir = load_scoring_model(args.model, args.base)
+            em = exact_match(model, tokenizer_dir, sft_rows, max_new_tokens=args.max_new_tokens)
             result = {"kind": kind, "rows": em.total, "exact_match": round(em.score, 4)}
             lines = [f"exact match {em.correct}/{em.total} = {em.score:.1%}"]
             lines += [f"  Q: {q!r}  reference {r!r}  answer {a!r}" for q, r, a in em.examples]
         else:
-            pa = preference_accuracy(model, tokenizer_dir, data, limit=args.limit)
+            preference_rows = scoring_rows("preference", data, args.limit)
+            model, tokenizer_dir = load_scoring_model(args.model, args.base)
+            pa = preference_accuracy(model, tokenizer_dir, preference_rows)
             result = {"kind": kind, "rows": pa.total, "preference_accuracy": round(pa.score, 4),
                       "mean_margin": round(pa.mean_margin, 4)}
             lines = [f"preference accuracy {pa.correct}/{pa.total} = {pa.score:.1%}, mean log-prob margin "
                      f"(chosen - rejected) {pa.mean_margin:+.3f} nats"]
     except (ValueError, OSError) as e:  # DataError, model config errors, missing files: one line
-        print(f"plait eval: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
+    except SafetensorError as e:  # a weights file the config checks could not see damaged
+        return _fail(f"{args.model}: a weights file is truncated or corrupt ({e}); copy or convert it again")
     print(json.dumps(result) if args.json else "\n".join(lines))
     return 0
