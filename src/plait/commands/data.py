@@ -4,6 +4,7 @@ or (``--format sft``) render, mask and pack fine-tuning rows."""
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 
@@ -39,8 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "of the arithmetic task (docs/post_training.md) into DIR; deterministic for a seed.")
     task.add_argument("directory", metavar="DIR", help="output directory (created; existing task files are refused)")
     task.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the generated problems")
-    task.add_argument("--train", type=int, default=2000, metavar="N", help="training problems (default 2000)")
-    task.add_argument("--heldout", type=int, default=200, metavar="N", help="held-out problems (default 200)")
+    task.add_argument("--train", type=int, default=2000, metavar="N",
+                      help="training problems (default 2000; the task has 16228 distinct ones)")
+    task.add_argument("--heldout", type=int, default=200, metavar="N",
+                      help="held-out problems (default 200; the task has 4058 distinct ones)")
     sft = prep.add_argument_group("fine-tuning rows (--format sft; see docs/post_training.md)")
     sft.add_argument("--format", choices=("text", "sft", "preference"), default="text",
                      help="'text' (default): documents to token shards; 'sft': a .jsonl of conversations or "
@@ -59,21 +62,88 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+#: errors of a path the user gave (exit status 2); other OSErrors (a full disk, I/O errors) are 1
+_PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                errno.ENAMETOOLONG, errno.ELOOP}
+
+
+def _os_error(command: str, exc: OSError) -> int:
+    """``plait data prepare: FILE: what`` for an OSError; status 2 for a path problem, else 1."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    print(f"plait data {command}: {where}{exc.strerror or _one_line(exc)}", file=sys.stderr)
+    return 2 if exc.errno in _PATH_ERRNOS else 1
+
+
+def _file_on_the_way(path) -> object | None:
+    """The first existing non-directory among ``path`` and its parents, if any (then no directory
+    can be created there)."""
+    from pathlib import Path
+
+    path = Path(path).expanduser()
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
+def _check_output_dirs(args: argparse.Namespace) -> str | None:
+    """Why ``--out`` or ``--cache-dir`` cannot be a directory (a file is in the way), before any work."""
+    for option, value in (("--out", args.out), ("--cache-dir", args.cache_dir)):
+        if value is None:
+            continue
+        blocked = _file_on_the_way(value)
+        if blocked is not None:
+            what = "is a file" if str(blocked) == str(value) else f"cannot be created: {blocked} is a file"
+            return f"{option} {value} {what}; give a directory"
+    return None
+
+
+def _check_chat_template(tokenizer: str) -> str | None:
+    """Why the chat template next to ``tokenizer`` cannot be used (unreadable, not UTF-8, does not
+    compile, a broken tokenizer_config.json), before any row is read; None when it can."""
+    from pathlib import Path
+
+    from plait.data.chat_template import load_chat_template
+
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        return None  # prepare_rows names a missing tokenizer with its own fix
+    try:
+        load_chat_template(path)
+    except ValueError as e:  # DataError, or a template file that is not UTF-8
+        if not isinstance(e, UnicodeDecodeError):
+            return _one_line(e)
+        where = (path if path.is_dir() else path.parent) / "chat_template.jinja"
+        return f"chat template {where} is not UTF-8 text ({_one_line(e)}); fix it, or remove it to use plait's " \
+               f"default ChatML template"
+    except OSError as e:
+        return f"chat template {e.filename or path}: cannot be read ({e.strerror or e})"
+    return None
+
+
 def _write_task(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from plait.data.tasks import TASK_FILES, write_task_files
+    from plait.data.tasks import TASK_FILES, check_counts, write_task_files
+
+    def fail(message: str) -> int:
+        print(f"plait data task: {message}", file=sys.stderr)
+        return 2
 
     out = Path(args.directory).expanduser()
+    blocked = _file_on_the_way(out)
+    if blocked is not None:  # DIR, or a folder on the way to it, is a file: nothing can be written
+        what = "is a file" if blocked == out else f"cannot be created: {blocked} is a file"
+        return fail(f"{out} {what}; give a directory (created if missing) to write {', '.join(TASK_FILES)} into")
     taken = [name for name in TASK_FILES if (out / name).exists()]
     if taken:
-        print(f"plait data task: {out} already holds {', '.join(taken)}; plait never replaces existing files: "
-              f"choose another directory or remove them", file=sys.stderr)
-        return 2
-    if args.train < 1 or args.heldout < 1:
-        print("plait data task: --train and --heldout must be at least 1", file=sys.stderr)
-        return 2
-    paths = write_task_files(out, args.seed, train=args.train, heldout=args.heldout)
+        return fail(f"{out} already holds {', '.join(taken)}; plait never replaces existing files: choose another "
+                    f"directory or remove them")
+    try:
+        check_counts(args.train, args.heldout)  # before any work: the task has only so many distinct problems
+    except ValueError as e:
+        return fail(str(e))
+    try:
+        paths = write_task_files(out, args.seed, train=args.train, heldout=args.heldout)
+    except OSError as e:  # permissions, a read-only or full disk: what was written is removed again
+        return fail(f"{e.filename or out}: cannot be written ({e.strerror or e}); nothing was left behind")
     for path in paths.values():
         print(path)
     return 0
@@ -90,6 +160,10 @@ def _prepare_rows(args: argparse.Namespace) -> int:
         print(f"plait data prepare: --format {args.format} needs --tokenizer PATH (the model's tokenizer.json; its "
               "tokenizer_config.json gives the chat template)", file=sys.stderr)
         return 2
+    problem = _check_output_dirs(args) or _check_chat_template(args.tokenizer)
+    if problem is not None:
+        print(f"plait data prepare: {problem}", file=sys.stderr)
+        return 2
     settings = RowsSettings(kind=args.format, seq_len=args.seq_len, packing=not args.no_packing,
                             truncation=args.truncation, train_on_prompt=args.train_on_prompt,
                             skip_bad_rows=args.skip_bad_rows, val_fraction=args.val_fraction, seed=args.seed)
@@ -99,8 +173,7 @@ def _prepare_rows(args: argparse.Namespace) -> int:
         print(f"plait data prepare: {_one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"plait data prepare: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        return _os_error("prepare", exc)
     print(report.directory)
     print(f"  {report.describe()}")
     return 0
@@ -114,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.format in ("sft", "preference"):
         return _prepare_rows(args)
+    problem = _check_output_dirs(args)
+    if problem is not None:
+        print(f"plait data prepare: {problem}", file=sys.stderr)
+        return 2
     from plait.data.checks import verify_prepared
     from plait.data.prepare import prepare_dataset_ex
 
@@ -127,8 +204,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"plait data prepare: {_one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"plait data prepare: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        return _os_error("prepare", exc)
     except KeyboardInterrupt:
         print("plait data prepare: interrupted (nothing was left behind)", file=sys.stderr)
         return 130

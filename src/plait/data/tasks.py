@@ -13,12 +13,15 @@ training file never contains, so a gain on it is generalisation, not recall.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 OPERATORS = ("+", "-", "*")
+#: operand ranges (inclusive): ``a`` in LOW..HIGH, ``b`` in LOW..HIGH, or LOW..TIMES_HIGH for ``*``
+LOW, HIGH, TIMES_HIGH = 2, 99, 12
 TASK_FILES = ("sft_train.jsonl", "sft_heldout.jsonl", "preference_train.jsonl", "preference_heldout.jsonl")
 SYSTEM = "You are a careful calculator. Reply with the number only."
 
@@ -39,15 +42,36 @@ class Problem:
         return str(value)
 
 
+def _is_heldout(a: int, b: int) -> bool:
+    return (a + b) % 5 == 0
+
+
+def max_problems(heldout: bool) -> int:
+    """How many distinct problems there are of a kind: the most ``--train`` (``heldout=False``) or
+    ``--heldout`` can ask for (16228 and 4058)."""
+    return sum(_is_heldout(a, b) == heldout for op in OPERATORS for a in range(LOW, HIGH + 1)
+               for b in range(LOW, (HIGH if op != "*" else TIMES_HIGH) + 1))
+
+
+def check_counts(train: int, heldout: int) -> None:
+    """``ValueError`` naming the option unless both counts are between 1 and :func:`max_problems`
+    (the problems are distinct, so no more can be drawn)."""
+    for option, count, kind in (("--train", train, False), ("--heldout", heldout, True)):
+        most = max_problems(kind)
+        if not 1 <= count <= most:
+            raise ValueError(f"{option} {count}: the task has {most} distinct {'held-out' if kind else 'training'} "
+                             f"problems; give {option} between 1 and {most}")
+
+
 def _problems(rng: random.Random, count: int, heldout: bool) -> list[Problem]:
     """Distinct problems; held-out ones have ``(a + b) % 5 == 0``, training ones never do."""
     seen: set[Problem] = set()
     out: list[Problem] = []
     while len(out) < count:
         op = rng.choice(OPERATORS)
-        a, b = rng.randint(2, 99), rng.randint(2, 99 if op != "*" else 12)
+        a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH if op != "*" else TIMES_HIGH)
         p = Problem(a, op, b)
-        if ((a + b) % 5 == 0) != heldout or p in seen:
+        if _is_heldout(a, b) != heldout or p in seen:
             continue
         seen.add(p)
         out.append(p)
@@ -71,9 +95,13 @@ def preference_row(rng: random.Random, p: Problem) -> dict:
 
 
 def write_task_files(directory: str | Path, seed: int = 0, *, train: int = 2000, heldout: int = 200) -> dict[str, Path]:
-    """Write the four JSONL files (see the module doc); returns their paths by name."""
+    """Write the four JSONL files (see the module doc); returns their paths by name.
+
+    The counts are checked (:func:`check_counts`) and the problems drawn before anything is written;
+    if writing fails, the files it created and the directories it made are removed again.
+    """
+    check_counts(train, heldout)
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     train_problems, heldout_problems = _problems(rng, train, False), _problems(rng, heldout, True)
     files = {
@@ -82,9 +110,19 @@ def write_task_files(directory: str | Path, seed: int = 0, *, train: int = 2000,
         "preference_train": [preference_row(rng, p) for p in train_problems],
         "preference_heldout": [preference_row(rng, p) for p in heldout_problems],
     }
-    paths = {}
-    for name, rows in files.items():
-        path = out / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        paths[name] = path
+    created = [d for d in (out, *out.parents) if not d.exists()]
+    paths = {name: out / f"{name}.jsonl" for name in files}
+    new = [path for path in paths.values() if not path.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, rows in files.items():
+            paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    except BaseException:
+        for path in new:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        for d in created:  # innermost first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return paths
