@@ -52,10 +52,10 @@ def run(args) -> int:
     from plait.interop.nxdt import NxdtConfigError, import_nxdt, read_nxdt  # loads torch (see the package doc)
 
     out = Path(args.output) if args.output else None
-    if out is not None and out.exists() and not args.force:
-        return _fail(f"{out}: exists; give --force to replace it, or another -o path")
     if out is not None and out.exists() and not out.is_file():
         return _fail(f"{out}: not a file; give a file path to -o")
+    if out is not None and out.exists() and not args.force:
+        return _fail(f"{out}: exists; give --force to replace it, or another -o path")
     if out is not None and out.exists() and not _written_by_import(out):
         return _fail(f"{out}: exists and was not written by plait import-nxdt; plait does not replace it, even "
                      f"with --force: give another -o path, or move it away yourself")
