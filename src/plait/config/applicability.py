@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.config import JsonDict
 
 from plait.config.problems import Problem
 from plait.data.sft_prepare import rows_directory, rows_index
@@ -80,7 +81,7 @@ CONDITIONS: dict[str, tuple[str, Condition]] = {
 SHAPES_ROWS = ("rows", "sft")
 
 
-def applies_when(condition: str) -> dict[str, str]:
+def applies_when(condition: str) -> JsonDict:
     """The ``json_schema_extra`` of a field that takes effect only under ``condition``."""
     if condition not in CONDITIONS:
         raise KeyError(f"unknown applicability condition {condition!r}; known: {sorted(CONDITIONS)}")
