@@ -163,3 +163,40 @@ def test_whole_model_checkpoint_refused_by_a_lora_recipe(task, tmp_path, capsys)
     assert main(["train", *items, "--nproc", "1"]) == 2
     err = capsys.readouterr().err
     assert "holds a whole model trained without LoRA" in err and "lora.rank=null" in err, err
+
+
+def _logits_worker(rank, world, recipe_yaml, prepared, ids):
+    """The logits of ``ids`` from the run resumed at its last checkpoint (base as built + adapters)."""
+    from plait.config import validate_recipe
+    from plait.pipeline.stages_lm import StagesCausalLM
+    from plait.train.trainer import Trainer
+
+    trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
+    trainer.loader.close()
+    with torch.no_grad():
+        return StagesCausalLM(trainer.state.stages, trainer.state.mesh)(ids)
+
+
+def test_a_lora_run_on_a_random_base_writes_that_base_into_its_adapter(task, tmp_path):
+    from plait.heldout import load_scoring_model
+
+    out = tmp_path / "run"
+    items = _items(task, "lora-sft", out, []) + ["checkpoint.save_every=6"]
+    assert main(["train", *items, "--nproc", "1"]) == 0
+    final = out / "final"
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((final / "base").absolute())
+    assert (final / "base" / "config.json").is_file() and (final / "base" / "tokenizer.json").is_file()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
+    model, _ = load_scoring_model(final)
+    with torch.no_grad():
+        from_dir = model(ids)
+    from plait.config import load_recipe, recipe_data
+    from plait.config.load import DEFAULT_RECIPE
+    from plait.train.entry import prepare_data
+
+    resumed = items + ["checkpoint.resume=auto"]
+    prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, resumed)))
+    trained = run_distributed(_logits_worker, 1, yaml.safe_dump(recipe_data(DEFAULT_RECIPE, resumed)), prepared,
+                              ids)[0]
+    assert torch.allclose(from_dir, trained, rtol=1e-5, atol=1e-5), (from_dir - trained).abs().max()

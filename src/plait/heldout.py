@@ -34,6 +34,7 @@ from plait.data.sft_tokenize import plain_tokenizer, preference_pair
 from plait.data.tokenizer import load_tokenizer_file
 from plait.generate import generate
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
+from plait.lora.peft_io import BASE_SUBDIR
 from plait.materialize import load_from_hf
 from plait.mesh import single_process_mesh
 from plait.models.packaged import model_directory
@@ -74,6 +75,8 @@ def adapter_base(adapter: str | os.PathLike, base: str | os.PathLike | None = No
             raise DataError(f"{path / ADAPTER_CONFIG} names no base model; give it with --base DIR")
         base = found
     base_path = model_directory(base)
+    if not base_path.exists() and (path / BASE_SUBDIR / "config.json").is_file():
+        base_path = path / BASE_SUBDIR  # the adapter directory was moved with the base written inside it
     if not (base_path / "config.json").is_file():
         raise DataError(f"the adapter's base model {str(base_path)!r} is not a Hugging Face directory (no "
                         f"config.json); give the base with --base DIR")

@@ -35,6 +35,9 @@ from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+#: inside an adapter directory: the base it was trained on when that base exists nowhere else (a
+#: LoRA run from a random initialisation), named by ``base_model_name_or_path``
+BASE_SUBDIR = "base"
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*\.layers\.\d+\.(?:self_attn|mlp)\.(?P<target>\w+))"
                   r"\.lora_(?P<ab>[AB])\.weight$")

@@ -308,6 +308,34 @@ def _gathered(model: nn.Module, names: list[str], tp: GroupInfo,
         yield name, assemble_from_shards([s[name] for s in all_specs], locals_) if is_writer else p
 
 
+def _hf_layout(model: nn.Module) -> tuple[dict[str, Any], list[str], list[tuple[str, int]]]:
+    """``(config.json content, plait names, (Hugging Face name, full bytes) entries)`` of ``model``."""
+    config = config_of(model)
+    config_dict = config.to_hf_dict()  # raises for configs HF cannot express, before any I/O
+    specs = shard_specs(model)
+    hf_name = family_of(config).hf_name
+    names, entries = [], []
+    for name, p in model.named_parameters():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        shape = specs[name].full_shape if name in specs else tuple(p.shape)
+        names.append(name)
+        entries.append((hf_name(name), p.element_size() * int(torch.Size(shape).numel())))
+    config_dict["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return config_dict, names, entries
+
+
+def write_local_model(model: nn.Module, path: PathLike, *, max_shard_bytes: int = 5 * 1024**3,
+                      extra_files: Iterable[tuple[str, Any]] = ()) -> None:
+    """Write ``model``, held whole by this process (no tensor parallelism), as a Hugging Face
+    directory, with no collective: one rank may call it alone."""
+    config_dict, names, entries = _hf_layout(model)
+    hf_name = family_of(config_of(model)).hf_name
+    params = dict(model.named_parameters())
+    write_hf_dir(path, config_dict, entries, ((hf_name(n), params[n]) for n in names),
+                 max_shard_bytes=max_shard_bytes, extra_files=extra_files)
+
+
 def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
                        max_shard_bytes: int = 5 * 1024**3, replace: bool = False,
                        extra_files: Iterable[tuple[str, Any]] = ()) -> None:
@@ -320,20 +348,9 @@ def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
     ``replace``: a model directory plait wrote before at ``path`` may be replaced, and
     ``extra_files`` are written into it (on the writing rank), as in :func:`write_hf_dir`.
     """
-    config = config_of(model)
-    config_dict = config.to_hf_dict()  # raises for configs HF cannot express, before any I/O
-    specs = shard_specs(model)
-    names, entries = [], []
-    for name, p in model.named_parameters():
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        shape = specs[name].full_shape if name in specs else tuple(p.shape)
-        names.append(name)
-        entries.append((name, p.element_size() * int(torch.Size(shape).numel())))
-    config_dict["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config_dict, names, entries = _hf_layout(model)
     is_writer = dist.get_rank() == 0 if dist.is_initialized() else tp_info.rank == 0
-    hf_name = family_of(config).hf_name
-    entries = [(hf_name(name), nbytes) for name, nbytes in entries]
+    hf_name = family_of(config_of(model)).hf_name
     stream = ((hf_name(name), t) for name, t in _gathered(model, names, tp_info, is_writer))
     error: BaseException | None = None
     if is_writer:

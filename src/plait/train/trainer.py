@@ -36,7 +36,11 @@ from plait.data.tokenizer_files import TOKENIZER_FILE, copy_model_use_files, mod
 from plait.devices import detect_device, peak_flops
 from plait.generate import generate
 from plait.lora import save_peft_adapter
+from plait.lora.peft_io import BASE_SUBDIR
+from plait.materialize import build_model
+from plait.mesh import single_process_mesh
 from plait.models.flops import mfu, model_flops_per_token
+from plait.models.hf_io import write_local_model
 from plait.moe import is_moe_config, moe_layers, read_moe_stats
 from plait.moe.load_map import MOE_LOAD_FILE, append_load, plot_load_map
 from plait.moe.step_load import attach_load_balancing
@@ -437,11 +441,30 @@ class Trainer:
         """A LoRA run's final model is its adapter in the PEFT layout (``adapter_config.json`` and
         ``adapter_model.safetensors``), loadable by ``peft`` onto ``model.hf_path``: the base weights
         did not change. Gathered over TP and the pipeline; global rank 0 writes."""
-        st = self.state
+        st, r = self.state, self.recipe
         self.finish_checkpoints()
-        save_peft_adapter(st.stages, self.resolved.checkpoint_dir, st.tp, self.recipe.model.hf_path, pp=st.pp,
+        final = Path(self.resolved.checkpoint_dir)
+        # a random base (no model.hf_path) exists nowhere else: it is written inside the adapter
+        # directory, and the adapter names it, so the adapter stays usable
+        base = r.model.hf_path if r.model.hf_path is not None else str((final / BASE_SUBDIR).absolute())
+        save_peft_adapter(st.stages, final, st.tp, base, pp=st.pp,
                           replace=True,  # checked before launch, as for the full model
                           extra_files=self._model_use_files() if self.is_writer else None)
+        if r.model.hf_path is None and self.is_writer:
+            self._write_random_base(final / BASE_SUBDIR)
+        if self.world > 1:
+            dist.barrier(group=st.control)
+
+    def _write_random_base(self, directory: Path) -> None:
+        """The frozen base of a LoRA run without ``model.hf_path``: the layout-invariant
+        initialisation of ``run.seed`` (each weight a function of the seed and its name), rebuilt
+        whole in this one process and written as a Hugging Face directory."""
+        config = self.state.config
+        model = build_model(config, single_process_mesh(), seed=self.recipe.run.seed,
+                            dtype=self.state.policy.param_dtype)
+        sources = self._model_use_sources()
+        write_local_model(model, directory, max_shard_bytes=FINAL_SHARD_BYTES,
+                          extra_files=[("model use files", lambda d: copy_model_use_files(d, *sources))])
 
     def _model_use_sources(self) -> tuple[Path, str | None]:
         """Where the files describing the model's use come from: the prepared data's tokenizer (the
