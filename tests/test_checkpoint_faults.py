@@ -97,6 +97,43 @@ def test_model_mismatch_names_the_first_tensor_and_both_shapes(saved, tmp_path):
     assert "model.layers.0.mlp.gate_proj.weight" in msg and "[64, 32]" in msg and "[96, 32]" in msg
 
 
+def _edit(directory: Path, change) -> None:
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _first(manifest: dict) -> dict:
+    return manifest["tensors"]["model/model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (lambda m: m.update(tensors=[1, 2]), "entry tensors: input should be a valid dictionary"),
+    (lambda m: _first(m).update(shape="big"), "entry tensors.model/model.embed_tokens.weight.shape"),
+    (lambda m: _first(m).update(dtype="int4"), "dtype"),
+    (lambda m: _first(m)["slices"][0].update(start=-3), "slices.0.start"),
+    (lambda m: _first(m)["slices"][0].update(dim=0, length=999), "lies outside the tensor's shape"),
+    (lambda m: m["files"]["rank-00000.safetensors"].update(bytes="many"), "files.rank-00000.safetensors.bytes"),
+], ids=["tensors-list", "shape-text", "dtype", "negative-start", "slice-outside", "file-bytes"])
+def test_an_edited_manifest_is_refused_by_entry(saved, change, needle):
+    directory, _ = saved
+    _edit(directory, change)
+    with pytest.raises(CheckpointError, match="the manifest was edited or damaged") as err:
+        read_manifest(directory)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_manifest_shape_the_file_does_not_hold_is_named_when_read(saved):
+    directory, model = saved
+    _edit(directory, lambda m: _first(m).update(shape=[3, 32]))
+    weight = dict(model.named_parameters())["model.embed_tokens.weight"]
+    with CheckpointReader(directory) as reader, pytest.raises(CheckpointError) as err:
+        reader.read_into("model", "model.embed_tokens.weight", torch.empty(3, 32))
+    assert "has shape [64, 32], the manifest says [3, 32]" in str(err.value), str(err.value)
+    assert weight.shape == (64, 32)
+
+
 class _Payload:
     """Unpickling this would create the marker file: the proof that nothing was unpickled."""
 

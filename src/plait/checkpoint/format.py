@@ -27,7 +27,52 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _SliceShape(_Shape):
+    file: str
+    key: str
+    dim: Annotated[int, Field(ge=0)] | None
+    start: Annotated[int, Field(ge=0)]
+    length: Annotated[int, Field(ge=0)]
+
+
+class _TensorShape(_Shape):
+    shape: list[Annotated[int, Field(ge=0)]]
+    dtype: Literal["float32", "bfloat16", "float16"]
+    slices: list[_SliceShape]
+
+    @model_validator(mode="after")
+    def _slices_inside(self) -> _TensorShape:
+        for sl in self.slices:
+            if sl.dim is not None and (sl.dim >= len(self.shape) or sl.start + sl.length > self.shape[sl.dim]):
+                raise ValueError(f"slice {sl.key!r} (dim {sl.dim}, rows {sl.start}..{sl.start + sl.length}) lies "
+                                 f"outside the tensor's shape {self.shape}")
+        return self
+
+
+class _FileShape(_Shape):
+    sha256: str
+    bytes: Annotated[int, Field(ge=0)]
+
+
+class _ManifestShape(_Shape):
+    """The entries every reader relies on (others, such as the recipe, are read where used)."""
+
+    step: Annotated[int, Field(ge=0)]
+    tensors: dict[str, _TensorShape]
+    files: dict[str, _FileShape]
+    model_config_: dict[str, Any] | None = Field(default=None, alias="model_config")
+    contents: dict[str, Any] | None = None
+    layout: dict[str, Any] | None = None
+
 
 FORMAT = "plait-checkpoint"
 VERSION = 1
@@ -126,4 +171,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     for key in ("step", "tensors", "files"):
         if key not in data:
             raise CheckpointError(f"{path} lacks the {key!r} entry")
+    try:
+        _ManifestShape.model_validate(data)  # a hand-edited manifest is refused by entry, not a traceback
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise CheckpointError(f"{path}: entry {where}: {first['msg'].lower()} (got {first['input']!r:.60}); the "
+                              f"manifest was edited or damaged: restore it, or use another checkpoint") from None
     return data

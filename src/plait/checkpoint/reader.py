@@ -118,7 +118,17 @@ class CheckpointReader:
         for sl in entry["slices"]:
             with ExitStack() as transient:
                 handle = self._open(sl["file"], None if self.keep_open else transient)
-                src = handle.get_slice(sl["key"])
+                try:
+                    src = handle.get_slice(sl["key"])
+                except Exception:  # noqa: BLE001 - a key the manifest names but the file lacks
+                    raise CheckpointError(f"{self.dir}: {sl['file']} holds no tensor {sl['key']!r}, which the "
+                                          f"manifest lists for {key}; the manifest was edited or damaged") from None
+                expected = list(entry["shape"])
+                if sl["dim"] is not None:
+                    expected[sl["dim"]] = sl["length"]
+                if list(src.get_shape()) != expected:
+                    raise CheckpointError(f"{self.dir}: {sl['key']} in {sl['file']} has shape {list(src.get_shape())}, "
+                                          f"the manifest says {expected}; the manifest was edited or damaged")
                 if spec is None:
                     covered += self._copy_whole(src, sl, out)
                 else:
