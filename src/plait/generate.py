@@ -49,7 +49,10 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, *, temperature
     logits = logits.detach().float().cpu()
     if greedy:
         return int(torch.argmax(logits))
-    logits = top_p_filter(top_k_filter(logits / temperature, top_k), top_p)
+    scaled = logits / temperature
+    if bool(torch.isnan(scaled).any() or torch.isposinf(scaled).any()):
+        return int(torch.argmax(logits))  # a temperature so small the logits overflow: its limit, the argmax
+    logits = top_p_filter(top_k_filter(scaled, top_k), top_p)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -74,6 +74,12 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.system is not None and not args.chat:
         raise _UsageError("--system needs --chat: a system message is part of a chat conversation (plain "
                           "generation continues --prompt as text); add --chat, or put the text in --prompt")
+    for option, text in (("--prompt", args.prompt), ("--system", args.system)):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes of the command line that are not UTF-8 (kept as surrogates)
+            raise _UsageError(f"{option} holds bytes that are not UTF-8 text (at character {e.start}); pass UTF-8 "
+                              f"text") from None
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise _UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.top_k < 0:
