@@ -17,6 +17,9 @@ import os
 import sys
 
 GiB = 1024**3
+#: the largest --world and --nodes-of planned for (the search walks the divisors of both, so the
+#: work stays bounded; the largest clusters are far smaller)
+MAX_DEVICES = 1 << 20
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -82,8 +85,8 @@ def default_devices_per_node(device_name: str, world: int = 1) -> int:
 def check_options(args) -> None:
     """Reject option values no plan can use, naming the option, the value and what is valid
     (argparse accepts ``nan``, ``inf`` and negative numbers for these)."""
-    if args.world < 1:
-        raise ValueError(f"--world={args.world} must be a positive integer")
+    if not 1 <= args.world <= MAX_DEVICES:
+        raise ValueError(f"--world={args.world} must be a positive integer of at most {MAX_DEVICES} devices")
     for name in ("top", "unfit"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name}={getattr(args, name)} must be >= 0")
@@ -96,6 +99,8 @@ def check_options(args) -> None:
                           ("--microbatches", args.microbatches)):
         if value is not None and value < 1:
             raise ValueError(f"{option}={value} must be a positive integer")
+    if args.nodes_of is not None and args.nodes_of > MAX_DEVICES:
+        raise ValueError(f"--nodes-of={args.nodes_of} must be at most {MAX_DEVICES} devices per node")
     if args.microbatches is not None and args.global_batch is not None:
         raise ValueError("give --global-batch or --microbatches, not both")
 
