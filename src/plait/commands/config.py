@@ -103,9 +103,8 @@ def run(args) -> int:
     try:
         recipe_path, overrides, nproc, no_path_checks = split_items(args.items, args.nproc, args.no_path_checks)
         layout = default_layout_for(recipe_path, overrides, nproc)
-        if layout is not None:  # what `plait train --nproc N` would run
+        if layout is not None:  # what `plait train --nproc N` would run (said once the recipe is checked)
             overrides = overrides + layout.overrides()
-            print(f"plait config {action}: {layout.describe()}", file=sys.stderr)
         resolved = check_recipe(recipe_path or str(DEFAULT_RECIPE), overrides, nproc, check_paths=not no_path_checks)
         if action == "validate" and not no_path_checks:
             check_outputs(resolved)  # the output directories' rules, reading only (plait train also locks)
@@ -119,6 +118,8 @@ def run(args) -> int:
     except ValueError as e:
         print(f"plait config {action}: {e}", file=sys.stderr)
         return 2
+    if layout is not None:
+        print(f"plait config {action}: {layout.describe()}", file=sys.stderr)
     for warning in resolved.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if action == "validate":
