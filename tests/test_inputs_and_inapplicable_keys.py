@@ -231,11 +231,13 @@ def test_a_refused_run_keeps_a_directory_that_existed(files, tmp_path, capsys):
     assert out.is_dir()
 
 
-def test_rendezvous_endpoint_without_several_hosts_is_refused(files, tmp_path, capsys):
+@pytest.mark.parametrize("option", [["--rdzv-endpoint", "localhost:29400"], ["--rdzv-id", "job7"],
+                                    ["--rdzv-timeout", "30"]], ids=["endpoint", "id", "timeout"])
+def test_rendezvous_options_without_several_hosts_are_refused(files, tmp_path, capsys, option):
     items = _train_items(files, tmp_path / "run")
-    assert main(["train", *items, "--rdzv-endpoint", "localhost:29400"]) == 2
+    assert main(["train", *items, *option]) == 2
     err = capsys.readouterr().err
-    assert "--rdzv-endpoint=localhost:29400" in err and "needs --nnodes" in err, err
+    assert option[0] in err and "needs --nnodes" in err, err
     assert not (tmp_path / "run").exists()
 
 

@@ -99,9 +99,15 @@ def run(args) -> int:
         if nnodes < 1 or (nnodes > 1 and not getattr(args, "rdzv_endpoint", None)):
             raise ValueError(f"--nnodes={nnodes} needs a positive count and, above 1, --rdzv-endpoint HOST:PORT "
                              f"(the first host's address)")
-        if nnodes == 1 and getattr(args, "rdzv_endpoint", None):
-            raise ValueError(f"--rdzv-endpoint={args.rdzv_endpoint} is for a run over several hosts and needs "
-                             f"--nnodes N (the number of hosts); drop it to train on this host alone")
+        if nnodes == 1:  # the rendezvous options act only between several hosts started by plait train
+            given = [f"{flag}={value}" for flag, value, unset in (
+                ("--rdzv-endpoint", getattr(args, "rdzv_endpoint", None), None),
+                ("--rdzv-id", getattr(args, "rdzv_id", "plait"), "plait"),
+                ("--rdzv-timeout", getattr(args, "rdzv_timeout", None), None)) if value != unset]
+            if given:
+                raise ValueError(f"{' '.join(given)} {'is' if len(given) == 1 else 'are'} for a run over several "
+                                 f"hosts and need{'s' if len(given) == 1 else ''} --nnodes N (the number of hosts); "
+                                 f"drop {'it' if len(given) == 1 else 'them'} to train on this host alone")
         if nnodes > 1:
             _check_endpoint(args.rdzv_endpoint)
         if in_launched_world():
