@@ -362,6 +362,40 @@ def test_generate_with_a_broken_chat_template(capsys, model, tmp_path):
     _refused(capsys, argv, hf / "tokenizer_config.json")
 
 
+# ------------------------------------------------------------------------- eval
+def test_eval_checks_paths_and_rows_before_the_model_loads(capsys, model, tmp_path, monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr("plait.heldout.load_from_hf", load)
+    rows = model.parent / "task" / "sft_heldout.jsonl"
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(model, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    _refused(capsys, ["eval", no_tokenizer, "--data", rows], no_tokenizer, "tokenizer.json")
+    bad_row = tmp_path / "rows.jsonl"
+    bad_row.write_text(rows.read_text() + '{"messages": "not a list"}\n')
+    _refused(capsys, ["eval", model, "--data", bad_row], f"{bad_row}:5")
+    blank_first = tmp_path / "preference.jsonl"  # the kind is read from the first row, not the first line
+    blank_first.write_text("\n" + (model.parent / "task" / "preference_heldout.jsonl").read_text()
+                           + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    _refused(capsys, ["eval", model, "--data", blank_first], f"{blank_first}:6", "chosen")
+
+
+# ------------------------------------------------------------------------- data prepare
+def test_data_prepare_bounds_and_huge_limits(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n\n".join(f"Document {i}: a few words about nothing much, again and again." * 4
+                                 for i in range(30)))
+    _refused(capsys, ["data", "prepare", docs, "--vocab-size", 2**21, "--out", tmp_path / "big"],
+             "--vocab-size 2097152", "at most 1048576")
+    assert not (tmp_path / "big").exists()
+    status, out, err = _outcome(capsys, ["data", "prepare", docs, "--limit", 2**80, "--vocab-size", "300",
+                                         "--out", tmp_path / "all", "--no-progress"])
+    assert status == 0 and "Traceback" not in err, err  # more documents than there are: all of them
+
+
 # ------------------------------------------------------------------------- data task
 def test_data_task_beyond_the_distinct_problems_is_refused_before_work(capsys, tmp_path):
     out = tmp_path / "task"

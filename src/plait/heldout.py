@@ -100,11 +100,13 @@ def read_adapter_config(path: Path) -> dict:
     return loaded
 
 
-def scoring_model_dir(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[Path, Path | None]:
+def scoring_model_dir(directory: str | os.PathLike, base: str | os.PathLike | None = None, *,
+                      need_tokenizer: bool = False) -> tuple[Path, Path | None]:
     """``(model directory, base directory or None)`` of a scoring model, checked without loading
-    anything: it exists and is a directory, it is not a run directory, and an adapter's
-    ``adapter_config.json`` reads and names a base that is a Hugging Face directory. Each problem is
-    a :class:`DataError` naming the path."""
+    anything: it exists and is a directory, it is not a run directory, an adapter's
+    ``adapter_config.json`` reads and names a base that is a Hugging Face directory, and (with
+    ``need_tokenizer``) the tokenizer the scores read is there. Each problem is a
+    :class:`DataError` naming the path."""
     path = model_directory(directory)
     if not path.exists():
         raise DataError(f"{path}: no such directory; give a Hugging Face directory (config.json, *.safetensors, "
@@ -116,9 +118,13 @@ def scoring_model_dir(directory: str | os.PathLike, base: str | os.PathLike | No
         final = path / "final"
         if (final / "config.json").is_file() or (final / ADAPTER_CONFIG).is_file():
             raise DataError(f"{path} is a run directory; its model is {final}: give that directory")
-    if not (path / ADAPTER_CONFIG).is_file():
-        return path, None
-    return path, adapter_base(path, base)
+    base_path = adapter_base(path, base) if (path / ADAPTER_CONFIG).is_file() else None
+    tokenizer_dir = path if base_path is None or (path / "tokenizer.json").is_file() else base_path
+    if need_tokenizer and ((path / "config.json").is_file() or base_path is not None):
+        if not (tokenizer_dir / "tokenizer.json").is_file():
+            raise DataError(f"{tokenizer_dir} has no tokenizer.json; the scores need the model's tokenizer: copy "
+                            f"it into {path}")
+    return path, base_path
 
 
 def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[nn.Module, Path]:

@@ -62,6 +62,9 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+#: the largest --vocab-size trained (the BPE trainer allocates for the whole vocabulary at once: a
+#: mistyped 10**12 aborts the process)
+MAX_BPE_VOCAB = 1 << 20
 #: errors of a path the user gave (exit status 2); other OSErrors (a full disk, I/O errors) are 1
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
                 errno.ENAMETOOLONG, errno.ELOOP}
@@ -188,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
     if args.format in ("sft", "preference"):
         return _prepare_rows(args)
     problem = _check_output_dirs(args)
+    if args.limit is not None and args.limit > sys.maxsize:
+        args.limit = None  # more documents than any corpus holds: all of them
+    if args.tokenizer == "bpe" and args.vocab_size > MAX_BPE_VOCAB:
+        problem = f"--vocab-size {args.vocab_size}: a trained BPE has at most {MAX_BPE_VOCAB} tokens (the trainer " \
+                  f"reserves memory for all of them); give a smaller --vocab-size"
     if problem is not None:
         print(f"plait data prepare: {problem}", file=sys.stderr)
         return 2

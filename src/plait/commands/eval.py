@@ -63,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1 (the answer's length cap)")
     try:
-        scoring_model_dir(args.model, args.base)  # the paths first, then every row (an empty file is refused),
-        kind = _kind(data) if args.kind == "auto" else args.kind  # then the model loads
+        # the paths first, then every row (an empty file is refused), then the model loads
+        scoring_model_dir(args.model, args.base, need_tokenizer=True)
+        kind = _kind(data) if args.kind == "auto" else args.kind
         if kind == "sft":
             sft_rows = scoring_rows("sft", data, args.limit)
             model, tokenizer_dir = load_scoring_model(args.model, args.base)
