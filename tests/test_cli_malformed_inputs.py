@@ -345,6 +345,18 @@ def test_generate_with_odd_option_values(capsys, model):
     assert (status, out, err) == greedy  # the limit of a vanishing temperature: the argmax
 
 
+def test_options_that_would_have_no_effect_are_refused(capsys, model):
+    """Options the chosen mode ignores: silently dropping them would hide the mistake."""
+    task = model.parent / "task"
+    _all_refused(capsys, [
+        (["generate", "--hf", model, "--greedy", "--temperature", "0.7"], ["--temperature=0.7", "--greedy"]),
+        (["generate", "--hf", model, "--greedy", "--top-k", "5", "--top-p", "0.9"], ["--top-k=5", "--top-p=0.9"]),
+        (["eval", model, "--data", task / "sft_heldout.jsonl", "--base", model], ["--base", "whole model"]),
+        (["eval", model, "--data", task / "preference_heldout.jsonl", "--max-new-tokens", "4"],
+         ["--max-new-tokens 4", "preference rows"]),
+    ])
+
+
 def test_plan_work_is_bounded(capsys):
     _refused(capsys, ["plan", RECIPE, "--world", 2**21], "--world=2097152", "at most 1048576")
     _refused(capsys, ["plan", RECIPE, "--world", "8", "--nodes-of", 2**21], "--nodes-of=2097152")

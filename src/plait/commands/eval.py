@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+#: the default answer length cap of SFT rows
+ANSWER_TOKENS = 16
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -24,7 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, metavar="DIR", help="base model of an adapter (default: the adapter's "
                                                                "base_model_name_or_path)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N rows")
-    p.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="answer length cap (sft)")
+    p.add_argument("--max-new-tokens", type=int, default=ANSWER_TOKENS, metavar="N",
+                   help=f"answer length cap (sft; default {ANSWER_TOKENS})")
     p.add_argument("--json", action="store_true", help="print the scores as one JSON line")
     return p
 
@@ -64,8 +68,14 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1 (the answer's length cap)")
     try:
         # the paths first, then every row (an empty file is refused), then the model loads
-        scoring_model_dir(args.model, args.base, need_tokenizer=True)
+        model_dir, base_dir = scoring_model_dir(args.model, args.base, need_tokenizer=True)
+        if args.base is not None and base_dir is None:
+            return _fail(f"--base {args.base} applies to a LoRA adapter directory, and {model_dir} is a whole model "
+                         f"(no adapter_config.json), scored as it is; drop --base")
         kind = _kind(data) if args.kind == "auto" else args.kind
+        if kind == "preference" and args.max_new_tokens != ANSWER_TOKENS:
+            return _fail(f"--max-new-tokens {args.max_new_tokens} has no effect on preference rows ({data} is scored "
+                         f"by the log-probability of its chosen and rejected answers, nothing is generated); drop it")
         if kind == "sft":
             sft_rows = scoring_rows("sft", data, args.limit)
             model, tokenizer_dir = load_scoring_model(args.model, args.base)

@@ -80,6 +80,13 @@ def _check_args(args: argparse.Namespace) -> None:
         except UnicodeEncodeError as e:  # bytes of the command line that are not UTF-8 (kept as surrogates)
             raise _UsageError(f"{option} holds bytes that are not UTF-8 text (at character {e.start}); pass UTF-8 "
                               f"text") from None
+    if args.greedy:
+        ignored = [f"{option}={value}" for option, value, default in (
+            ("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--temperature", args.temperature, 1.0))
+            if value != default]
+        if ignored:
+            raise _UsageError(f"{', '.join(ignored)} has no effect with --greedy (the most likely token is always "
+                              f"taken); drop --greedy to sample, or drop {ignored[0].split('=')[0]}")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise _UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.top_k < 0:
