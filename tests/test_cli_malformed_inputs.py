@@ -354,6 +354,10 @@ def test_options_that_would_have_no_effect_are_refused(capsys, model):
         (["eval", model, "--data", task / "sft_heldout.jsonl", "--base", model], ["--base", "whole model"]),
         (["eval", model, "--data", task / "preference_heldout.jsonl", "--max-new-tokens", "4"],
          ["--max-new-tokens 4", "preference rows"]),
+        (["data", "prepare", task / "sft_train.jsonl", "--seq-len", "64", "--no-packing"],
+         ["--seq-len, --no-packing", "--format sft"]),
+        (["data", "prepare", task / "sft_train.jsonl", "--format", "sft", "--seq-len", "64", "--tokenizer",
+          model / "tokenizer.json", "--limit", "5"], ["--limit", "--format text"]),
     ])
 
 

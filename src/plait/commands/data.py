@@ -182,11 +182,32 @@ def _prepare_rows(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inapplicable_options(args: argparse.Namespace) -> str | None:
+    """Options this --format ignores, named with the format they belong to (a silently dropped
+    option would hide the mistake), or None."""
+    if args.format == "text":
+        given = [name for name, value, default in (
+            ("--seq-len", args.seq_len, None), ("--no-packing", args.no_packing, False),
+            ("--truncation", args.truncation, "drop"), ("--train-on-prompt", args.train_on_prompt, False),
+            ("--skip-bad-rows", args.skip_bad_rows, False)) if value != default]
+        if given:
+            return (f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} fine-tuning rows: give --format sft or "
+                    f"--format preference, or drop {given[0]} (--format text writes token shards)")
+        return None
+    if args.limit is not None:
+        return f"--limit applies to --format text only (--format {args.format} reads every row); drop it"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.data_command == "task":
         return _write_task(args)
     if args.data_command != "prepare":
         print(f"plait data: unknown subcommand {args.data_command!r}; expected prepare or task", file=sys.stderr)
+        return 2
+    problem = _inapplicable_options(args)
+    if problem is not None:
+        print(f"plait data prepare: {problem}", file=sys.stderr)
         return 2
     if args.format in ("sft", "preference"):
         return _prepare_rows(args)
