@@ -87,11 +87,14 @@ def _outcome(capsys, argv: list[str]) -> tuple[int, str, str]:
 
 
 def _refusal_problem(status: int, out: str, err: str, needles) -> str | None:
-    """Why this outcome is not a one-line refusal naming every needle (None when it is)."""
+    """Why this outcome is not a one-line refusal, with nothing on stdout, naming every needle
+    (None when it is)."""
     if "Traceback" in out + err:
         return f"a traceback: {err[-300:]!r}"
     if status != 2:
         return f"exit status {status}, stderr {err[-300:]!r}"
+    if out:  # refused before any work, so before any output
+        return f"output before the refusal: {out[:300]!r}"
     lines = err.strip().splitlines()
     if len(lines) == 2 and lines[0].endswith(RECIPE_HEADER):
         lines = lines[1:]
@@ -354,6 +357,9 @@ def test_options_that_would_have_no_effect_are_refused(capsys, model):
         (["eval", model, "--data", task / "sft_heldout.jsonl", "--base", model], ["--base", "whole model"]),
         (["eval", model, "--data", task / "preference_heldout.jsonl", "--max-new-tokens", "4"],
          ["--max-new-tokens 4", "preference rows"]),
+        (["plan", RECIPE, "--world", "4", "--rank", "3"], ["--rank 3", "--dry-run"]),
+        (["plan", RECIPE, "--world", "4", "--dry-run", "--rank", "9"], ["--rank 9", "0..3"]),
+        (["import-nxdt", NXDT, "--force"], ["--force", "-o"]),
         (["data", "prepare", task / "sft_train.jsonl", "--seq-len", "64", "--no-packing"],
          ["--seq-len, --no-packing", "--format sft"]),
         (["data", "prepare", task / "sft_train.jsonl", "--format", "sft", "--seq-len", "64", "--tokenizer",

@@ -52,6 +52,8 @@ def run(args) -> int:
     from plait.interop.nxdt import NxdtConfigError, import_nxdt, read_nxdt  # loads torch (see the package doc)
 
     out = Path(args.output) if args.output else None
+    if args.force and out is None:
+        return _fail("--force replaces the -o file; without -o the recipe goes to standard output: drop --force")
     if out is not None and out.exists() and not out.is_file():
         return _fail(f"{out}: not a file; give a file path to -o")
     if out is not None and out.exists() and not args.force:

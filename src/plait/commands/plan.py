@@ -103,6 +103,11 @@ def check_options(args) -> None:
         raise ValueError(f"--nodes-of={args.nodes_of} must be at most {MAX_DEVICES} devices per node")
     if args.microbatches is not None and args.global_batch is not None:
         raise ValueError("give --global-batch or --microbatches, not both")
+    if args.ranks and not args.dry_run:
+        raise ValueError(f"--rank {args.ranks[0]} chooses the ranks of a dry run: add --dry-run, or drop --rank")
+    bad = [r for r in args.ranks or () if not 0 <= r < args.world]
+    if bad:  # before the search, not after the table
+        raise ValueError(f"--rank {bad[0]} is outside the world: valid 0..{args.world - 1}")
 
 
 def cpu_rank_resources(spec, ranks_per_host: int, precision: str) -> tuple[int | None, float]:
