@@ -395,6 +395,10 @@ def test_eval_checks_paths_and_rows_before_the_model_loads(capsys, model, tmp_pa
     shutil.copytree(model, no_tokenizer)
     (no_tokenizer / "tokenizer.json").unlink()
     _refused(capsys, ["eval", no_tokenizer, "--data", rows], no_tokenizer, "tokenizer.json")
+    broken_template = tmp_path / "broken-template"
+    shutil.copytree(model, broken_template)
+    (broken_template / "chat_template.jinja").write_text("{% if %}")
+    _refused(capsys, ["eval", broken_template, "--data", rows], broken_template / "chat_template.jinja")
     bad_row = tmp_path / "rows.jsonl"
     bad_row.write_text(rows.read_text() + '{"messages": "not a list"}\n')
     _refused(capsys, ["eval", model, "--data", bad_row], f"{bad_row}:5")

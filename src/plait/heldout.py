@@ -101,11 +101,11 @@ def read_adapter_config(path: Path) -> dict:
 
 
 def scoring_model_dir(directory: str | os.PathLike, base: str | os.PathLike | None = None, *,
-                      need_tokenizer: bool = False) -> tuple[Path, Path | None]:
-    """``(model directory, base directory or None)`` of a scoring model, checked without loading
-    anything: it exists and is a directory, it is not a run directory, an adapter's
-    ``adapter_config.json`` reads and names a base that is a Hugging Face directory, and (with
-    ``need_tokenizer``) the tokenizer the scores read is there. Each problem is a
+                      need_tokenizer: bool = False) -> tuple[Path, Path | None, Path]:
+    """``(model directory, base directory or None, tokenizer directory)`` of a scoring model,
+    checked without loading anything: it exists and is a directory, it is not a run directory, an
+    adapter's ``adapter_config.json`` reads and names a base that is a Hugging Face directory, and
+    (with ``need_tokenizer``) the tokenizer the scores read is there. Each problem is a
     :class:`DataError` naming the path."""
     path = model_directory(directory)
     if not path.exists():
@@ -124,19 +124,18 @@ def scoring_model_dir(directory: str | os.PathLike, base: str | os.PathLike | No
         if not (tokenizer_dir / "tokenizer.json").is_file():
             raise DataError(f"{tokenizer_dir} has no tokenizer.json; the scores need the model's tokenizer: copy "
                             f"it into {path}")
-    return path, base_path
+    return path, base_path, tokenizer_dir
 
 
 def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[nn.Module, Path]:
     """``(model, tokenizer directory)``: a Hugging Face model directory, or a PEFT adapter directory
     (``adapter_config.json``) loaded onto ``base`` (default: the adapter's ``base_model_name_or_path``)."""
-    path, base_path = scoring_model_dir(directory, base)
+    path, base_path, tokenizer_dir = scoring_model_dir(directory, base)
     if base_path is None:
         return load_from_hf(path, single_process_mesh()), path
     model = load_from_hf(base_path, single_process_mesh())
     apply_lora([model], read_peft_settings(path), seed=0)
     load_peft_adapter([model], path)
-    tokenizer_dir = path if (path / "tokenizer.json").is_file() else base_path
     return model, tokenizer_dir
 
 

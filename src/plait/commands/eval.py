@@ -55,7 +55,15 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
-    from plait.heldout import exact_match, load_scoring_model, preference_accuracy, scoring_model_dir, scoring_rows
+    from plait.data.tokenizer import load_tokenizer_file
+    from plait.heldout import (
+        exact_match,
+        load_scoring_model,
+        preference_accuracy,
+        scoring_model_dir,
+        scoring_rows,
+        scoring_template,
+    )
 
     data = Path(args.data).expanduser()
     if data.is_dir():
@@ -68,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1 (the answer's length cap)")
     try:
         # the paths first, then every row (an empty file is refused), then the model loads
-        model_dir, base_dir = scoring_model_dir(args.model, args.base, need_tokenizer=True)
+        model_dir, base_dir, tokenizer_dir = scoring_model_dir(args.model, args.base, need_tokenizer=True)
         if args.base is not None and base_dir is None:
             return _fail(f"--base {args.base} applies to a LoRA adapter directory, and {model_dir} is a whole model "
                          f"(no adapter_config.json), scored as it is; drop --base")
+        scoring_template(tokenizer_dir, load_tokenizer_file(tokenizer_dir / "tokenizer.json"))  # loads, compiles
         kind = _kind(data) if args.kind == "auto" else args.kind
         if kind == "preference" and args.max_new_tokens != ANSWER_TOKENS:
             return _fail(f"--max-new-tokens {args.max_new_tokens} has no effect on preference rows ({data} is scored "
