@@ -24,15 +24,15 @@ from typing import NoReturn
 #: subcommand modules, each with ``add_parser(subparsers)`` and ``run(args) -> int``
 COMMANDS = ("train", "data", "generate", "eval", "config", "plan", "convert", "import_nxdt", "launch")
 
-#: (module, class name) of library exceptions that mean "this file is damaged or is not what it
-#: should be", and what they are called in the message; matched by name, so the libraries need not
-#: be imported to recognise them
+#: (package, class name) of library exceptions that mean "this file is damaged or is not what it
+#: should be" (subclasses included), and (what, fix) for the message; matched by name, so the
+#: libraries need not be imported to recognise them
 _LIBRARY_INPUT_ERRORS = {
-    ("yaml.error", "YAMLError"): ("a file is not valid YAML", "fix it"),  # PyYAML
-    ("ruamel.yaml.error", "YAMLError"): ("a file is not valid YAML", "fix it"),
-    ("jinja2.exceptions", "TemplateError"): ("a chat template does not compile or render", "fix or remove it"),
-    ("safetensors._safetensors_rust", "SafetensorError"): ("a safetensors weights file is truncated or corrupt",
-                                                           "copy or convert it again"),
+    ("yaml", "YAMLError"): ("a file is not valid YAML", "fix it"),  # PyYAML
+    ("ruamel", "YAMLError"): ("a file is not valid YAML", "fix it"),
+    ("jinja2", "TemplateError"): ("a chat template does not compile or render", "fix or remove it"),
+    ("safetensors", "SafetensorError"): ("a safetensors weights file is truncated or corrupt",
+                                         "copy or convert it again"),
 }
 #: the attributes of the commands' arguments that hold their input paths, named in a message
 #: about a file the error itself does not name
@@ -48,7 +48,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: {' '.join(message.split())}; see '{self.prog} --help'", file=sys.stderr, flush=True)
         raise SystemExit(2)
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +72,7 @@ def _raised_by_plait(exc: BaseException) -> bool:
 def _library_error(exc: BaseException) -> tuple[str, str] | None:
     """What :data:`_LIBRARY_INPUT_ERRORS` calls ``exc``, or None when it is none of them."""
     for cls in type(exc).__mro__:
-        what = _LIBRARY_INPUT_ERRORS.get((cls.__module__, cls.__name__))
+        what = _LIBRARY_INPUT_ERRORS.get((cls.__module__.split(".")[0], cls.__name__))
         if what is not None:
             return what
     return None
