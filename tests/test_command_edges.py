@@ -97,7 +97,7 @@ def _run_without_final(root: Path, *, save_final: bool, checkpoint: bool) -> Pat
     if checkpoint:
         step = run / "checkpoints" / "step-00000004"
         step.mkdir(parents=True)
-        manifest = {"format": FORMAT, "version": VERSION, "complete": True, "step": 4, "tensors": {}, "files": []}
+        manifest = {"format": FORMAT, "version": VERSION, "complete": True, "step": 4, "tensors": {}, "files": {}}
         (step / MANIFEST).write_text(json.dumps(manifest))
     return run
 
