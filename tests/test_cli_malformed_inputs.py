@@ -5,9 +5,8 @@ line on stderr that names the path or the value, never a traceback, before any w
 what library code raises about a user's file and no command catches becomes one line too
 (``plait.cli``), while plait's own bugs keep their traceback.
 
-The commands run in this process through ``plait.cli.main``. ``plait train`` and ``plait launch``
-write a recipe problem under the header ``the recipe cannot run:`` (one line per problem); with one
-problem that is the header and one line, which :func:`_refused` accepts.
+The commands run in this process through ``plait.cli.main``. A recipe with one problem is one
+line (``plait COMMAND: field: value — fix``); several are listed under a count, one line each.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ NXDT = ROOT / "tests" / "fixtures" / "nxdt" / "llama2_7b_sft.yaml"
 UNDECODABLE = b"\xff\xfe\x00garbage"
 CONTEXT = 64  # max_position_embeddings of the test model
 #: the header plait train and plait launch put over their list of recipe problems
-RECIPE_HEADER = "the recipe cannot run:"
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +94,6 @@ def _refusal_problem(status: int, out: str, err: str, needles) -> str | None:
     if out:  # refused before any work, so before any output
         return f"output before the refusal: {out[:300]!r}"
     lines = err.strip().splitlines()
-    if len(lines) == 2 and lines[0].endswith(RECIPE_HEADER):
-        lines = lines[1:]
     if len(lines) != 1:
         return f"{len(lines)} lines on stderr: {err!r}"
     missing = [str(n) for n in needles if str(n) not in lines[0]]

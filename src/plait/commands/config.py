@@ -96,6 +96,7 @@ def render_show(resolved, recipe_path: str | None, overrides: list[str]) -> str:
 def run(args) -> int:
     from plait.config import RecipeError, check_recipe
     from plait.config.load import DEFAULT_RECIPE
+    from plait.config.problems import problems_text
     from plait.config.resolve import default_layout_for
     from plait.outputs.preflight import check_outputs
 
@@ -109,11 +110,7 @@ def run(args) -> int:
         if action == "validate" and not no_path_checks:
             check_outputs(resolved)  # the output directories' rules, reading only (plait train also locks)
     except RecipeError as e:
-        n = len(e.problems)
-        if n == 1:  # one problem: one line
-            print(f"plait config {action}: {e}", file=sys.stderr)
-        else:
-            print(f"plait config {action}: the recipe has {n} problems:\n{e}", file=sys.stderr)
+        print(f"plait config {action}: {problems_text(e)}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"plait config {action}: {e}", file=sys.stderr)

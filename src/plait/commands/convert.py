@@ -131,6 +131,8 @@ def _from_gguf(src: Path, args) -> int:
     if args.to == "plait":
         return _fail("a .gguf file converts to a Hugging Face directory (--to hf); convert that directory "
                      "with --to plait afterwards if you need a plait checkpoint")
+    if src.stat().st_size == 0:
+        return _fail(f"{src} is empty, not a GGUF model file; copy or download it again")
     try:
         from plait.outputs.ownership import require_target
 

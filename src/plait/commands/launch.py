@@ -52,6 +52,7 @@ def run(args) -> int:
     from plait.cluster.spec import launch_spec
     from plait.commands.train import split_items
     from plait.config import RecipeError
+    from plait.config.problems import problems_text
     from plait.outputs import OutputDirError
 
     try:
@@ -66,7 +67,7 @@ def run(args) -> int:
                                      min_nodes=getattr(args, "min_nodes", None), rdzv_port=args.rdzv_port,
                                      max_restarts=args.max_restarts)
     except RecipeError as e:
-        print(f"plait launch: the recipe cannot run:\n{e}", file=sys.stderr)
+        print(f"plait launch: {problems_text(e)}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as e:  # an argument of the command, or a missing recipe file
         print(f"plait launch: {e}", file=sys.stderr)

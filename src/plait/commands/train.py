@@ -89,8 +89,10 @@ def _check_endpoint(endpoint: str) -> None:
 def run(args) -> int:
     from plait.config import RecipeError, recipe_data, validate_recipe
     from plait.config.load import DEFAULT_RECIPE
+    from plait.config.problems import problems_text
     from plait.launch import in_launched_world, launched_rank, launched_world_size
 
+    layout = None
     try:
         recipe_path, overrides = split_items(args.items)
         overrides += network_overrides(args)
@@ -130,11 +132,15 @@ def run(args) -> int:
             layout = default_layout_for(recipe_path, overrides, args.nproc)
             if layout is not None:  # the built-in default follows --nproc; a user's recipe keeps its layout
                 data = recipe_data(DEFAULT_RECIPE, overrides + layout.overrides())
-                print(f"plait train: {layout.describe()}", flush=True)
         resolved = validate_recipe(data, world)  # type errors and cross-field rules reported together
-    except (RecipeError, ValueError, FileNotFoundError) as e:
-        print(f"plait train: the recipe cannot run:\n{e}", file=sys.stderr)
+    except RecipeError as e:
+        print(f"plait train: {problems_text(e)}", file=sys.stderr)
         return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"plait train: {e}", file=sys.stderr)
+        return 2
+    if layout is not None:  # said once the recipe is checked
+        print(f"plait train: {layout.describe()}", flush=True)
     for warning in resolved.warnings:
         print(f"plait train: warning: {warning}", file=sys.stderr)
     from plait.cluster.network import apply_iface, check_local_iface
@@ -200,9 +206,10 @@ def _prepare(resolved) -> int:
     except ValueError as e:  # DataError (source, prepared data, seq_len, vocabulary) or ModelConfigError
         print(f"plait train: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"plait train: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:  # a file or directory of the recipe's that cannot be read or written
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"plait train: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -37,6 +37,13 @@ class RecipeError(ValueError):
         return [p.field for p in self.problems]
 
 
+def problems_text(error: RecipeError) -> str:
+    """What a command prints after ``plait COMMAND:`` for a refused recipe: one problem on the same
+    line, several under a count, one line each."""
+    n = len(error.problems)
+    return str(error) if n == 1 else f"the recipe has {n} problems:\n{error}"
+
+
 class Verbatim(str):
     """A problem value printed as is (not quoted)."""
 

@@ -265,7 +265,7 @@ class DataSection(Section):
                                     "of them, or a prepared data directory")
     tokenizer: str = Field(default="bpe", min_length=1, description="'bpe' = train a byte-level BPE on the source, or "
                                                                     "a path to a tokenizer.json")
-    vocab_size: Int = Field(default=2048, ge=257, description="Size of the trained BPE (tokenizer: bpe)",
+    vocab_size: Int = Field(default=2048, ge=257, le=1 << 20, description="Size of the trained BPE (tokenizer: bpe)",
                             json_schema_extra=applies_when("bpe"))
     seq_len: Int = Field(default=128, ge=1, description="Tokens per training sequence")
     val_fraction: Float = Field(default=0.05, gt=0, lt=1, description="Share of the tokens held out for validation")

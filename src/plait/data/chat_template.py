@@ -167,7 +167,11 @@ def load_chat_template(tokenizer_path: str | os.PathLike | None, tokenizer: Toke
             source = f"{config_path} (chat_template{'' if name is None else ' ' + repr(name)})"
         jinja_path = folder / JINJA_FILE
         if text is None and jinja_path.is_file():
-            text, source = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+            try:
+                text, source = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise DataError(f"{jinja_path}: cannot be read as a UTF-8 chat template ({exc}); fix or remove "
+                                f"the file") from None
     if text is None and name not in (None, "default"):
         raise DataError(f"chat template {name!r} was asked for but the tokenizer at {tokenizer_path} has no "
                         f"chat template")

@@ -187,9 +187,12 @@ def read_peft_settings(directory: str | os.PathLike[str]) -> LoraSettings:
     """
     path = Path(directory) / CONFIG_FILE
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PeftAdapterError(f"{path}: cannot read the PEFT adapter config ({e})") from e
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PeftAdapterError(f"{path}: cannot read the PEFT adapter config ({e})") from None
+    if not isinstance(config, dict):
+        raise PeftAdapterError(f"{path}: holds a JSON {type(config).__name__}, not the object of a PEFT adapter "
+                               f"config")
     problems = []
     if config.get("peft_type") != "LORA":
         problems.append(f"peft_type={config.get('peft_type')!r} (plait reads LORA adapters only)")
