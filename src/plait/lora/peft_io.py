@@ -209,8 +209,9 @@ def read_peft_settings(directory: str | os.PathLike[str]) -> LoraSettings:
         raise PeftAdapterError(f"{path}: " + "; ".join(problems))
     assert isinstance(targets, list)
     ordered = tuple(t for t in TARGETS if t in targets) + tuple(t for t in targets if t not in TARGETS)
+    raw: Any = config  # LoraSettings checks each value's type and names the field
     try:
-        return LoraSettings(rank=config.get("r"), alpha=config.get("lora_alpha"),
+        return LoraSettings(rank=raw.get("r"), alpha=raw.get("lora_alpha"),
                             dropout=config.get("lora_dropout", 0.0), target_modules=ordered,
                             rslora=bool(config.get("use_rslora", False)))
     except LoraSettingsError as e:
