@@ -265,3 +265,21 @@ def test_precompute_into_prepared_rows_that_cannot_take_the_table_is_refused_bef
     captured = capsys.readouterr()
     assert "preference.reference=precompute" in captured.err and "launching" not in captured.out, captured
     assert not (tmp_path / "run").exists()
+
+
+def test_data_prepare_never_writes_into_its_source(files, tmp_path, capsys):
+    root, paths = files
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello world " * 500)
+    before = _snapshot(corpus)
+    assert main(["data", "prepare", str(corpus), "--out", str(corpus / "prepared"), "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "lies inside SOURCE" in err, err
+    assert _snapshot(corpus) == before and not (corpus / "prepared").exists()
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    assert main(["data", "prepare", str(paths["sft_train"]), "--format", "sft", "--seq-len", "256",
+                 "--tokenizer", str(tokenizer_dir / "tokenizer.json"), "--out", str(tokenizer_dir / "rows")]) == 0
+    assert (tokenizer_dir / "rows").is_dir()  # beside a tokenizer file is not inside an input

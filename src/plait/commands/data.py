@@ -95,6 +95,13 @@ def _check_output_dirs(args: argparse.Namespace) -> str | None:
         if blocked is not None:
             what = "is a file" if str(blocked) == str(value) else f"cannot be created: {blocked} is a file"
             return f"{option} {value} {what}; give a directory"
+    if args.out is not None:
+        from plait.outputs.ownership import OutputDirError, require_apart
+
+        try:  # never written over, around or into what it reads
+            require_apart(args.out, [("SOURCE", args.source), ("--tokenizer", args.tokenizer)], what="--out")
+        except OutputDirError as e:
+            return str(e)
     return None
 
 
