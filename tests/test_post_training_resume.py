@@ -112,7 +112,11 @@ def _stop_and_resume(task, mode, out, layout, world, resume_layout=None, resume_
     return resumed
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+#: about 14 s each on 2 cores: LoRA SFT runs by default, the rest with `make test-slow`
+SLOW_MODES = {"lora-dpo-adapters_off", "lora-dpo-precompute", "full-dpo-frozen"}
+
+
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m for m in MODES])
 def test_sigterm_then_resume_equals_the_unbroken_run(task, tmp_path, mode):
     straight = _run(task, mode, tmp_path / "straight", DP2, 2)
     resumed = _stop_and_resume(task, mode, tmp_path / "split", DP2, 2)
@@ -126,7 +130,7 @@ def test_sigterm_then_resume_equals_the_unbroken_run(task, tmp_path, mode):
         assert torch.equal(weights[name], ref), name
 
 
-@pytest.mark.parametrize("mode", ["lora-sft", "lora-dpo-adapters_off"])
+@pytest.mark.parametrize("mode", [pytest.param("lora-sft", marks=pytest.mark.slow), "lora-dpo-adapters_off"])
 def test_lora_checkpoint_resumes_under_another_layout(task, tmp_path, mode):
     _run(task, mode, tmp_path / "straight", DP2, 2)
     _stop_and_resume(task, mode, tmp_path / "split", DP2, 2, resume_layout=TP2, resume_world=2)

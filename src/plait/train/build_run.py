@@ -36,7 +36,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from plait.activation_checkpointing import apply_activation_checkpointing
-from plait.checkpoint.store import latest_checkpoint, remove_incomplete
+from plait.checkpoint.contents import resume_target
+from plait.checkpoint.store import remove_incomplete
 from plait.checkpoint.training import restore
 from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
@@ -147,7 +148,7 @@ def _resume(state: RunState) -> int:
         dist.barrier(group=state.control)
     if c.resume == "none":
         return 0
-    directory = latest_checkpoint(root) if c.resume == "auto" else Path(c.resume)
+    directory = resume_target(state.recipe, root)
     if directory is None:
         if state.rank == 0:
             print(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from step 0", flush=True)
