@@ -27,7 +27,6 @@ RECIPE = ROOT / "recipes" / "default.yaml"
 NXDT = ROOT / "tests" / "fixtures" / "nxdt" / "llama2_7b_sft.yaml"
 UNDECODABLE = b"\xff\xfe\x00garbage"
 CONTEXT = 64  # max_position_embeddings of the test model
-#: the header plait train and plait launch put over their list of recipe problems
 
 
 @pytest.fixture(scope="module")

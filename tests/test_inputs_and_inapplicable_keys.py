@@ -19,19 +19,16 @@ import typing
 from pathlib import Path
 
 import pytest
-import torch
 
-from chat_task import chat_tokenizer
+from chat_task import base_and_adapter, chat_tokenizer
 from plait.cli import main
 from plait.config import RecipeError, check_recipe
 from plait.config.applicability import CONDITIONS, field_condition
 from plait.config.schema import Recipe
 from plait.data.tasks import write_task_files
-from plait.lora import LoraSettings, apply_lora, save_peft_adapter
 from plait.materialize import build_model
 from plait.mesh import single_process_mesh
 from plait.models.hf_io import save_hf_checkpoint
-from plait.models.llama.config import LlamaConfig
 
 #: a recipe where each condition fails, and one where it holds (on top of the schema's defaults)
 FAILS = {"rows": [], "sft": [], "lora": [], "bpe": ["data.tokenizer=TOKENIZER"], "pipeline": [],
@@ -140,21 +137,10 @@ def test_row_shaping_keys_must_match_already_prepared_rows(files, tmp_path):
 def adapter(tmp_path_factory):
     """A tiny random base model and a LoRA adapter on it (names the base in its config)."""
     root = tmp_path_factory.mktemp("inputs")
-    tok = chat_tokenizer("hello world " * 50, 280)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config, _ = base_and_adapter(root, chat_tokenizer("hello world " * 50, 280), max_position_embeddings=64)
     mesh = single_process_mesh()
-    model = build_model(config, mesh, seed=1)
-    save_hf_checkpoint(model, root / "base", mesh.info("tp"))
-    tok.save(str(root / "base" / "tokenizer.json"))
     shallow = build_model(dataclasses.replace(config, num_hidden_layers=1), mesh, seed=1)
     save_hf_checkpoint(shallow, root / "shallow-base", mesh.info("tp"))
-    apply_lora([model], LoraSettings(rank=2, alpha=4.0), seed=3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora.B"):
-                p.normal_(0, 0.5)
-    save_peft_adapter([model], root / "adapter", mesh.info("tp"), str(root / "base"))
     return root
 
 

@@ -10,13 +10,11 @@ import sys
 import pytest
 import torch
 
-from chat_task import chat_tokenizer
+from chat_task import base_and_adapter, chat_tokenizer
 from plait.data.tasks import write_task_files
-from plait.lora import LoraSettings, apply_lora, save_peft_adapter
-from plait.materialize import build_model, load_from_hf
+from plait.lora import save_peft_adapter
+from plait.materialize import load_from_hf
 from plait.mesh import single_process_mesh
-from plait.models.hf_io import save_hf_checkpoint
-from plait.models.llama.config import LlamaConfig
 
 
 def plait(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -30,18 +28,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     paths = write_task_files(root / "task", seed=2, train=40, heldout=4)
     tok = chat_tokenizer(paths["sft_train"].read_text(), 300)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    mesh = single_process_mesh()
-    base = build_model(config, mesh, seed=1)
-    save_hf_checkpoint(base, root / "base", mesh.info("tp"))
-    tok.save(str(root / "base" / "tokenizer.json"))
-    apply_lora([base], LoraSettings(rank=2, alpha=4.0), seed=3)
-    with torch.no_grad():
-        for name, p in base.named_parameters():
-            if name.endswith("lora.B"):
-                p.normal_(0, 0.5)
-    save_peft_adapter([base], root / "adapter", mesh.info("tp"), str(root / "base"))
+    _, base = base_and_adapter(root, tok, max_position_embeddings=512)
     tok.save(str(root / "adapter" / "tokenizer.json"))
     return root, paths, base
 
