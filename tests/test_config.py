@@ -104,8 +104,9 @@ def test_recipe_file_with_overrides(tmp_path):
     assert r.optimizer.lr == 3e-4 and r.parallel.tp == 1  # '3e-4' is a float (YAML 1.2), override wins
     resolved = validate_recipe(r, 2)
     assert resolved.output_dir == "out/tiny" and resolved.dp == 2
-    (tmp_path / "empty.yaml").write_text("")
-    assert load_recipe(str(tmp_path / "empty.yaml")) == Recipe()
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(RecipeError, match="empty.yaml' — not a recipe: it is empty"):  # not the defaults
+        load_recipe(str(tmp_path / "empty.yaml"))
 
 
 def test_yaml_round_trip():

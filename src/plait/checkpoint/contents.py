@@ -60,6 +60,12 @@ def _base_text(base: dict[str, Any]) -> str:
     return f"the random initialisation of run.seed={base.get('seed')} (no model.hf_path)"
 
 
+def _base_setting(base: dict[str, Any]) -> str:
+    if base.get("hf_path") is not None:
+        return f"model.hf_path={base['hf_path']}"
+    return f"run.seed={base.get('seed')} and model.hf_path=null"
+
+
 def resume_problems(saved: dict[str, Any], recipe: Recipe) -> list[str]:
     """Why a checkpoint holding ``saved`` cannot continue under ``recipe`` (empty: it can)."""
     want = contents_of(recipe)
@@ -86,7 +92,8 @@ def resume_problems(saved: dict[str, Any], recipe: Recipe) -> list[str]:
     if depends_on_base and base is not None and base != want["base"]:
         rebuilt = "frozen base" if want["model"] == "adapters" else "reference model"
         problems.append(f"it was trained from {_base_text(base)} and the recipe starts from "
-                        f"{_base_text(want['base'])}, so the {rebuilt} would differ: use the checkpoint's")
+                        f"{_base_text(want['base'])}, so the {rebuilt} would differ: set {_base_setting(base)} "
+                        f"to continue it")
     return problems
 
 

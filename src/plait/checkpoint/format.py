@@ -69,6 +69,8 @@ class _ManifestShape(_Shape):
     step: Annotated[int, Field(ge=0)]
     tensors: dict[str, _TensorShape]
     files: dict[str, _FileShape]
+    train_step: Annotated[int, Field(ge=0)] | None = None
+    optimizer_step: Annotated[int, Field(ge=0)] | None = None
     model_config_: dict[str, Any] | None = Field(default=None, alias="model_config")
     contents: dict[str, Any] | None = None
     layout: dict[str, Any] | None = None

@@ -321,9 +321,8 @@ def check_sections(data: Mapping[str, Any]) -> None:
 
 
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
-    """The raw data of a recipe file (an empty file is the default recipe). A file that is not a
-    recipe (a data or weights file by its suffix, a YAML list or text, a mapping without any
-    recipe section) is a :class:`RecipeError` naming it and saying what a recipe is."""
+    """The raw data of a recipe file. A file that is not a recipe (an empty file, a data or weights
+    file by its suffix, a YAML list or text, a mapping without any recipe section) is a :class:`RecipeError` naming it and saying what a recipe is."""
     p = Path(path)
     if not p.is_file():
         raise RecipeError([Problem("recipe", str(path), "no such file" if not p.exists() else
@@ -334,11 +333,12 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise RecipeError([Problem("recipe", str(path), f"cannot be read: {e.strerror or e}")]) from None
     data = parse_yaml(_decode(raw, str(path)), str(path))
-    if data is not None and not isinstance(data, Mapping):
+    if data is None:  # an empty (or comment-only) file is a mistake, not a wish for the defaults
+        raise _not_a_recipe(path, "it is empty (give no recipe at all for the built-in default)")
+    if not isinstance(data, Mapping):
         kind = "a list" if isinstance(data, list) else "plain text or a single value"
         raise _not_a_recipe(path, f"it holds {kind}, not a mapping of sections")
-    if data is not None:
-        _check_recipe_keys(data, path)
+    _check_recipe_keys(data, path)
     return _as_mapping(data, str(path))
 
 
