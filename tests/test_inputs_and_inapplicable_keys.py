@@ -269,3 +269,10 @@ def test_data_prepare_never_writes_into_its_source(files, tmp_path, capsys):
     assert main(["data", "prepare", str(paths["sft_train"]), "--format", "sft", "--seq-len", "256",
                  "--tokenizer", str(tokenizer_dir / "tokenizer.json"), "--out", str(tokenizer_dir / "rows")]) == 0
     assert (tokenizer_dir / "rows").is_dir()  # beside a tokenizer file is not inside an input
+
+
+def test_eval_refuses_more_new_tokens_than_the_context_holds(files, adapter, capsys):
+    _, paths = files
+    status = main(["eval", str(adapter / "adapter"), "--data", str(paths["sft_heldout"]), "--max-new-tokens", "64"])
+    err = capsys.readouterr().err
+    assert status == 2 and "max_position_embeddings=64" in err and "--max-new-tokens 63 or less" in err, err

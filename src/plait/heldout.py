@@ -37,6 +37,7 @@ from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
 from plait.lora.peft_io import BASE_SUBDIR
 from plait.materialize import load_from_hf
 from plait.mesh import single_process_mesh
+from plait.models.family import config_of
 from plait.models.packaged import model_directory
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -204,11 +205,13 @@ def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathL
     rows: list[SFTRow] = _rows("sft", rows_file, limit)
     stop = _stop_ids(tokenizer, template)
     plain = plain_tokenizer(tokenizer)
+    context = config_of(model).max_position_embeddings
     correct, shown = 0, list[tuple[str, str, str]]()
     for row in rows:
         prompt, question, reference = _prompt_and_answer(row, template)
         ids = torch.tensor([plain.encode(prompt, add_special_tokens=False).ids])
-        out = generate(model, ids, max_new_tokens, greedy=True, eos_id=stop)
+        room = min(max_new_tokens, context - ids.shape[1])  # the model sees at most its context
+        out = generate(model, ids, room, greedy=True, eos_id=stop) if room > 0 else ids
         new = [t for t in out[0, ids.shape[1]:].tolist() if t not in stop]
         answer = plain.decode(new, skip_special_tokens=True).strip()
         correct += answer == reference.strip()

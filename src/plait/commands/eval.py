@@ -52,6 +52,16 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _context_of(model_dir: Path) -> int | None:
+    """``max_position_embeddings`` of a Hugging Face directory's config.json (None when unreadable:
+    loading the model names the problem)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def run(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
@@ -86,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--max-new-tokens {args.max_new_tokens} has no effect on preference rows ({data} is scored "
                          f"by the log-probability of its chosen and rejected answers, nothing is generated); drop it")
         if kind == "sft":
+            context = _context_of(base_dir or model_dir)
+            if context is not None and args.max_new_tokens >= context:
+                return _fail(f"--max-new-tokens {args.max_new_tokens} does not fit the model's context "
+                             f"(max_position_embeddings={context} in {(base_dir or model_dir) / 'config.json'}, prompt "
+                             f"included); give --max-new-tokens {context - 1} or less")
             sft_rows = scoring_rows("sft", data, args.limit)
             model, tokenizer_dir = load_scoring_model(args.model, args.base)
             em = exact_match(model, tokenizer_dir, sft_rows, max_new_tokens=args.max_new_tokens)
