@@ -145,7 +145,8 @@ def test_recipes_that_cannot_continue_a_lora_checkpoint_are_refused_before_launc
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     base = _items(task, "lora-sft", out, []) + ["checkpoint.resume=auto"]
     cases = {"lora.rank=null": "set lora.rank=4", "lora.alpha=2.0": "set lora.alpha=8.0",
-             "run.seed=7": "run.seed=0", "lora.target_modules=[q_proj]": "lora.target_modules"}
+             "run.seed=7": "set run.seed=0", "lora.target_modules=[q_proj]": "lora.target_modules",
+             "model.hidden_size=128": "set model.hidden_size=64"}
     for override, needle in cases.items():
         items = [i for i in base if not i.startswith("lora.")] if override == "lora.rank=null" else base
         assert main(["train", *items, override, "--nproc", "1"]) == 2, override

@@ -24,7 +24,8 @@ from typing import Any
 
 from plait.checkpoint.format import CheckpointError, read_manifest
 from plait.checkpoint.store import latest_checkpoint
-from plait.config.schema import Recipe
+from plait.config.schema import ARCH_FIELDS, Recipe
+from plait.models.llama.config import ModelConfigError
 
 #: the ``contents`` entry of a manifest: which parameters it holds and what the rest comes from
 CONTENTS_KEY = "contents"
@@ -97,9 +98,33 @@ def resume_problems(saved: dict[str, Any], recipe: Recipe) -> list[str]:
     return problems
 
 
+def architecture_problems(saved_config: Any, recipe: Recipe) -> list[str]:
+    """The architecture fields in which the recipe's model differs from the one a checkpoint's
+    manifest records (``model_config``): each would fail as a shape mismatch only after launch.
+    The vocabulary size the tokenizer sets is taken from the checkpoint when the recipe leaves it
+    open."""
+    if not isinstance(saved_config, dict):
+        return []
+    try:
+        mine = recipe.model.to_model_config(saved_config.get("vocab_size"))
+    except (ModelConfigError, ValueError, OSError):
+        return []  # the recipe's own rules report a model they cannot build
+    problems = []
+    derived = {"head_dim"} if recipe.model.hf_path is None and recipe.model.head_dim is None else set()
+    for name in ARCH_FIELDS:
+        if name in derived:  # follows hidden_size / num_attention_heads, named there
+            continue
+        if name in saved_config and hasattr(mine, name) and getattr(mine, name) != saved_config[name]:
+            problems.append(f"model.{name} is {getattr(mine, name)!r} here and {saved_config[name]!r} in the "
+                            f"checkpoint; set model.{name}={saved_config[name]!r} (the model it was trained as)")
+    return problems
+
+
 def check_resumable(directory: str | Path, recipe: Recipe) -> None:
     """Raise :class:`CheckpointError` naming ``directory`` and every problem of resuming it."""
-    problems = resume_problems(saved_contents(read_manifest(Path(directory))), recipe)
+    manifest = read_manifest(Path(directory))
+    problems = resume_problems(saved_contents(manifest), recipe) + architecture_problems(manifest.get("model_config"),
+                                                                                        recipe)
     if problems:
         raise CheckpointError(f"checkpoint.resume: {directory} cannot continue this recipe: " + "; ".join(problems))
 
