@@ -77,3 +77,21 @@ def test_cli_describe_and_errors(trained, tmp_path):
     bad = subprocess.run(run + [str(tmp_path), str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "neither a plait checkpoint nor a Hugging Face directory" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_manifest_whose_model_config_does_not_describe_its_tensors_is_refused(trained, tmp_path):
+    import json
+    import shutil
+
+    from plait.checkpoint.convert import plait_to_hf
+    from plait.checkpoint.format import CheckpointError
+
+    ckpt, _ = trained
+    edited = tmp_path / ckpt.name
+    shutil.copytree(ckpt, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["model_config"]["hidden_size"] = 128
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="model_config does not describe the checkpoint's tensors"):
+        plait_to_hf(edited, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()

@@ -47,6 +47,8 @@ from plait.checkpoint.store import commit
 from plait.checkpoint.training import model_config_dict
 from plait.checkpoint.writer import DTYPE_NAMES
 from plait.data.tokenizer_files import copy_model_use_files
+from plait.materialize import build_model
+from plait.mesh import single_process_mesh
 from plait.models.hf_io import _weight_map, load_hf_config, write_hf_dir
 from plait.models.registry import get_family
 from plait.outputs.ownership import OutputDirError, require_not_containing, require_target, write_marker
@@ -93,6 +95,14 @@ def plait_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | Non
                                   f"directory is its adapter in the PEFT layout, and plait convert ADAPTER DEST "
                                   f"--merge-lora writes the base model with the adapter folded in")
         config = _config_of(reader.manifest)
+        # the tensors must be the recorded architecture's (an edited model_config would write a
+        # config.json that does not describe the weights)
+        expected = build_model(config, single_process_mesh(), device="meta", init=False)
+        try:
+            reader.check_model({n: tuple(p.shape) for n, p in expected.named_parameters()})
+        except CheckpointError as e:
+            raise CheckpointError(f"the manifest's model_config does not describe the checkpoint's tensors ({e}); "
+                                  f"the manifest was edited or damaged") from None
         config_dict = config.to_hf_dict()
         names = [k[len("model/"):] for k in reader.tensors if k.startswith("model/")]
         if config.tie_word_embeddings:
