@@ -125,3 +125,21 @@ def test_eval_of_a_run_directory_names_its_model_directory(setup, tmp_path):
     shutil.copytree(root / "base", run / "final")
     with pytest.raises(DataError, match=f"its model is {run / 'final'}"):
         load_scoring_model(run)
+
+
+def test_generate_from_a_lora_adapter_applies_it_to_its_base(setup, capsys):
+    from tokenizers import Tokenizer
+
+    from plait.cli import main
+    from plait.generate import generate
+
+    root, _, adapted = setup
+    assert main(["generate", "--hf", str(root / "adapter"), "--prompt", "What is", "--max-new-tokens", "6",
+                 "--greedy"]) == 0
+    printed = capsys.readouterr().out
+    tok = Tokenizer.from_file(str(root / "adapter" / "tokenizer.json"))
+    ids = torch.tensor([tok.encode("What is").ids])
+    with torch.no_grad():
+        expected = generate(adapted.eval(), ids, 6, greedy=True, eos_id=set())
+    assert printed.rstrip("\n").startswith("What is")
+    assert tok.decode(expected[0, ids.shape[1]:].tolist(), skip_special_tokens=True) in printed

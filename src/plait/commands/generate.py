@@ -108,7 +108,24 @@ def _check_device(name: str) -> None:
         raise _UsageError(f"--device: {e}") from None
 
 
+def _adapter_base(path: Path) -> Path | None:
+    """The base model directory when ``path`` is a LoRA adapter (a LoRA run's final/), else None."""
+    from plait.data.errors import DataError
+    from plait.heldout import ADAPTER_CONFIG, adapter_base
+
+    if not (path / ADAPTER_CONFIG).is_file():
+        return None
+    try:
+        return adapter_base(path)
+    except (DataError, OSError, ValueError) as e:
+        raise _UsageError(f"LoRA adapter {path}: {_one_line(e)}") from None
+
+
 def _check_model_dir(path: Path, what: str) -> None:
+    base = _adapter_base(path) if path.is_dir() else None
+    if base is not None:  # an adapter: generated from its base with the adapter applied
+        _check_model_dir(base, f"the base of the LoRA adapter {path}:")
+        return
     if path.exists() and not path.is_dir():
         raise _UsageError(f"{what} {path} is a file, not a directory; give the directory that holds config.json, "
                           f"*.safetensors and tokenizer.json")
@@ -265,6 +282,7 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     from tokenizers import Tokenizer
 
     from plait.generate import generate
+    from plait.heldout import load_scoring_model
     from plait.materialize import build_model
     from plait.mesh import single_process_mesh
     from plait.models.hf_io import CheckpointMismatchError, load_hf_config
@@ -276,8 +294,9 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
         raise _UsageError(f"cannot read tokenizer {tok_file}: {str(e).splitlines()[0] if str(e) else e!r}") from None
     from safetensors import SafetensorError
 
+    base = _adapter_base(model_dir)
     try:
-        config = load_hf_config(model_dir)  # config.json only: the prompt is checked before the weights load
+        config = load_hf_config(base or model_dir)  # config.json only: the prompt is checked before the weights load
     except (ModelConfigError, OSError) as e:
         raise _UsageError(f"cannot load {model_dir}: {_one_line(e)}") from None
     assert isinstance(config, TokenConfig), f"model config {type(config).__name__} lacks the token fields"
@@ -300,7 +319,10 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     args.max_new_tokens = new_token_count(args.max_new_tokens, len(ids),
                                           getattr(config, "max_position_embeddings", None), model_dir)
     try:
-        model = build_model(config, single_process_mesh(), device=args.device, hf_path=model_dir)  # any family
+        if base is not None:  # the base with the adapter applied, as plait eval scores it
+            model = load_scoring_model(model_dir)[0].to(args.device)
+        else:
+            model = build_model(config, single_process_mesh(), device=args.device, hf_path=model_dir)  # any family
     except (ModelConfigError, CheckpointMismatchError, FileNotFoundError) as e:
         raise _UsageError(f"cannot load {model_dir}: {e}") from None
     except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)
