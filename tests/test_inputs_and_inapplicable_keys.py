@@ -75,6 +75,8 @@ def _other_value(section_name: str, name: str) -> str:
         return "[q_proj]"
     if isinstance(default, str):
         return "DIRECTORY/other" if "{" in default else "other prompt"
+    if default is None and name == "pipeline_cuts":
+        return "[model.layers.2]"
     raise AssertionError(f"no other value for {section_name}.{name} (default {default!r})")
 
 
@@ -110,8 +112,7 @@ def test_a_key_that_cannot_take_effect_is_refused_and_accepted_where_it_does(fil
     message = next(str(p) for p in info.value.problems if p.field == field)
     assert "takes effect only when" in message and "remove it" in message, message
     holds = _fill(HOLDS[condition], files) + [setting]
-    if name == "target_modules":
-        holds.append("lora.rank=4")
+    holds += {"target_modules": ["lora.rank=4"], "pipeline_cuts": ["parallel.partition=manual"]}.get(name, [])
     try:
         check_recipe(None, holds, world_size=None)
     except RecipeError as e:
@@ -126,7 +127,8 @@ def test_row_shaping_keys_must_match_already_prepared_rows(files, tmp_path):
     base = ["data.format=sft", "train.objective=sft", f"data.source={prepared}", "data.seq_len=256",
             f"data.tokenizer={root / 'tokenizer.json'}"]
     check_recipe(None, base + ["data.packing=true"], world_size=None)  # what the rows were made with
-    for setting in ("data.packing=false", "data.train_on_prompt=true", "data.truncation=truncate_left"):
+    for setting in ("data.packing=false", "data.train_on_prompt=true", "data.truncation=truncate_left",
+                    "data.val_fraction=0.2"):
         with pytest.raises(RecipeError, match="already prepared") as info:
             check_recipe(None, base + [setting], world_size=None)
         assert setting.split("=")[0] in info.value.fields

@@ -77,15 +77,21 @@ CONDITIONS: dict[str, tuple[str, Condition]] = {
     "final_model": ("checkpoint.save_final is true", _final_model),
     "sample": ("train.sample_tokens > 0", _sample),
 }
-#: conditions whose fields shape prepared rows: with an already prepared data.source they cannot change
-SHAPES_ROWS = ("rows", "sft")
-
-
-def applies_when(condition: str) -> JsonDict:
-    """The ``json_schema_extra`` of a field that takes effect only under ``condition``."""
-    if condition not in CONDITIONS:
+def applies_when(condition: str | None, *, shapes_rows: bool = False) -> JsonDict:
+    """The ``json_schema_extra`` of a field that takes effect only under ``condition`` (``None``:
+    always) and, with ``shapes_rows``, that shapes prepared fine-tuning rows (so with an already
+    prepared ``data.source`` it must be what the rows were made with)."""
+    if condition is not None and condition not in CONDITIONS:
         raise KeyError(f"unknown applicability condition {condition!r}; known: {sorted(CONDITIONS)}")
-    return {"applies": condition}
+    extra: JsonDict = {} if condition is None else {"applies": condition}
+    if shapes_rows:
+        extra["shapes_rows"] = True
+    return extra
+
+
+def _shapes_rows(section: type[BaseModel], name: str) -> bool:
+    extra = section.model_fields[name].json_schema_extra
+    return isinstance(extra, dict) and extra.get("shapes_rows") is True
 
 
 def field_condition(section: type[BaseModel], name: str) -> str | None:
@@ -115,19 +121,22 @@ def inapplicable_fields(recipe: BaseModel) -> list[Problem]:
             continue
         for name in _changed(section):
             condition = field_condition(type(section), name)
-            if condition is None:
-                continue
-            when, test = CONDITIONS[condition]
+            shapes = _shapes_rows(type(section), name)
             value = getattr(section, name)
-            why = test(recipe)
             field = f"{section_name}.{name}"
-            if why is not None:
-                problems.append(Problem(field, value, f"takes effect only when {when}, and {why}; remove it"))
-            elif index is not None and condition in SHAPES_ROWS and index.get(name, value) != value:
+            if condition is not None:
+                when, test = CONDITIONS[condition]
+                why = test(recipe)
+                if why is not None:
+                    problems.append(Problem(field, value, f"takes effect only when {when}, and {why}; remove it"))
+                    continue
+            if not shapes or index is None:
+                continue
+            if index.get(name, value) != value:
                 problems.append(Problem(field, value, f"data.source={prepared} holds rows already prepared with "
                                                       f"{name}={index[name]!r}, which this setting cannot change; "
                                                       f"remove it, or prepare the rows again from the .jsonl file"))
-            elif index is not None and condition in SHAPES_ROWS and name not in index:
+            elif name not in index:
                 problems.append(Problem(field, value, f"data.source={prepared} holds rows already prepared (their "
                                                       f"{name} is not recorded); this setting cannot change them: "
                                                       f"remove it, or prepare the rows again from the .jsonl file"))

@@ -322,7 +322,8 @@ def check_sections(data: Mapping[str, Any]) -> None:
 
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
     """The raw data of a recipe file. A file that is not a recipe (an empty file, a data or weights
-    file by its suffix, a YAML list or text, a mapping without any recipe section) is a :class:`RecipeError` naming it and saying what a recipe is."""
+    file by its suffix, a YAML list or text, a mapping without any recipe section) is a
+    :class:`RecipeError` naming it and saying what a recipe is."""
     p = Path(path)
     if not p.is_file():
         raise RecipeError([Problem("recipe", str(path), "no such file" if not p.exists() else

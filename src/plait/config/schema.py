@@ -204,7 +204,8 @@ class ParallelSection(Section):
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb"] = Field(
         default="1f1b", description="Pipeline schedule: 'gpipe', '1f1b', 'interleaved-1f1b' (vpp chunks per "
                                     "rank), 'zb-h1' (zero bubble: weight gradients deferred into the bubbles) or "
-                                    "'interleaved-zb' (both) (used when pp > 1)")
+                                    "'interleaved-zb' (both) (used when pp > 1)",
+        json_schema_extra=applies_when("pipeline"))
     partition: Literal["balanced", "even", "manual"] = Field(
         default="balanced", description="Pipeline split: 'balanced' by cost, 'even' "
                                         "by layer count, 'manual' at pipeline_cuts",
@@ -213,7 +214,8 @@ class ParallelSection(Section):
         default="flops", description="Per-unit cost the balanced split evens out (embedding and head included)",
         json_schema_extra=applies_when("pipeline"))
     pipeline_cuts: list[str] | None = Field(
-        default=None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)")
+        default=None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)",
+        json_schema_extra=applies_when("pipeline"))
 
 
 DtypeName = Literal["fp32", "bf16"]
@@ -268,7 +270,8 @@ class DataSection(Section):
     vocab_size: Int = Field(default=2048, ge=257, le=1 << 20, description="Size of the trained BPE (tokenizer: bpe)",
                             json_schema_extra=applies_when("bpe"))
     seq_len: Int = Field(default=128, ge=1, description="Tokens per training sequence")
-    val_fraction: Float = Field(default=0.05, gt=0, lt=1, description="Share of the tokens held out for validation")
+    val_fraction: Float = Field(default=0.05, gt=0, lt=1, description="Share of the tokens held out for validation",
+                                json_schema_extra=applies_when(None, shapes_rows=True))
     micro_batch_size: Int = Field(default=8, ge=1, description="Sequences per micro-batch on one DP rank")
     global_batch_size: Int | None = Field(default=None, ge=1, description="Sequences per optimizer step; "
                                                                           "null = micro_batch_size * microbatches * dp")
@@ -283,15 +286,16 @@ class DataSection(Section):
                                     "in one row (train.objective dpo, ipo, orpo or simpo)")
     packing: Bool = Field(default=True, description="sft: pack several samples into each row (attention and "
                                                     "positions stay within a sample); false = one sample per row",
-                                                    json_schema_extra=applies_when("rows"))
+                                                    json_schema_extra=applies_when("rows", shapes_rows=True))
     truncation: Literal["drop", "truncate_left", "truncate_right"] = Field(
         default="drop", description="sft: a sample longer than seq_len is dropped, or cut from the left or right "
-                                    "(counted and reported)", json_schema_extra=applies_when("rows"))
+                                    "(counted and reported)", json_schema_extra=applies_when("rows", shapes_rows=True))
     train_on_prompt: Bool = Field(default=False, description="sft: take the loss on every token, not only on the "
-                                                             "assistant's", json_schema_extra=applies_when("sft"))
+                                                             "assistant's",
+                                  json_schema_extra=applies_when("sft", shapes_rows=True))
     skip_bad_rows: Bool = Field(default=False, description="sft: skip malformed rows (counted per reason) "
                                                            "instead of stopping at the first",
-                                                           json_schema_extra=applies_when("rows"))
+                                                           json_schema_extra=applies_when("rows", shapes_rows=True))
 
 
 class TrainSection(Section):

@@ -212,6 +212,7 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
     index = {"format": ROWS_FORMAT, "key": key, "kind": settings.kind, "seq_len": settings.seq_len,
              "packing": settings.packing, "truncation": settings.truncation,
              "train_on_prompt": settings.train_on_prompt, "skip_bad_rows": settings.skip_bad_rows,
+             "val_fraction": settings.val_fraction,
              "source": str(src), "template": template.source,
              "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
              "tokenizer_sha256": tokenizer_sha256(tok_path), "tokenizer_source": str(tok_path),
