@@ -278,3 +278,13 @@ def test_eval_refuses_more_new_tokens_than_the_context_holds(files, adapter, cap
     status = main(["eval", str(adapter / "adapter"), "--data", str(paths["sft_heldout"]), "--max-new-tokens", "64"])
     err = capsys.readouterr().err
     assert status == 2 and "max_position_embeddings=64" in err and "--max-new-tokens 63 or less" in err, err
+
+
+def test_data_prepare_rows_take_a_tokenizer_directory_as_help_says(files, tmp_path):
+    root, paths = files
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    assert main(["data", "prepare", str(paths["sft_train"]), "--format", "sft", "--seq-len", "256",
+                 "--tokenizer", str(folder), "--out", str(tmp_path / "rows"), "--no-progress"]) == 0
+    assert (tmp_path / "rows" / "index.json").is_file()

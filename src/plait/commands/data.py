@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
+from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -170,6 +171,9 @@ def _prepare_rows(args: argparse.Namespace) -> int:
         print(f"plait data prepare: --format {args.format} needs --tokenizer PATH (the model's tokenizer.json; its "
               "tokenizer_config.json gives the chat template)", file=sys.stderr)
         return 2
+    tokenizer_dir = Path(args.tokenizer).expanduser()
+    if tokenizer_dir.is_dir() and (tokenizer_dir / "tokenizer.json").is_file():  # a directory holding one (--help)
+        args.tokenizer = str(tokenizer_dir / "tokenizer.json")
     problem = _check_output_dirs(args) or _check_chat_template(args.tokenizer)
     if problem is not None:
         print(f"plait data prepare: {problem}", file=sys.stderr)
