@@ -42,14 +42,6 @@ def _block(name: str, shape: tuple[int, ...], b: int, seed: int, std: float) -> 
     return torch.empty((rows,) + tuple(shape[1:])).normal_(0.0, std, generator=gen)
 
 
-def initial_value(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
-    """The full fp32 initial tensor of parameter ``name`` (for tests and small models).
-
-    Norm weights start at one, biases at zero, every other weight ~ N(0, std^2) (Llama's rule).
-    """
-    return initial_shard(name, None, tuple(shape), seed, std)
-
-
 def initial_shard(name: str, spec: ShardSpec | None, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
     """This rank's part of parameter ``name``'s initial value (``shape`` is the full shape when
     ``spec`` is None, else ignored in favour of ``spec.full_shape``)."""

@@ -293,10 +293,6 @@ class ParallelMesh:
     def tp_group(self):
         return self.group("tp")
 
-    @property
-    def kv_group(self):
-        return self.group("kv")
-
     def __repr__(self) -> str:
         d = self.degrees
         return (

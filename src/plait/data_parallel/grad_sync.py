@@ -73,7 +73,8 @@ class GradSync:
         self._remaining = [len(b.entries) for b in layout.buckets]
         self._launched = [False] * len(layout.buckets)
         self._works: list = []
-        self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in layout.entries]
+        for e in layout.entries:
+            e.param.register_post_accumulate_grad_hook(self._on_grad)
 
     def _group(self, bucket: Bucket) -> GroupInfo:
         """The group ``bucket`` is reduced (and, with ZeRO-1, sharded) over."""
@@ -197,8 +198,3 @@ class GradSync:
             if lo <= start and end <= hi:
                 return self.shard_views[b.index][start - lo:end - lo]
         raise ValueError(f"flat range [{start}, {end}) is not owned by data-parallel rank {self.dp.rank}")
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
