@@ -10,7 +10,7 @@ from torch import nn
 
 from distributed import run_distributed
 from plait.comm.primitives import GroupInfo
-from plait.data_parallel import DistributedOptimizer, OptimizerHyper, plan_buffer
+from plait.data_parallel import DistributedOptimizer, OptimizerHyper, plan_buckets
 from plait.precision import policy_for
 
 HYPER = OptimizerHyper(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -24,21 +24,21 @@ def _params(sizes):
 @pytest.mark.parametrize("shards", [1, 2, 3, 4])
 def test_every_element_is_owned_exactly_once(shards):
     params = _params([7, 300, 5, 64, 1, 129, 33])
-    layout = plan_buffer(params, bucket_numel=100, shards=shards, deferred_names=frozenset({"p3"}))
-    assert all(b.numel % shards == 0 for b in layout.buckets)
+    plan = plan_buckets(params, bucket_numel=100, shards=shards, deferred_names=frozenset({"p3"}))
+    assert all(b.numel % shards == 0 for b in plan.buckets)
     # buckets follow reverse registration order; the deferred parameter has a bucket of its own, last
-    assert [e.name for e in layout.entries] == ["p6", "p5", "p4", "p2", "p1", "p0", "p3"]
-    assert layout.buckets[-1].deferred and [e.name for e in layout.buckets[-1].entries] == ["p3"]
-    assert all(len(b.entries) == 1 or sum(e.numel for e in b.entries) <= 100 for b in layout.buckets)
+    assert [e.name for e in plan.entries] == ["p6", "p5", "p4", "p2", "p1", "p0", "p3"]
+    assert plan.buckets[-1].deferred and [e.name for e in plan.buckets[-1].entries] == ["p3"]
+    assert all(len(b.entries) == 1 or sum(e.numel for e in b.entries) <= 100 for b in plan.buckets)
     owned = {}
     for shard in range(shards):
-        for s in layout.owned_segments(shard):
+        for s in plan.owned_segments(shard):
             for i in range(s.start, s.end):
                 assert i not in owned
                 owned[i] = s.entry.name
-    real = {i for e in layout.entries for i in range(e.start, e.end)}
+    real = {i for e in plan.entries for i in range(e.start, e.end)}
     assert set(owned) == real
-    assert layout.padding == layout.numel - len(real)
+    assert plan.padding == plan.numel - len(real)
 
 
 class Tiny(nn.Module):
@@ -64,7 +64,7 @@ def _overlap_worker(rank, world, overlap, zero):
             opt.grads.mark_final()
         model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank * 10 + mb))).backward()
         launched_after.append(sum(opt.grads._launched))
-    buckets = len(opt.layout.buckets)
+    buckets = len(opt.bucket_plan.buckets)
     opt.grads.finish()
     grads = [opt.grads.reduced_view(s.start, s.end).clone() for s in opt.segments]
     return launched_after, buckets, grads, [(s.start, s.end) for s in opt.segments]

@@ -113,7 +113,7 @@ def test_distributed_optimizer_steps_one_flat_run_per_buffer():
     solo = GroupInfo.single()
     opt = DistributedOptimizer([model], policy_for("fp32"), OptimizerHyper(1e-2, 0.1, (0.9, 0.95), 1e-8),
                                dp=solo, tp=solo, bucket_mb=16 * 8 * 4 / 2**20)
-    assert isinstance(opt.inner, FlatAdamW) and len(opt.inner.runs) == 1 < len(opt.layout.buckets)
+    assert isinstance(opt.inner, FlatAdamW) and len(opt.inner.runs) == 1 < len(opt.bucket_plan.buckets)
     decay = [p for n, p in ref_model.named_parameters() if p.dim() > 1]
     keep = [p for n, p in ref_model.named_parameters() if p.dim() < 2]
     ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": keep, "weight_decay": 0.0}],

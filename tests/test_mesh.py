@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from plait.mesh import MeshError, ParallelMesh, RowMajorLayout
+from plait.mesh import MeshError, ParallelMesh, RowMajorOrder
 
 
 def _mesh(world, **kw):
@@ -51,8 +51,8 @@ def test_kv_groups_without_replication_are_singletons():
     assert _mesh(4, tp=4).group_ranks("kv") == [[0], [1], [2], [3]]
 
 
-def test_custom_layout_dp_fastest():
-    m = _mesh(8, tp=2, dp=4, layout=RowMajorLayout(order=("pp", "cp", "tp", "dp")))
+def test_custom_rank_order_dp_fastest():
+    m = _mesh(8, tp=2, dp=4, rank_order=RowMajorOrder(order=("pp", "cp", "tp", "dp")))
     assert m.group_ranks("dp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert m.group_ranks("tp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
@@ -62,9 +62,9 @@ class _Broken:
         return 0
 
 
-def test_layout_must_be_bijection():
+def test_rank_order_must_be_bijection():
     with pytest.raises(MeshError, match="bijection"):
-        _mesh(4, tp=2, layout=_Broken())
+        _mesh(4, tp=2, rank_order=_Broken())
 
 
 @pytest.mark.parametrize(

@@ -336,14 +336,14 @@ def test_model_states_equal_the_optimizer_buffers(precision, dp, zero):
     def nbytes(t):
         return t.numel() * t.element_size()
 
-    pad = (opt.shards - 1) * len(opt.layout.buckets)  # padding elements: at most shards - 1 a bucket
+    pad = (opt.shards - 1) * len(opt.bucket_plan.buckets)  # padding elements: at most shards - 1 a bucket
     report = opt.memory_report()
     got = {"parameters": nbytes(opt.param_data), "gradients": nbytes(opt.grads.data),
            "gradient_shard": nbytes(opt.grads.shard_data) if zero else 0,
            "master_weights": report["master_bytes"], "optimizer": report["optimizer_state_bytes"]}
     for name, value in got.items():  # padding: at most 4 bytes an element, 2 AdamW states
         assert abs(value - getattr(est, name)) <= 8 * pad, (name, value, getattr(est, name))
-    assert len(opt.layout.buckets) > 2  # several buckets, each sharded separately
+    assert len(opt.bucket_plan.buckets) > 2  # several buckets, each sharded separately
 
 
 def test_in_flight_microbatches_follow_the_schedule():

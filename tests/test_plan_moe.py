@@ -175,12 +175,12 @@ def test_model_states_equal_the_optimizer_buffers_with_expert_buckets(precision,
                                tp=GroupInfo.single(), zero=True, bucket_mb=0.05, ep=GroupInfo(None, ep - 1, ep),
                                expert_dp=GroupInfo(None, 0, dp // ep), expert_names=expert_parameter_names([model]))
     opt.inner.step()
-    assert any(b.expert for b in opt.layout.buckets)
+    assert any(b.expert for b in opt.bucket_plan.buckets)
 
     def nbytes(t):
         return t.numel() * t.element_size()
 
-    pad = (dp - 1) * len(opt.layout.buckets)
+    pad = (dp - 1) * len(opt.bucket_plan.buckets)
     report = opt.memory_report()
     got = {"parameters": nbytes(opt.param_data), "gradients": nbytes(opt.grads.data),
            "gradient_shard": nbytes(opt.grads.shard_data), "master_weights": report["master_bytes"],

@@ -49,7 +49,7 @@ def _train(rank, world, preset, zero, collectives, steps=4, prefetch=False):
         opt.clip_(opt.grad_norm(), 0.5)
         opt.step()
         if prefetch:  # the gathers are left in flight; each module's forward pre-hook awaits its buckets
-            assert len(opt._pending) == len(opt.layout.buckets)
+            assert len(opt._pending) == len(opt.bucket_plan.buckets)
     if prefetch:  # state_dict() awaits every gather
         return {n: p.float().clone() for n, p in model.state_dict().items()}, opt
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}, opt
@@ -64,7 +64,7 @@ def _worker(rank, world, preset):
     forced, forced_opt = _train(rank, world, preset, zero=True, collectives=ShardCollectives())
     prefetched, _ = _train(rank, world, preset, zero=True, collectives=None, prefetch=True)
     return {"chosen": type(chosen).__name__, "plain": plain, "auto": auto, "forced": forced, "prefetched": prefetched,
-            "buckets": len(opt.layout.buckets), "padding": opt.layout.padding,
+            "buckets": len(opt.bucket_plan.buckets), "padding": opt.bucket_plan.padding,
             "shard_buffer": opt.grads.shard_data.numel(), "forced_shard_buffer": forced_opt.grads.shard_data.numel(),
             "in_place": all(v.untyped_storage().data_ptr() == opt.grads.data.untyped_storage().data_ptr()
                             for v in opt.grads.shard_views)}

@@ -1,9 +1,9 @@
 """The parallel mesh: one explicit object that maps ranks to grid coordinates and owns every group.
 
-Ranks form a grid with axes ``(pp, dp, cp, tp)``. The default layout is row-major with TP
+Ranks form a grid with axes ``(pp, dp, cp, tp)``. The default rank order is row-major with TP
 fastest, so the ranks of one TP group are consecutive and, with the usual ``torchrun`` rank
 assignment, sit on one node where the fastest links are. A hardware-specific ring order is
-expressed by passing another :class:`RankLayout`.
+expressed by passing another :class:`RankOrder`.
 
 There is no module-global state: every function that needs a group receives the mesh (or the
 group itself). The mesh also builds the *KV-shared* groups used by KV replication: within a TP
@@ -35,7 +35,7 @@ class MeshError(ValueError):
     """A parallel layout that cannot be built (degrees that do not fit the world size, ...)."""
 
 
-class RankLayout(Protocol):
+class RankOrder(Protocol):
     """Strategy that decides which global rank sits at each grid coordinate.
 
     ``rank_of(coord, degrees)`` returns the global rank at ``coord`` (a dict axis -> index) for the
@@ -46,7 +46,7 @@ class RankLayout(Protocol):
 
 
 @dataclass(frozen=True)
-class RowMajorLayout:
+class RowMajorOrder:
     """Row-major over an axis order (default ``pp, dp, cp, tp``: the last axis varies fastest)."""
 
     order: tuple[str, ...] = AXES
@@ -82,7 +82,7 @@ class ParallelMesh:
         tp, pp, dp, cp: parallel degrees.
         kv_replication: ``m``, the number of TP ranks that hold the same K/V heads (1 = none).
         kv_placement: ``"interleaved"`` or ``"adjacent"`` placement of the K/V replicas.
-        layout: the rank-layout strategy (default row-major, TP fastest).
+        rank_order: the strategy that places ranks on the grid (default row-major, TP fastest).
         create_groups: build ``torch.distributed`` groups (needs an initialised default group);
             ``False`` gives a pure rank-arithmetic mesh, useful for planning and tests.
     """
@@ -99,7 +99,7 @@ class ParallelMesh:
         ep: int = 1,
         kv_replication: int = 1,
         kv_placement: str = "interleaved",
-        layout: RankLayout | None = None,
+        rank_order: RankOrder | None = None,
         create_groups: bool = True,
     ) -> None:
         _check_positive(world_size=world_size, tp=tp, pp=pp, cp=cp, kv_replication=kv_replication)
@@ -138,14 +138,14 @@ class ParallelMesh:
         self.kv_replication = kv_replication
         self.kv_placement = kv_placement
         self.ep = ep
-        self.layout: RankLayout = layout or RowMajorLayout()
+        self.rank_order: RankOrder = rank_order or RowMajorOrder()
 
         self._rank_at: dict[tuple[int, ...], int] = {}
         for coord in itertools.product(*(range(self.degrees[a]) for a in AXES)):
-            r = self.layout.rank_of(dict(zip(AXES, coord, strict=True)), self.degrees)
+            r = self.rank_order.rank_of(dict(zip(AXES, coord, strict=True)), self.degrees)
             self._rank_at[coord] = r
         if sorted(self._rank_at.values()) != list(range(world_size)):
-            raise MeshError(f"rank layout {self.layout!r} is not a bijection onto range({world_size})")
+            raise MeshError(f"rank order {self.rank_order!r} is not a bijection onto range({world_size})")
         self._coord_of = {r: c for c, r in self._rank_at.items()}
 
         self._groups: dict[str, object] = {}

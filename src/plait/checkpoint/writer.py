@@ -108,9 +108,9 @@ class CheckpointWriter:
         fname = rank_file(self.rank)
         dp = mesh.info("dp_cp")  # replicas of the parameters: dp x cp ranks (the dp group when cp=1)
         holders = {name: (module, spec) for module, name, _, spec in named_parameters_with_specs(modules)}
-        order = {e.name: i for i, e in enumerate(optimizer.layout.entries)}
+        order = {e.name: i for i, e in enumerate(optimizer.bucket_plan.entries)}
         # expert parallelism: an expert's replicas are its expert-data-parallel group, not the dp group
-        experts = {e.name for b in optimizer.layout.buckets if b.expert for e in b.entries}
+        experts = {e.name for b in optimizer.bucket_plan.buckets if b.expert for e in b.entries}
         edp = mesh.info("dp_expert") if experts else dp
         for entry, states in optimizer.param_states():  # collective under ZeRO-1: every rank iterates
             name = entry.name

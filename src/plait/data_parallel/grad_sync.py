@@ -32,31 +32,31 @@ import torch
 from torch import nn
 
 from plait.comm.primitives import GroupInfo, all_reduce
+from plait.data_parallel.buckets import Bucket, BucketPlan
 from plait.data_parallel.collectives import ShardCollectives, collectives_for
-from plait.data_parallel.layout import Bucket, BufferLayout
 
 
 class GradSync:
     """Owns the flat gradient buffer of one rank and its data-parallel reduction."""
 
-    def __init__(self, layout: BufferLayout, *, grad_dtype: torch.dtype, device: torch.device, dp: GroupInfo,
+    def __init__(self, plan: BucketPlan, *, grad_dtype: torch.dtype, device: torch.device, dp: GroupInfo,
                  zero: bool, overlap: bool = True, tied: GroupInfo | None = None,
                  expert_dp: GroupInfo | None = None, collectives: ShardCollectives | None = None) -> None:
         """``collectives`` forces ZeRO-1's strategy on every group (default: chosen per backend,
         :func:`~plait.data_parallel.collectives.collectives_for`)."""
-        self.layout, self.dp, self.zero, self.overlap, self.tied = layout, dp, zero, overlap, tied
+        self.bucket_plan, self.dp, self.zero, self.overlap, self.tied = plan, dp, zero, overlap, tied
         self.expert_dp = expert_dp
-        self.data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
-        self.views = {id(e.param): self.data[e.start:e.end] for e in layout.entries}
-        self._entry = {id(e.param): e for e in layout.entries}
+        self.data = torch.zeros(plan.numel, dtype=grad_dtype, device=device)
+        self.views = {id(e.param): self.data[e.start:e.end] for e in plan.entries}
+        self._entry = {id(e.param): e for e in plan.entries}
         if zero:
             # the reduced owned shard of each bucket: its own slice of ``data`` where the backend's
             # collective reduces in place (gloo), else a slice of one separate shard buffer
             self.collectives = {id(g): collectives or collectives_for(g) for g in (dp, expert_dp) if g is not None}
-            separate = [b for b in layout.buckets if not self._in_place(b)]
+            separate = [b for b in plan.buckets if not self._in_place(b)]
             self.shard_data = torch.zeros(sum(b.numel // b.shards for b in separate), dtype=grad_dtype, device=device)
             self.shard_views, at = [], 0
-            for b in layout.buckets:
+            for b in plan.buckets:
                 size = b.numel // b.shards
                 if self._in_place(b):
                     group = self._group(b)
@@ -70,11 +70,16 @@ class GradSync:
         #: written (cleared by :meth:`zero_`, zero-filled by :meth:`_clear_unwritten` if never written)
         self._written: set[int] = set()
         self._done: set[int] = set()
-        self._remaining = [len(b.entries) for b in layout.buckets]
-        self._launched = [False] * len(layout.buckets)
+        self._remaining = [len(b.entries) for b in plan.buckets]
+        self._launched = [False] * len(plan.buckets)
         self._works: list = []
-        for e in layout.entries:
+        for e in plan.entries:
             e.param.register_post_accumulate_grad_hook(self._on_grad)
+
+    @property
+    def layout(self) -> BucketPlan:
+        """The old name of :attr:`bucket_plan`, kept only until ``tests/test_zero_bubble.py`` reads the new one."""
+        return self.bucket_plan
 
     def _group(self, bucket: Bucket) -> GroupInfo:
         """The group ``bucket`` is reduced (and, with ZeRO-1, sharded) over."""
@@ -125,7 +130,7 @@ class GradSync:
             self._done.add(key)
             b = self._entry[key].bucket
             self._remaining[b] -= 1
-            bucket = self.layout.buckets[b]
+            bucket = self.bucket_plan.buckets[b]
             if self._remaining[b] == 0 and self.overlap and not bucket.deferred:
                 self._launch(bucket)
 
@@ -160,12 +165,12 @@ class GradSync:
 
     def finish(self) -> None:
         """Start every reduction not yet started (tied buckets after their stage sum) and wait for all."""
-        deferred = [b for b in self.layout.buckets if b.deferred]
+        deferred = [b for b in self.bucket_plan.buckets if b.deferred]
         if deferred and self.tied is not None and self.tied.size > 1:
             for b in deferred:
                 self._clear_unwritten(b)
                 all_reduce(self.data[b.start:b.end], self.tied.group)
-        for b in self.layout.buckets:
+        for b in self.bucket_plan.buckets:
             if not self._launched[b.index]:
                 self._launch(b)
         for work in self._works:
@@ -175,8 +180,8 @@ class GradSync:
             self.shard_data.copy_(self.data)
         self._final.clear()
         self._done.clear()
-        self._remaining = [len(b.entries) for b in self.layout.buckets]
-        self._launched = [False] * len(self.layout.buckets)
+        self._remaining = [len(b.entries) for b in self.bucket_plan.buckets]
+        self._launched = [False] * len(self.bucket_plan.buckets)
 
     def zero_(self) -> None:
         """Start a new step: every gradient counts as zero. Nothing is written: a parameter's first
@@ -192,7 +197,7 @@ class GradSync:
         """
         if not self.zero:
             return self.data[start:end]
-        for b in self.layout.buckets:
+        for b in self.bucket_plan.buckets:
             group = self._group(b)
             lo, hi = b.shard_range(group.rank if group.size > 1 else 0, b.shards)
             if lo <= start and end <= hi:

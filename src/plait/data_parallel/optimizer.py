@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.primitives import GroupInfo, all_gather_single
+from plait.data_parallel.buckets import Bucket, BucketPlan, Segment, plan_buckets
 from plait.data_parallel.collectives import ShardCollectives
 from plait.data_parallel.grad_sync import GradSync
-from plait.data_parallel.layout import Bucket, BufferLayout, Segment, plan_buffer
 from plait.optim.flat_adamw import FlatAdamW, FlatRun
 from plait.optim.lowp_adamw import LowPrecisionAdamW
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
@@ -107,13 +107,13 @@ class DistributedOptimizer:
         device = params[0][1].device
         deferred = _tied_names(modules, pp)
         bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=policy.grad_dtype).element_size()))
-        self.layout: BufferLayout = plan_buffer(params, bucket_numel=bucket_numel, shards=self.shards,
-                                                deferred_names=deferred, expert_names=expert_names,
-                                                expert_shards=expert_dp.size if zero and expert_dp else None)
-        self.segments: list[Segment] = self.layout.owned_segments(
+        self.bucket_plan: BucketPlan = plan_buckets(params, bucket_numel=bucket_numel, shards=self.shards,
+                                                     deferred_names=deferred, expert_names=expert_names,
+                                                     expert_shards=expert_dp.size if zero and expert_dp else None)
+        self.segments: list[Segment] = self.bucket_plan.owned_segments(
             self.shard, expert_dp.rank if zero and expert_dp else None)
         self._build_weights(device)
-        self.grads = GradSync(self.layout, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
+        self.grads = GradSync(self.bucket_plan, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
                               overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp,
                               collectives=collectives)
         self.inner = self._build_inner(hyper)
@@ -128,20 +128,25 @@ class DistributedOptimizer:
         if self.prefetch_params:
             self._register_prefetch_hooks(modules)
 
+    @property
+    def layout(self) -> BucketPlan:
+        """The old name of :attr:`bucket_plan`, kept only until ``plait/train/`` reads the new one."""
+        return self.bucket_plan
+
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
     def _build_weights(self, device: torch.device) -> None:
         """Move the weights into the flat parameter buffer and, where needed, the master buffer."""
-        pol, layout = self.policy, self.layout
-        self.param_data = torch.zeros(layout.numel, dtype=pol.param_dtype, device=device)
+        pol, plan = self.policy, self.bucket_plan
+        self.param_data = torch.zeros(plan.numel, dtype=pol.param_dtype, device=device)
         originals = {}
-        for e in layout.entries:
+        for e in plan.entries:
             originals[id(e.param)] = e.param.detach().reshape(-1)
             self.param_data[e.start:e.end].copy_(originals[id(e.param)])
         self.has_master = pol.separate_master
         self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
         if self.has_master:
-            sizes = [b.numel // b.shards for b in layout.buckets]
+            sizes = [b.numel // b.shards for b in plan.buckets]
             self.master_data = torch.zeros(sum(sizes), dtype=pol.master_dtype, device=device)
             at = 0
             for size in sizes:
@@ -151,7 +156,7 @@ class DistributedOptimizer:
                 lo, _ = self._owned_range(s.bucket)
                 src = originals[id(s.entry.param)][s.start - s.entry.start:s.end - s.entry.start]
                 self.master_views[s.bucket.index][s.start - lo:s.end - lo].copy_(src)
-        for e in layout.entries:  # only now: the originals were read above
+        for e in plan.entries:  # only now: the originals were read above
             e.param.data = self.param_data[e.start:e.end].view(e.param.shape)
 
     def _segment_tensors(self, s: Segment) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +204,7 @@ class DistributedOptimizer:
         ranges are merged where values and gradients both continue in memory (the whole buffer)."""
         runs: list[FlatRun] = []
         self._run_buckets: list[list[Bucket]] = []
-        for b in self.layout.buckets:
+        for b in self.bucket_plan.buckets:
             lo, hi = self._owned_range(b)
             values = self.master_views[b.index] if self.has_master else self.param_data[lo:hi]
             grads = self.grads.reduced_view(lo, hi)
@@ -306,7 +311,7 @@ class DistributedOptimizer:
             else:
                 self.inner.step()
             if publish:
-                for b in reversed(self.layout.buckets):
+                for b in reversed(self.bucket_plan.buckets):
                     pending[b.index] = self._publish(b)
         self._pending = {i: works for i, works in pending.items() if works}
         if not self.prefetch_params:
@@ -349,7 +354,7 @@ class DistributedOptimizer:
         """Hooks that make a deferred gather land before its weights are read: a forward pre-hook on
         every module that holds parameters itself (tied weights are held by both modules), and a
         ``state_dict`` pre-hook on the top modules."""
-        bucket_of = {id(e.param): e.bucket for e in self.layout.entries}
+        bucket_of = {id(e.param): e.bucket for e in self.bucket_plan.entries}
         self._hooks = []
         for module in modules:
             for sub in module.modules():
@@ -370,7 +375,7 @@ class DistributedOptimizer:
         return {"owned_elements": owned, "optimizer_state_bytes": state,
                 "expected_state_bytes": 2 * owned * item,
                 "master_bytes": self.master_data.numel() * self.master_data.element_size() if self.has_master else 0,
-                "padding_elements": self.layout.padding, "total_elements": self.layout.numel}
+                "padding_elements": self.bucket_plan.padding, "total_elements": self.bucket_plan.numel}
 
     # ------------------------------------------------------------------ checkpoints
     def state_kinds(self) -> list[str]:
@@ -408,7 +413,7 @@ class DistributedOptimizer:
         for i, s in enumerate(self.segments):
             by_bucket.setdefault(s.bucket.index, []).append(i)
         device = self.param_data.device
-        for b in self.layout.buckets:
+        for b in self.bucket_plan.buckets:
             lo, hi = self._owned_range(b)
             flats = {}
             for kind in kinds:

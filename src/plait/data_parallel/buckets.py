@@ -55,7 +55,7 @@ class Bucket:
     entries: list[ParamEntry] = field(default_factory=list)
     deferred: bool = False
     expert: bool = False  #: holds expert-parallel parameters (reduced over the expert-data-parallel group)
-    shards: int = 1  #: how many owned ranges it splits into (the layout's, or the expert group's)
+    shards: int = 1  #: how many owned ranges it splits into (the plan's, or the expert group's)
 
     @property
     def numel(self) -> int:
@@ -82,7 +82,9 @@ class Segment:
 
 
 @dataclass
-class BufferLayout:
+class BucketPlan:
+    """Every parameter's place in the flat buffer and the buckets that cover it."""
+
     entries: list[ParamEntry]
     buckets: list[Bucket]
     shards: int
@@ -110,9 +112,9 @@ class BufferLayout:
         return out
 
 
-def plan_buffer(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, shards: int,
-                deferred_names: frozenset[str] = frozenset(),
-                expert_names: frozenset[str] = frozenset(), expert_shards: int | None = None) -> BufferLayout:
+def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, shards: int,
+                 deferred_names: frozenset[str] = frozenset(),
+                 expert_names: frozenset[str] = frozenset(), expert_shards: int | None = None) -> BucketPlan:
     """Lay out ``params`` (name, parameter, decay, norm weight), given in registration order.
 
     ``bucket_numel`` caps a bucket (a larger parameter gets a bucket of its own).
@@ -143,7 +145,7 @@ def plan_buffer(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bu
             offset += n
         if current is not None:
             offset = _close(current, offset, count)
-    return BufferLayout(entries, buckets, shards)
+    return BucketPlan(entries, buckets, shards)
 
 
 def _close(bucket: Bucket, offset: int, shards: int) -> int:
