@@ -22,7 +22,7 @@ process's:
    ``sum over ranks of (E * sum_i f_i * P_i(shard)) / tp`` is exactly the micro-batch's aux loss
    (equal shards), and likewise the z-loss (:func:`plait.moe.configure_moe` applies the factor).
 
-A capacity factor is refused with sequence parallelism (:mod:`plait.moe.recipe_rules`): each rank
+A capacity factor is refused with sequence parallelism (:mod:`plait.config.rules.moe`): each rank
 would drop assignments by its shard's ranking instead of the micro-batch's.
 """
 

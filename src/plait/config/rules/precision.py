@@ -1,0 +1,28 @@
+"""ZeRO-1 and precision: the preset's fixed knobs, and the knobs of ``preset: manual`` together."""
+
+from __future__ import annotations
+
+from plait.config.problems import format_value
+from plait.config.rules.checker import Checker
+from plait.precision import KNOBS, knob_problems, knob_values
+
+
+def check_zero_and_precision(c: Checker) -> None:
+    r, dp = c.r, c.dp
+    # ZeRO-1 shards over the dp x cp ranks that average gradients
+    if c.ok("parallel.zero1") and r.parallel.zero1 and dp == 1 and (r.parallel.cp == 1 or not c.ok("parallel.cp")):
+        c.warnings.append("parallel.zero1: true — has no effect with dp=1 (nothing to shard over); training unsharded")
+    if not c.ok("precision"):
+        return
+    pr = r.precision
+    knobs = pr.knobs()
+    if pr.preset != "manual":
+        fixed = knob_values(pr.preset)
+        for name in KNOBS:
+            if knobs[name] is not None:
+                c.add(f"precision.{name}", knobs[name],
+                      f"is a knob of precision.preset 'manual'; the {pr.preset!r} preset fixes it to "
+                      f"{format_value(fixed[name])} (remove it, or use preset: manual)")
+        return
+    for name, message in knob_problems(knob_values("manual", knobs)):
+        c.add(f"precision.{name}", knobs[name], message)
