@@ -310,8 +310,8 @@ def test_parallelize_rejects_a_tracker_of_another_rank():
 
 
 def test_config_dropout_fields_and_hf_round_trip():
+    from plait.models.errors import ModelConfigError
     from plait.models.llama import LlamaConfig
-    from plait.models.llama.config import ModelConfigError
 
     cfg = _config(attention_dropout=0.1, hidden_dropout=0.0)
     d = cfg.to_hf_dict()

@@ -266,7 +266,8 @@ def test_qwen2_style_saves_as_qwen2(checkpoints, tmp_path):
 
 
 def test_sliding_window_qwen2_is_rejected():
-    from plait.models.llama.config import LlamaConfig, ModelConfigError
+    from plait.models.errors import ModelConfigError
+    from plait.models.llama.config import LlamaConfig
 
     with pytest.raises(ModelConfigError, match="use_sliding_window=true is not supported"):
         LlamaConfig.from_hf_dict({"model_type": "qwen2", "use_sliding_window": True, "vocab_size": 10,

@@ -85,7 +85,7 @@ def test_fx_traces_with_decoder_layers_as_leaves():
      (dict(rope_scaling={"rope_type": "yarn"}), "rope_scaling.rope_type='yarn' is not supported")],
 )
 def test_bad_model_configs(kw, needle):
-    from plait.models.llama.config import ModelConfigError
+    from plait.models.errors import ModelConfigError
 
     with pytest.raises(ModelConfigError, match=needle):
         _config(**kw)

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from model_weights import randomize
 from plait.materialize import build_model, build_stages, load_from_hf
 from plait.mesh import single_process_mesh
+from plait.models.errors import ModelConfigError
 from plait.models.hf_io import load_hf_config, save_hf_checkpoint
-from plait.models.llama.config import ModelConfigError
 from plait.models.mixtral import MixtralConfig
 from plait.models.qwen3_moe import Qwen3MoeConfig
 from plait.nn.moe import MoELayer, MoEStats

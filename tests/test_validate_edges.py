@@ -15,7 +15,8 @@ from plait.config import RecipeError, check_recipe
 from plait.config.host_memory import local_state_bytes, model_state_problem, state_bytes_per_stage
 from plait.config.load import DEFAULT_RECIPE
 from plait.config.resolve import choose_default_layout, default_layout_for
-from plait.models.llama.config import LlamaConfig, ModelConfigError
+from plait.models.errors import ModelConfigError
+from plait.models.llama.config import LlamaConfig
 
 GiB = 1024**3
 

@@ -25,7 +25,7 @@ from typing import Any
 from plait.checkpoint.format import CheckpointError, read_manifest
 from plait.checkpoint.store import latest_checkpoint
 from plait.config.schema import ARCH_FIELDS, Recipe
-from plait.models.llama.config import ModelConfigError
+from plait.models.errors import ModelConfigError
 
 #: the ``contents`` entry of a manifest: which parameters it holds and what the rest comes from
 CONTENTS_KEY = "contents"

@@ -285,8 +285,8 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     from plait.heldout import load_scoring_model
     from plait.materialize import build_model
     from plait.mesh import single_process_mesh
+    from plait.models.errors import ModelConfigError
     from plait.models.hf_io import CheckpointMismatchError, load_hf_config
-    from plait.models.llama.config import ModelConfigError
 
     try:
         tokenizer = Tokenizer.from_file(str(tok_file))

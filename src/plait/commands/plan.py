@@ -292,7 +292,7 @@ def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every:
 
 def run(args) -> int:
     from plait.config import RecipeError
-    from plait.models.llama.config import ModelConfigError
+    from plait.models.errors import ModelConfigError
     from plait.plan.search import PlanError, SearchOptions, rank_layouts, resolve_device
 
     def fail(message: str) -> int:

@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from plait.config.applicability import CONDITIONS, applies_when, field_condition
-from plait.models.llama.config import LlamaConfig, ModelConfigError
+from plait.models.errors import ModelConfigError
+from plait.models.llama.config import LlamaConfig
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
 from plait.moe.section import MoeSection
 from plait.precision import KNOBS

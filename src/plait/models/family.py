@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.config import DecoderConfig
 from plait.pipeline.trace import Unit
 
 
@@ -25,12 +25,12 @@ def same_name(name: str) -> str:
     return name
 
 
-def config_of(module: nn.Module) -> LlamaConfig:
+def config_of(module: nn.Module) -> DecoderConfig:
     """The config of a family's model or pipeline stage (its plain ``config`` attribute, which
     torch's ``Module.__getattr__`` types as ``Tensor | Module``); every family's config derives
-    from :class:`LlamaConfig`."""
+    from :class:`DecoderConfig`."""
     config = module.config
-    if not isinstance(config, LlamaConfig):
+    if not isinstance(config, DecoderConfig):
         raise TypeError(f"{type(module).__name__}.config is a {type(config).__name__}, not a model family's config")
     return config
 
@@ -41,7 +41,7 @@ class ModelFamily:
 
     ``name``: the registry key and the recipe's ``model.family`` value.
     ``model_types``: the Hugging Face ``config.json`` ``model_type`` values it reads.
-    ``config_cls``: its config dataclass, :class:`LlamaConfig` or derived from it (Hugging Face field
+    ``config_cls``: its config dataclass, derived from :class:`DecoderConfig` (Hugging Face field
     names, ``from_hf_dict``/``to_hf_dict``, ``validate``, ``num_parameters``).
     ``causal_lm_cls``: the full model, ``cls(config, device=, dtype=)``, without distributed code;
     ``forward(ids, labels=None)`` gives logits or the mean next-token loss.
@@ -56,7 +56,7 @@ class ModelFamily:
 
     name: str
     model_types: tuple[str, ...]
-    config_cls: type[LlamaConfig]
+    config_cls: type[DecoderConfig]
     causal_lm_cls: type[nn.Module]
     parallelize: Callable[..., nn.Module]
     stage_cls: type[nn.Module]

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from plait.models.errors import ModelConfigError
 from plait.models.family import ModelFamily
-from plait.models.llama.config import ModelConfigError
 from plait.models.llama.family import FAMILY as LLAMA
 from plait.models.mistral.family import FAMILY as MISTRAL
 from plait.models.mixtral.family import FAMILY as MIXTRAL

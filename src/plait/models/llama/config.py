@@ -1,31 +1,24 @@
-"""Architecture hyper-parameters of a Llama-family model, with Hugging Face ``config.json`` I/O."""
+"""Architecture hyper-parameters of a Llama-family model, with Hugging Face ``config.json`` I/O.
+
+Llama's decoder on top of :class:`~plait.models.decoder.config.DecoderConfig`: RMSNorm (its
+epsilon), rotary embeddings (base and Llama 3 frequency scaling), optional q/k/v and output biases
+(Qwen2's q/k/v-only biases included) and the SwiGLU MLP's parameter count.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar, overload
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-T = TypeVar("T")
-#: a config class of the Llama family or one derived from it (what ``from_hf_dict`` builds)
-ConfigT = TypeVar("ConfigT", bound="LlamaConfig")
-
-
-class ModelConfigError(ValueError):
-    """A model configuration that cannot describe a valid model."""
-
+from plait.models.decoder.config import DecoderConfig, Derived
+from plait.models.errors import ModelConfigError
 
 #: ``config.json`` model types this family reads: Llama, and Qwen2 (Llama with q/k/v biases), which
 #: :meth:`LlamaConfig.to_hf_dict` also writes. Another architecture (GPT-2, Mistral's sliding window,
 #: MoE models) would be silently misread with Llama defaults filling the gaps, so it is refused.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-#: ``config.json`` keys without which the architecture is not described: a missing one would
-#: silently take a Llama default (e.g. 32 layers of width 4096) instead of the checkpoint's value.
-REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "max_position_embeddings")
 
 ROPE_TYPES = ("default", "llama3")
 #: keys a ``llama3`` rope_scaling mapping may hold (``rope_theta`` comes with Hugging Face's newer
@@ -100,73 +93,18 @@ def rope_scaling_problems(scaling: Any) -> list[str]:
     return problems
 
 
-def check_hf_architecture(d: dict[str, Any], model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES,
-                           family: str = "Llama") -> None:
-    """Refuse a ``config.json`` mapping that does not describe a model this family can run:
-    another model type, or one missing the keys that fix the architecture."""
-    model_type = d.get("model_type")
-    supported = ", ".join(map(repr, model_types))
-    if model_type is None:
-        raise ModelConfigError(f"has no model_type; the {family} family reads configs of model_type {supported}; "
-                               f"add \"model_type\": \"{model_types[0]}\" if this is such a model")
-    if model_type not in model_types:
-        raise ModelConfigError(f"model_type {model_type!r} is not supported; the {family} family runs "
-                               f"models of model_type {supported}")
-
-
-class Derived(Generic[T]):
-    """A config field that may be given as ``None`` ("derive it from the others") and is always a
-    ``T`` once ``__post_init__`` has filled it in (e.g. ``head_dim`` from ``hidden_size``).
-
-    A data descriptor, so the constructor and Hugging Face's ``null`` take ``None`` while every
-    reader sees the resolved value's type. The value lives in the instance ``__dict__`` under the
-    field's own name, so ``vars()``, ``asdict``, ``replace``, pickling and ``repr`` are those of a
-    plain field; read on the class it gives ``None``, which the dataclass takes as the default.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, obj: None, objtype: type | None = None) -> None: ...
-    @overload
-    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
-    def __get__(self, obj: object | None, objtype: type | None = None) -> T | None:
-        if obj is None:
-            return None
-        try:
-            value: T = obj.__dict__[self.name]
-        except KeyError:  # read before the constructor set it
-            raise AttributeError(self.name) from None
-        return value
-
-    def __set__(self, obj: object, value: T | None) -> None:
-        obj.__dict__[self.name] = value
-
-
 @dataclass
-class LlamaConfig:
+class LlamaConfig(DecoderConfig):
     """Field names follow Hugging Face's ``LlamaConfig`` so ``config.json`` maps one to one.
 
-    The class attributes name the family (the key of :mod:`plait.models.registry`), the
-    ``config.json`` model types it reads and the keys such a file must hold; a family derived
-    from Llama's (Qwen3, Mistral) overrides them.
+    The shared decoder fields are :class:`DecoderConfig`'s; these are Llama's block: the RMSNorm
+    epsilon, rotary embeddings and the biases. A family derived from Llama's (Qwen3, Mistral)
+    overrides ``family``, ``model_types`` and what differs.
     """
 
     family: ClassVar[str] = "llama"
     model_types: ClassVar[tuple[str, ...]] = SUPPORTED_MODEL_TYPES
-    required_hf_keys: ClassVar[tuple[str, ...]] = REQUIRED_HF_KEYS
 
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    #: ``None``: one KV head per query head (multi-head attention)
-    num_key_value_heads: Derived[int] = Derived()
-    #: ``None``: ``hidden_size // num_attention_heads``
-    head_dim: Derived[int] = Derived()
-    max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -175,47 +113,14 @@ class LlamaConfig:
     #: ``False`` with ``attention_bias=True`` gives Qwen2-style q/k/v-only biases.
     o_proj_bias: Derived[bool] = Derived()
     mlp_bias: bool = False
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    bos_token_id: int | None = 1
-    eos_token_id: int | list[int] | None = 2
-    #: dropout on the attention weights (Hugging Face's name; read from and written to config.json)
-    attention_dropout: float = 0.0
-    #: plait-only residual dropout on the attention and MLP outputs; written to config.json only when
-    #: non-zero (Hugging Face Llama has no such field and keeps it as an unused attribute)
-    hidden_dropout: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ModelConfigError(
-                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                    f"{self.num_attention_heads}; set head_dim explicitly or change the head count"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        self.validate()
+        super().__post_init__()
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ModelConfigError(f"model.{name}={value!r} must be a positive integer")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs "
-                f"a whole number of query heads per KV head"
-            )
-        for name in ("attention_dropout", "hidden_dropout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ModelConfigError(f"model.{name}={value!r} must be a probability in [0, 1)")
+        super().validate()
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         for name in ("rms_norm_eps", "rope_theta"):
@@ -235,13 +140,11 @@ class LlamaConfig:
 
     # ------------------------------------------------------------------ Hugging Face I/O
     @classmethod
-    def from_hf_dict(cls: type[ConfigT], d: dict[str, Any]) -> ConfigT:
-        """The config a Hugging Face ``config.json`` mapping describes; another architecture or a
-        mapping missing an architecture key raises :class:`ModelConfigError` (see
-        :func:`check_hf_architecture`)."""
-        check_hf_architecture(d, cls.model_types, cls.family.capitalize())
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in d.items() if k in names}
+    def hf_fields(cls, d: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:
+        """Qwen2 (``model_type: qwen2``) is Llama with q/k/v biases and no output bias (a sliding
+        window is refused); Hugging Face's newer ``rope_parameters`` gives ``rope_theta`` and, for
+        a scaled type, ``rope_scaling``."""
+        known = dict(known)
         if d.get("model_type") == "qwen2":
             if d.get("use_sliding_window"):
                 raise ModelConfigError(
@@ -250,17 +153,12 @@ class LlamaConfig:
                 )
             known.setdefault("attention_bias", True)
             known.setdefault("o_proj_bias", False)
-        missing = [k for k in cls.required_hf_keys if k not in d]
-        if missing:
-            raise ModelConfigError(f"lacks {', '.join(missing)}; a model_type {d['model_type']!r} config needs "
-                                   f"{', '.join(cls.required_hf_keys)} (plait does not guess an architecture)")
         if "rope_theta" not in known and isinstance(d.get("rope_parameters"), dict):
             params = d["rope_parameters"]
             known["rope_theta"] = params.get("rope_theta", cls.rope_theta)
             if params.get("rope_type", "default") != "default":
                 known["rope_scaling"] = dict(params)
-        extra = {k: v for k, v in d.items() if k not in names}
-        return cls(**known, extra=extra)
+        return known
 
     def to_hf_dict(self) -> dict[str, Any]:
         qwen2 = self.attention_bias and not self.o_proj_bias
@@ -269,9 +167,8 @@ class LlamaConfig:
                 "o_proj_bias=True with attention_bias=False has no Hugging Face counterpart "
                 "(Llama biases q/k/v/o together, Qwen2 only q/k/v)"
             )
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "o_proj_bias")}
-        if not self.hidden_dropout:
-            del d["hidden_dropout"]
+        d = super().to_hf_dict()
+        del d["o_proj_bias"]  # Hugging Face's attention_bias covers it (or Qwen2's model_type does)
         rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         rope.update({k: v for k, v in (self.rope_scaling or {}).items() if k not in ("type", "rope_type")})
         d.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -288,15 +185,3 @@ class LlamaConfig:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         return attn + mlp + 2 * h
-
-    def num_parameters(self) -> int:
-        """Exact parameter count (tied embeddings counted once)."""
-        h = self.hidden_size
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * self.layer_parameters() + h + head
-
-    def attention_span(self, seq_len: int) -> int:
-        """Keys a query's attention is counted over at sequence length ``seq_len`` (model FLOPs):
-        the whole sequence for full causal attention; a sliding-window family counts its window."""
-        return seq_len

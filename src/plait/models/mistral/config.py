@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from plait.models.llama.config import LlamaConfig, ModelConfigError
+from plait.models.errors import ModelConfigError
+from plait.models.llama.config import LlamaConfig
 
 
 @dataclass

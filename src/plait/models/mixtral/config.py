@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from plait.models.llama.config import ModelConfigError
+from plait.models.errors import ModelConfigError
 from plait.models.mistral.config import MistralConfig
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from plait.models.llama.config import REQUIRED_HF_KEYS, LlamaConfig, ModelConfigError
+from plait.models.decoder.config import REQUIRED_HF_KEYS
+from plait.models.errors import ModelConfigError
+from plait.models.llama.config import LlamaConfig
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from plait.models.llama.config import ModelConfigError
+from plait.models.errors import ModelConfigError
 from plait.models.mixtral.config import check_experts, fill_defaults
 from plait.models.qwen3.config import Qwen3Config
 

@@ -1,0 +1,4 @@
+"""The generic decoder every model family derives from: its config (:mod:`.config`).
+
+Nothing is imported here, so that reading a config loads no more than the config module.
+"""
