@@ -127,7 +127,7 @@ def no_launch(monkeypatch):
     def claim(*args, **kwargs):
         raise AssertionError("plait train went on to claim its outputs, prepare the data and launch")
 
-    monkeypatch.setattr("plait.outputs.preflight.claim_outputs", claim)
+    monkeypatch.setattr("plait.checkpoint.preflight.claim_outputs", claim)
 
 
 # ------------------------------------------------------------------------- input kinds

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from plait.checkpoint.convert import hf_to_plait, plait_to_hf
+from plait.checkpoint.preflight import check_outputs, claim_outputs
 from plait.cli import main
 from plait.config import validate_recipe
 from plait.materialize import build_llama
@@ -27,7 +28,6 @@ from plait.models.hf_io import save_hf_checkpoint
 from plait.models.llama.config import LlamaConfig
 from plait.outputs import DirectoryLock, DirectoryLockedError, OutputDirError
 from plait.outputs.ownership import MARKER, classify
-from plait.outputs.preflight import check_outputs, claim_outputs
 
 TINY = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, max_position_embeddings=32)

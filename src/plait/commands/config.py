@@ -94,11 +94,11 @@ def render_show(resolved, recipe_path: str | None, overrides: list[str]) -> str:
 
 
 def run(args) -> int:
+    from plait.checkpoint.preflight import check_outputs
     from plait.config import RecipeError, check_recipe
     from plait.config.load import DEFAULT_RECIPE
     from plait.config.problems import problems_text
     from plait.config.resolve import default_layout_for
-    from plait.outputs.preflight import check_outputs
 
     action = args.config_command
     try:

@@ -153,8 +153,8 @@ def run(args) -> int:
     apply_iface(resolved.recipe.launch.iface)  # read by gloo/NCCL here (torchrun) or in the ranks started below
     from plait.checkpoint.contents import check_resumable, resume_target
     from plait.checkpoint.format import CheckpointError
+    from plait.checkpoint.preflight import claim_outputs
     from plait.outputs import OutputDirError
-    from plait.outputs.preflight import claim_outputs
     from plait.outputs.undo import missing_roots, remove_untouched
 
     try:

@@ -5,6 +5,10 @@
 one-run-per-directory locks. Together they turn the failures that used to surface at the end of
 a run (an unwritable save directory, a final model directory full of the user's files, a second
 run on the same directory) into one line before launch.
+
+They live above :mod:`plait.outputs` (the file-safety pieces they compose, which know no
+checkpoint) because a save directory's earlier checkpoints are found by their manifests
+(:mod:`plait.checkpoint.store`).
 """
 
 from __future__ import annotations
