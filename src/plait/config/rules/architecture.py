@@ -8,7 +8,8 @@ import re
 from plait.config.problems import Verbatim, divisors, format_value
 from plait.config.rules.checker import Checker
 from plait.config.schema import ARCH_FIELDS, read_hf_config
-from plait.models.llama.config import LlamaConfig, ModelConfigError, rope_scaling_problems
+from plait.models.errors import ModelConfigError
+from plait.models.llama.config import LlamaConfig, rope_scaling_problems
 
 ARCH_DEPS = tuple(f"model.{f}" for f in ARCH_FIELDS) + ("model.hf_path", "model.family")
 
