@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
     from plait.checkpoint.reader import CheckpointReader
-    from plait.checkpoint.training import model_config_dict
+    from plait.checkpoint.contents import model_config_dict
     from plait.checkpoint.writer import CheckpointWriter
     from plait.models.llama.config import LlamaConfig
 

@@ -196,10 +196,11 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
                                                                     eps=1e-8),
                                      dp=mesh.info("dp_cp"), tp=mesh.info("tp"), pp=mesh.info("pp"),
                                      tied=mesh.info("tied") if layout.pp > 1 else None, zero=layout.zero1)
+    # under cp every batch is cut to this rank's zigzag chunks, as the trainer does
+    split = partial(split_token_batch, split=context.split(seq_len), rank=context.info.rank) if layout.cp > 1 else None
     runtime = build_runtime(stages, mesh, policy, optimizer, schedule=layout.schedule, microbatches=microbatches,
-                            micro_batch_size=micro_batch_size, seq_len=seq_len // layout.cp, sequence_parallel=sp)
-    if layout.cp > 1:  # every batch cut to this rank's zigzag chunks, as the trainer does
-        runtime.split_batch = partial(split_token_batch, split=context.split(seq_len), rank=context.info.rank)
+                            micro_batch_size=micro_batch_size, seq_len=seq_len // layout.cp, sequence_parallel=sp,
+                            split_batch=split)
     for batch in batches:
         loss, _ = train_step(runtime, optimizer, batch, grad_clip=1.0)
     seconds = time.perf_counter() - t0
@@ -210,8 +211,8 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     activations = act_peak = None
     if probe and layout.pp == 1:  # one forward; what it leaves alive is what backward would use
         tokens = as_token_batch(batches[0])
-        if runtime.split_batch is not None:  # under cp: this rank's chunks, targets and positions
-            tokens = runtime.split_batch(tokens)
+        if split is not None:  # under cp: this rank's chunks, targets and positions
+            tokens = split(tokens)
         ids, kw = tokens.input_ids[0], tokens.stage_inputs(0, last=True, normalizer=None)
         dist.barrier()
         at = rss_bytes()

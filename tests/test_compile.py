@@ -294,7 +294,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared):
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     trainer.fit()
-    return str(trainer.out), compile_seconds()
+    return str(trainer.run.out), compile_seconds()
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at, nan_at):
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     run_step, weights = trainer.run_step, []
-    calls = {"n": trainer.start_step}
+    calls = {"n": trainer.state.start_step}
     stage = trainer.state.stages[0]  # one stage: these runs have no pipeline parallelism
     forward = stage.forward
 
@@ -46,7 +46,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at, nan_at):
     def step(batch):
         lr = run_step(batch)
         calls["n"] += 1
-        weights.append({k: v.clone() for k, v in full_state_dict(stage, trainer.tp).items()})
+        weights.append({k: v.clone() for k, v in full_state_dict(stage, trainer.state.tp).items()})
         if calls["n"] == signal_at and rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return lr
@@ -58,7 +58,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at, nan_at):
     except FloatingPointError as e:
         final, error = {}, str(e)
     return {"final": final, "weights": weights, "signal": getattr(trainer, "stopped_by_signal", 0), "error": error,
-            "start": trainer.start_step}
+            "start": trainer.state.start_step}
 
 
 def _run(corpus, out, items, signal_at=-1, nan_at=-1):
@@ -114,14 +114,14 @@ def _stall_worker(rank, world, recipe_yaml, prepared):
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     messages = []
-    trainer.watchdog.on_stall = messages.append  # the default prints the message and exits with status 3
-    batches = iter(trainer.loader)
+    trainer.run.watchdog.on_stall = messages.append  # the default prints the message and exits with status 3
+    batches = iter(trainer.run.loader)
     for step in range(3):
         if rank == 1 and step == 1:
             time.sleep(3.0)  # a rank that stops answering (stuck data loader, dead peer, ...)
         trainer.run_step(next(batches))
-    trainer.loader.close()
-    trainer.watchdog.close()
+    trainer.run.loader.close()
+    trainer.run.watchdog.close()
     return messages
 
 

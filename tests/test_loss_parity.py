@@ -16,7 +16,7 @@ STEPS, BATCH, SEQ, SEED = 20, 4, 64, 1234
 
 def _data():
     from plait.data.corpora import corpus_documents
-    from plait.data.sequences import split_sequences, token_stream
+    from token_sequences import split_sequences, token_stream
     from plait.data.tokenizer import train_bpe
 
     docs = corpus_documents("shakespeare", limit=3)

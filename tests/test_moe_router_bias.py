@@ -163,19 +163,19 @@ def _trainer_worker(rank, world, recipe_yaml, prepared, steps, save_at):
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     layers = moe_layers(trainer.state.stages)
     loads = _record_loads(layers)
-    batches, losses, reads = iter(trainer.loader), [], []
-    start = trainer.start_step
+    batches, losses, reads = iter(trainer.run.loader), [], []
+    start = trainer.state.start_step
     for step in range(start, start + steps):
         batch = next(batches)
         with HostReadCounter() as counter:
             trainer.run_step(batch)
         reads.append(counter.count)
-        losses.append(trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)["loss"])
+        losses.append(trainer.run.metrics.read(average_over=trainer.state.dp, loss_from=trainer.state.pp)["loss"])
         if step + 1 == save_at:
             trainer.save_checkpoint(step + 1, sync=True)
     trainer.finish_checkpoints()
-    trainer.loader.close()
-    microbatches = trainer.recipe.parallel.microbatches
+    trainer.run.loader.close()
+    microbatches = trainer.state.recipe.parallel.microbatches
     step_loads = {}
     for (name, _), forwards in zip(layers, loads, strict=True):
         per_step = torch.stack([sum(forwards[s * microbatches:(s + 1) * microbatches]) for s in range(steps)])

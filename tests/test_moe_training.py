@@ -186,7 +186,7 @@ def _host_reads_worker(rank, world, recipe_yaml, prepared):
     from test_trainer import HostReadCounter
 
     trainer = Trainer(validate_recipe(load_recipe_text(recipe_yaml), world), prepared, rank, world)
-    batches = iter(trainer.loader)
+    batches = iter(trainer.run.loader)
     counts = []
     for _ in range(3):
         batch = next(batches)
@@ -194,7 +194,7 @@ def _host_reads_worker(rank, world, recipe_yaml, prepared):
             trainer.run_step(batch)
         counts.append(counter.count)
     layers = moe_layers(trainer.state.stages)
-    trainer.loader.close()
+    trainer.run.loader.close()
     return counts, [layer.stats.forwards for _, layer in layers]
 
 

@@ -126,13 +126,13 @@ def _resume_lr_worker(rank, world, recipe_yaml, prepared, steps):
     from plait.train.trainer import Trainer
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    batches, lrs = iter(trainer.loader), []
+    batches, lrs = iter(trainer.run.loader), []
     for _ in range(steps):
         lrs.append(trainer.run_step(next(batches)))
-        if trainer.start_step == 0 and len(lrs) == 2:
+        if trainer.state.start_step == 0 and len(lrs) == 2:
             trainer.save_checkpoint(2, sync=True)
-    trainer.loader.close()
-    return {"start": trainer.start_step, "lrs": lrs}
+    trainer.run.loader.close()
+    return {"start": trainer.state.start_step, "lrs": lrs}
 
 
 def test_resumed_learning_rate_schedule_continues(corpus, tmp_path):

@@ -66,7 +66,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at):
 
     torch.manual_seed(0)
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    run_step, done = trainer.run_step, {"n": trainer.start_step}
+    run_step, done = trainer.run_step, {"n": trainer.state.start_step}
 
     def step(batch):
         lr = run_step(batch)
@@ -82,8 +82,8 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at):
         trained |= {name for name, p in stage.named_parameters() if p.requires_grad}
     weights = {}
     for stage in trainer.state.stages:
-        weights.update({k: v for k, v in full_state_dict(stage, trainer.tp).items() if k in trained})
-    return {"start": trainer.start_step, "signal": trainer.stopped_by_signal, "weights": weights}
+        weights.update({k: v for k, v in full_state_dict(stage, trainer.state.tp).items() if k in trained})
+    return {"start": trainer.state.start_step, "signal": trainer.stopped_by_signal, "weights": weights}
 
 
 def _run(task, mode: str, out, layout: list[str], world: int, signal_at: int = -1, extra: tuple = ()) -> list[dict]:
@@ -177,7 +177,7 @@ def _logits_worker(rank, world, recipe_yaml, prepared, ids):
     from plait.train.trainer import Trainer
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    trainer.loader.close()
+    trainer.run.loader.close()
     with torch.no_grad():
         return StagesCausalLM(trainer.state.stages, trainer.state.mesh)(ids)
 

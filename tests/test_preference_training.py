@@ -44,22 +44,24 @@ def _items(root, objective: str, extra: list[str]) -> list[str]:
 
 def _worker(rank, world, recipe_yaml, prepared, steps, fit):
     from plait.config import validate_recipe
+    from plait.train.objectives import PreferenceObjective
     from plait.train.trainer import Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
     if fit:
         return {"fit": trainer.fit()}
-    batches, losses, pairs = iter(trainer.loader), [], []
+    batches, losses, pairs = iter(trainer.run.loader), [], []
     for _ in range(steps):
         trainer.run_step(next(batches))
-        losses.append(trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)["loss"])
-        head = trainer.state.preference
-        assert head is not None
-        pairs.append(head.read("train", trainer.pp, trainer.dp))
-    trainer.loader.close()
+        losses.append(trainer.run.metrics.read(average_over=trainer.state.dp, loss_from=trainer.state.pp)["loss"])
+        objective = trainer.state.objective
+        assert isinstance(objective, PreferenceObjective)
+        head = objective.head
+        pairs.append(head.read("train", trainer.state.pp, trainer.state.dp))
+    trainer.run.loader.close()
     rows = trainer.state.train_data.row_pairs
-    return {"losses": losses, "pairs": pairs, "eval": trainer._eval_fields(),
+    return {"losses": losses, "pairs": pairs, "eval": trainer.evaluate(),
             "pairs_per_row": sorted({int(n) for n in rows}) if rows is not None else []}
 
 

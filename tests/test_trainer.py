@@ -63,7 +63,7 @@ def _host_reads_worker(rank, world, recipe_yaml, prepared):
 
     resolved = validate_recipe(load_recipe_text(recipe_yaml), world)
     trainer = Trainer(resolved, prepared, rank, world)
-    batches = iter(trainer.loader)
+    batches = iter(trainer.run.loader)
     counts = []
     for _ in range(4):
         batch = next(batches)
@@ -72,8 +72,8 @@ def _host_reads_worker(rank, world, recipe_yaml, prepared):
         counts.append(counter.count)
     # the logging step reads the interval's sums once, and the probe can tell
     with HostReadCounter() as counter:
-        trainer.metrics.read(average_over=trainer.dp)
-    trainer.loader.close()
+        trainer.run.metrics.read(average_over=trainer.state.dp)
+    trainer.run.loader.close()
     return counts, counter.count
 
 
@@ -131,11 +131,11 @@ def _losses_worker(rank, world, recipe_yaml, prepared, steps):
     from plait.train.trainer import Trainer
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    batches, losses = iter(trainer.loader), []
+    batches, losses = iter(trainer.run.loader), []
     for _ in range(steps):
         trainer.run_step(next(batches))
-        losses.append(trainer.metrics.read(average_over=trainer.dp)["loss"])
-    trainer.loader.close()
+        losses.append(trainer.run.metrics.read(average_over=trainer.state.dp)["loss"])
+    trainer.run.loader.close()
     return losses
 
 

@@ -99,7 +99,7 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at):
     from plait.train.trainer import Trainer
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    run_step, done = trainer.run_step, [trainer.start_step]
+    run_step, done = trainer.run_step, [trainer.state.start_step]
 
     def step(batch):
         lr = run_step(batch)
@@ -113,8 +113,8 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at):
     out = io.StringIO()
     if not trainer.stopped_by_signal:
         with contextlib.redirect_stdout(out):
-            trainer.finish(final, prepared)
-    return {"final": final, "start": trainer.start_step, "stdout": out.getvalue()}
+            trainer.finish(final)
+    return {"final": final, "start": trainer.state.start_step, "stdout": out.getvalue()}
 
 
 def _fit(corpus, out, items, signal_at=-1):

@@ -23,6 +23,7 @@ from plait.data_parallel import DistributedOptimizer, OptimizerHyper
 from plait.materialize import build_llama_stages
 from plait.mesh import single_process_mesh
 from plait.models.llama.config import LlamaConfig
+from plait.pipeline.hooks import RuntimeHooks
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import policy_for
 from plait.tensor_parallel.attention import ParallelSelfAttention
@@ -181,12 +182,13 @@ def _runtime_and_optimizer(schedule: str, wire: str):
     # small buckets: several of them, some holding only B parameters, some only deferred weights
     opt = DistributedOptimizer([stage], policy_for("fp32"), OptimizerHyper(lr=1e-3, weight_decay=0.0,
                                betas=(0.9, 0.95), eps=1e-8), dp=SOLO, tp=SOLO, bucket_mb=0.01)
-    runtime = PipelineRuntime([stage], mesh, schedule=schedule, microbatches=3, micro_batch_size=2, seq_len=8,
-                              hidden_size=32, sequence_parallel=False, dtype=torch.float32)
+    hooks = RuntimeHooks()
     if wire == "modules":
-        runtime.before_last_backward = lambda chunk: opt.grads.mark_final([stage])
+        hooks = RuntimeHooks(before_last_backward=lambda chunk: opt.grads.mark_final([stage]))
     if wire == "params":
-        runtime.mark_final_params = opt.grads.mark_final_params
+        hooks = RuntimeHooks(mark_final_params=opt.grads.mark_final_params)
+    runtime = PipelineRuntime([stage], mesh, schedule=schedule, microbatches=3, micro_batch_size=2, seq_len=8,
+                              hidden_size=32, sequence_parallel=False, dtype=torch.float32, hooks=hooks)
     return runtime, opt, stage
 
 
@@ -223,8 +225,6 @@ def test_marking_before_the_last_b_would_be_caught():
     # timing) makes a deferred weight's W after it arrive at a started bucket, which GradSync refuses
     runtime, opt, stage = _runtime_and_optimizer("zb-h1", "none")
     runtime.use_tasks(_parse(LATE_TAIL))
-    runtime.before_last_backward = None
-    runtime.mark_final_params = None
     original = runtime._before_last
     runtime._before_last = lambda chunk, weights: opt.grads.mark_final([stage]) if not weights else None
     batch = torch.randint(0, 64, (3, 2, 8), generator=torch.Generator().manual_seed(0))

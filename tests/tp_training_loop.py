@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.data.sequences import batch_at
+from token_sequences import batch_at
 
 
 def no_decay(name: str) -> bool:

@@ -27,16 +27,16 @@ def train_and_gather(trainer, steps: int) -> dict:
     """``steps`` steps of ``trainer``: per-step losses and grad norms, and the full weights after."""
     from plait.parallel_state import full_state_dict
 
-    batches, losses, norms = iter(trainer.loader), [], []
+    batches, losses, norms = iter(trainer.run.loader), [], []
     for _ in range(steps):
         trainer.run_step(next(batches))
-        read = trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)
+        read = trainer.run.metrics.read(average_over=trainer.state.dp, loss_from=trainer.state.pp)
         losses.append(read["loss"])
         norms.append(read["grad_norm"])
-    trainer.loader.close()
+    trainer.run.loader.close()
     weights = {}
     for module in trainer.state.stages:
-        weights.update({k: v.float() for k, v in full_state_dict(module, trainer.tp).items()})
+        weights.update({k: v.float() for k, v in full_state_dict(module, trainer.state.tp).items()})
     return {"losses": losses, "norms": norms, "weights": weights}
 
 
@@ -46,7 +46,7 @@ def _train_worker(rank, world, recipe_yaml, prepared, steps):
 
     torch.manual_seed(0)
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    return {**train_and_gather(trainer, steps), "memory": trainer.optimizer.memory_report()}
+    return {**train_and_gather(trainer, steps), "memory": trainer.state.optimizer.memory_report()}
 
 
 def run_recipe(corpus, out_dir, items: list[str], world: int, steps: int) -> list[dict]:
@@ -85,18 +85,18 @@ def _checkpoint_worker(rank, world, recipe_yaml, prepared, steps, save_at):
     from plait.train.trainer import Trainer
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    batches, losses = iter(trainer.loader), []
-    for step in range(trainer.start_step, trainer.start_step + steps):
+    batches, losses = iter(trainer.run.loader), []
+    for step in range(trainer.state.start_step, trainer.state.start_step + steps):
         trainer.run_step(next(batches))
-        losses.append(trainer.metrics.read(average_over=trainer.dp, loss_from=trainer.pp)["loss"])
+        losses.append(trainer.run.metrics.read(average_over=trainer.state.dp, loss_from=trainer.state.pp)["loss"])
         if step + 1 == save_at:
             trainer.save_checkpoint(step + 1)
     trainer.finish_checkpoints()
-    trainer.loader.close()
+    trainer.run.loader.close()
     weights = {}
     for module in trainer.state.stages:
-        weights.update(full_state_dict(module, trainer.tp))
-    return {"losses": losses, "weights": weights, "start": trainer.start_step}
+        weights.update(full_state_dict(module, trainer.state.tp))
+    return {"losses": losses, "weights": weights, "start": trainer.state.start_step}
 
 
 def run_checkpointed(corpus, out_dir, items: list[str], world: int, steps: int, save_at: int = -1, *,
@@ -122,8 +122,8 @@ def _eval_worker(rank, world, recipe_yaml, prepared):
     from plait.train.trainer import Trainer
 
     trainer = Trainer(validate_recipe(yaml.safe_load(recipe_yaml), world), prepared, rank, world)
-    trainer.loader.close()
-    return trainer._eval_fields()["val_loss"]
+    trainer.run.loader.close()
+    return trainer.evaluate()["val_loss"]
 
 
 def run_eval(corpus, out_dir, items: list[str], world: int) -> list[float]:

@@ -12,13 +12,14 @@ initial model scored) is rebuilt from that same base, never saved.
 So a resume is exact only when the recipe trains the same kind of thing (full model or adapters
 with the same rank, scale and targets) from the same base; :func:`resume_problems` lists every
 difference in one message, and runs both before launch (``plait train``, from the manifest
-alone) and inside :func:`plait.checkpoint.training.restore`. Checkpoints written before the
+alone) and inside :func:`plait.train.checkpointing.restore`. Checkpoints written before the
 manifest recorded this are read by their tensor names (``.lora.`` in a name: adapters), with
 the base and the adapter settings then unknown and unchecked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,12 @@ from plait.models.errors import ModelConfigError
 
 #: the ``contents`` entry of a manifest: which parameters it holds and what the rest comes from
 CONTENTS_KEY = "contents"
+
+
+def model_config_dict(config: Any) -> dict[str, Any]:
+    """The constructor arguments of a model family's config dataclass (JSON-safe): the manifest's
+    ``model_config``."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
 
 
 def base_of(recipe: Recipe) -> dict[str, Any]:

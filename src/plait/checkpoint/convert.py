@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from plait.checkpoint.contents import saved_contents
+from plait.checkpoint.contents import model_config_dict, saved_contents
 from plait.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -44,7 +44,6 @@ from plait.checkpoint.format import (
 )
 from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.store import commit
-from plait.checkpoint.training import model_config_dict
 from plait.checkpoint.writer import DTYPE_NAMES
 from plait.data.tokenizer_files import copy_model_use_files
 from plait.materialize import build_model

@@ -33,19 +33,17 @@ parameters are marked before its last B and the deferred weights before its last
 ``before_last_backward(chunk)`` is called before the stage's last W (correct, but buckets whose
 parameters all got their last gradient in B then start only in the final flush).
 
-Sequence-level objectives (preference training) plug in two ways, both optional: a ``loss_head``
-whose :meth:`LossHead.bind` gives the last stage, per micro-batch, the loss to compute from its
-logits; and a ``reference_pass`` run over the same batch before each run's schedule (a
-forward-only pass, through the pipeline, of the reference model whose last stage keeps the
-reference log-probabilities for the policy's loss).
+Whatever a feature plugs in (the data-parallel markers, a sequence-level loss head, a reference
+model's pass, context parallelism's batch split) comes in one :class:`~plait.pipeline.hooks.RuntimeHooks`
+given at construction.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,8 +51,8 @@ from torch import nn
 
 from plait.data.batch import TokenBatch, as_token_batch
 from plait.mesh import ParallelMesh
-from plait.nn.output import SequenceLoss
 from plait.pipeline import tasks as T
+from plait.pipeline.hooks import RuntimeHooks
 from plait.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_tasks
 from plait.tensor_parallel.weight_grad import WeightGradQueue
 from plait.tensor_parallel.weight_grad_attach import attach_weight_grad_queue
@@ -69,24 +67,15 @@ class _InFlight:
     output_grad: torch.Tensor | None = None
 
 
-@dataclass
-class StepResult:
-    """Loss sum over this rank's last-stage microbatches (zero elsewhere), on the device."""
-
-    loss_sum: torch.Tensor
-    pending: list = field(default_factory=list)
-
-
-class LossHead(Protocol):
-    """What the last stage computes its loss with when it is not the next-token loss."""
-
-    def bind(self, tokens: TokenBatch, microbatch: int, train: bool) -> SequenceLoss: ...
-
-
 class PipelineRuntime:
+    """Runs one rank's stages through its schedule; ``hooks``: what the run plugs in (see
+    :class:`~plait.pipeline.hooks.RuntimeHooks`). ``precision_context()``: entered around every
+    forward (autocast for a mixed-precision preset)."""
+
     def __init__(self, stages: list[nn.Module], mesh: ParallelMesh, *, schedule: str, microbatches: int,
                  micro_batch_size: int, seq_len: int, hidden_size: int, sequence_parallel: bool,
-                 dtype: torch.dtype, precision_context=None) -> None:
+                 dtype: torch.dtype, precision_context: Callable[[], AbstractContextManager[object]] | None = None,
+                 hooks: RuntimeHooks | None = None) -> None:
         self.stages, self.mesh = stages, mesh
         self.pp, self.rank = mesh.pp, mesh.pp_rank
         self.vpp = len(stages)
@@ -100,16 +89,9 @@ class PipelineRuntime:
         self.seq_len, self.dtype = seq_len, dtype
         self.device = next(stages[0].parameters()).device
         self.precision_context = precision_context
-        #: called with a chunk index just before that chunk's last backward of the step (the
-        #: optimizer then lets the data-parallel reduction of the chunk's buckets start); with a
-        #: split-backward schedule and no ``mark_final_params``, before the chunk's last W instead
-        self.before_last_backward: Callable[[int], None] | None = None
+        #: what the run plugs in; replaced as a whole, never patched field by field
+        self.hooks = hooks if hooks is not None else RuntimeHooks()
         self.use_tasks(schedule_tasks(schedule, self.rank, self.pp, microbatches, self.vpp))
-        #: with a split-backward schedule: called with a list of parameters whose next gradient is
-        #: their last of the step (the data-parallel ``GradSync.mark_final_params``), before the
-        #: last B (parameters not deferred) and the last W (deferred weights) of each stage; takes
-        #: precedence over ``before_last_backward`` for such schedules
-        self.mark_final_params: Callable[[Sequence[torch.Tensor]], None] | None = None
         #: the deferred weight-gradient products of a split-backward schedule (``None`` otherwise)
         self.weight_grads: WeightGradQueue | None = None
         self._deferred: list[list[torch.Tensor]] = [[] for _ in stages]
@@ -124,13 +106,6 @@ class PipelineRuntime:
         self._pool: list[torch.Tensor] = []
         #: ``False``: a fresh buffer for every receive (the behaviour before pooling, for comparisons)
         self.reuse_receive_buffers = True
-        #: the last stage's loss per micro-batch, when it is not the output module's next-token loss
-        self.loss_head: LossHead | None = None
-        #: run over each batch (already on the device) before the schedule: a reference model's pass
-        self.reference_pass: Callable[[TokenBatch], None] | None = None
-        #: cuts each batch (on the device) to this rank's share of the sequence: context parallelism
-        #: (:func:`plait.context_parallel.batch.split_token_batch`); ``None``: whole sequences
-        self.split_batch: Callable[[TokenBatch], TokenBatch] | None = None
 
     def use_tasks(self, tasks: list[T.Task]) -> None:
         """Run ``tasks`` instead of the schedule's list (the same kinds of task; for tests and tools)."""
@@ -150,7 +125,7 @@ class PipelineRuntime:
         return (microbatch * self.num_stages + stage) * 2 + kind
 
     # ------------------------------------------------------------------ execution
-    def _context(self):
+    def _context(self) -> AbstractContextManager[object]:
         return self.precision_context() if self.precision_context else contextlib.nullcontext()
 
     def loss_normalizer(self, batch: TokenBatch) -> float | None:
@@ -171,23 +146,23 @@ class PipelineRuntime:
         ``reference_pass`` it runs over the batch first (training and evaluation alike).
         """
         tokens = as_token_batch(batch).to(self.device)
-        if self.split_batch is not None:
-            tokens = self.split_batch(tokens)
-        if self.reference_pass is not None:
-            self.reference_pass(tokens)
+        if self.hooks.split_batch is not None:
+            tokens = self.hooks.split_batch(tokens)
+        if self.hooks.reference_pass is not None:
+            self.hooks.reference_pass(self, tokens)
         return self.execute(tokens, train=train)
 
     def execute(self, tokens: TokenBatch, *, train: bool) -> torch.Tensor:
         """The schedule over ``tokens`` (on the device), without the reference pass: see :meth:`run`."""
         ids = tokens.input_ids
-        head = self.loss_head
+        head = self.hooks.loss_head
         normalizer = None if head is not None else self.loss_normalizer(tokens)
         m = self.microbatches
         loss_sum = torch.zeros((), device=self.device)
         state: dict[tuple[int, int], _InFlight] = {}
         received: dict[tuple[int, int], torch.Tensor] = {}
-        pending: list = []
-        act_sends: dict[tuple[int, int], tuple] = {}
+        pending: list[dist.Work | torch.Tensor] = []
+        act_sends: dict[tuple[int, int], tuple[dist.Work | None, torch.Tensor]] = {}
         tasks = self.tasks if train else self._forward_only_tasks()
         receives = _Receives(self, list(tasks), train)
         for index, task in enumerate(tasks):
@@ -269,12 +244,13 @@ class PipelineRuntime:
         """Tell the data-parallel side that ``chunk``'s last gradients come next: before the last
         Backward (``weights=False``) or, with a split backward, before the last WeightGrad."""
         split = self.weight_grads is not None
-        if split and self.mark_final_params is not None:
+        hooks = self.hooks
+        if split and hooks.mark_final_params is not None:
             deferred = {id(p) for p in self._deferred[chunk]}
             params = [p for p in self.stages[chunk].parameters() if (id(p) in deferred) == weights]
-            self.mark_final_params(params)
-        elif self.before_last_backward is not None and weights == split:
-            self.before_last_backward(chunk)
+            hooks.mark_final_params(params)
+        elif hooks.before_last_backward is not None and weights == split:
+            hooks.before_last_backward(chunk)
 
     def _post_receive(self, task: T.RecvActivation | T.RecvGradient) -> tuple[dist.Work | None, torch.Tensor]:
         """Issue ``task``'s receive into a pooled buffer: ``(work, buffer)``."""

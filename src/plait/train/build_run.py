@@ -2,10 +2,11 @@
 
 :func:`build_run` is the only place that turns a recipe into live training objects: the mesh, the
 data, this rank's pipeline stages (one stage holding every layer when ``pp == 1``), the runtime
-that drives them with a schedule, the optimizer, the learning-rate schedule, and the position in
-the data and in the RNG streams (from a checkpoint when the recipe resumes). The training loop,
-the checkpoint writer and reader, evaluation and the end-of-run outputs all take the
-:class:`RunState` it returns; nothing receives "the whole trainer".
+that drives them with a schedule (its hooks given at construction), the optimizer, the
+learning-rate schedule, the objective and the feature plug-ins (:mod:`plait.train.plugins`), the
+position in the data and in the RNG streams (from a checkpoint when the recipe resumes), and the
+loop's tools: the batch loader, the checkpoint writer, the final export, the stall watchdog, the
+metric sinks. It returns them as one :class:`~plait.train.run.Run`; the trainer only loops.
 
 Order of construction (fixed, commented where it matters):
 
@@ -18,15 +19,19 @@ Order of construction (fixed, commented where it matters):
 4. activation checkpointing (after the TP swap and the pipeline split, on the swapped modules), then
    ``train.compile`` (:mod:`plait.train.compile`: compiled units around the checkpointed modules);
 5. the optimizer, which takes ownership of the weights (flat buffers) and gradients;
-6. the pipeline runtime (any ``pp``, including 1) and its hook that lets each stage's
+6. the pipeline runtime (any ``pp``, including 1) with its hooks: the one that lets each stage's
    data-parallel reduction start during its last backward; for a preference objective, the
    loss head on the last stage and the reference model's pass (:mod:`plait.train.preference`);
-7. resume: interrupted saves removed, the checkpoint loaded, then the learning-rate schedule
-   placed at the resumed step through the scheduler's public constructor.
+   under context parallelism, the batch split;
+7. the objective and the plug-ins (MoE load balancing and statistics, compile timing);
+8. resume: interrupted saves removed, the checkpoint loaded, then the learning-rate schedule
+   placed at the resumed step through the scheduler's public constructor;
+9. the loop's tools, which depend on the start step (the loader, the metric sinks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -38,30 +43,51 @@ from torch.optim.lr_scheduler import LambdaLR
 from plait.activation_checkpointing import apply_activation_checkpointing
 from plait.checkpoint.contents import resume_target
 from plait.checkpoint.store import remove_incomplete
-from plait.checkpoint.training import restore
+from plait.checkpoint.writer import CheckpointWriter
 from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
 from plait.context_parallel.apply import apply_context_parallel
 from plait.context_parallel.attention import ContextParallel
 from plait.context_parallel.batch import split_token_batch
+from plait.data.batch import TokenBatch
+from plait.data.loader import BatchLoader
+from plait.data.sampler import GlobalBatchSampler
 from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+from plait.devices import detect_device, peak_flops
 from plait.lora import LoraSettings, apply_lora, load_peft_adapter
 from plait.materialize import build_stages, rng_tracker_of
 from plait.mesh import ParallelMesh
 from plait.models.family import config_of
+from plait.models.flops import model_flops_per_token
 from plait.models.llama.config import LlamaConfig
-from plait.moe import configure_moe
+from plait.moe import configure_moe, is_moe_config
 from plait.moe.expert_parallel import expert_parameter_names
+from plait.moe.load_map import MOE_LOAD_FILE
+from plait.moe.step_load import attach_load_balancing
+from plait.pipeline.hooks import LossHead, ReferencePass, RuntimeHooks
 from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
+from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy, policy_for
+from plait.train.agreement import RankAgreement, StopSignals
+from plait.train.checkpointing import RunCheckpoints, restore
 from plait.train.compile import compile_stages, use_compile_cache
-from plait.train.preference import attach_preference, freeze
+from plait.train.compile_timing import CompileTiming
+from plait.train.final_export import AdapterExport, FullModelExport, run_model_use_files
+from plait.train.host_syncs import HostSyncDetector
+from plait.train.loggers import JsonlSink, MetricsSink, MultiSink, ProgressSink, TensorBoardSink, keep_metrics_through
+from plait.train.moe_statistics import MoeStatistics
+from plait.train.objectives import NextTokenObjective, PreferenceObjective, Validation
+from plait.train.plugins import FinalExport, Objective, StepPlugin
+from plait.train.preference import freeze, preference_head, reference_pass_for
 from plait.train.reference_precompute import attach_precomputed_reference
+from plait.train.run import Run
 from plait.train.run_state import Dataset, RunState
+from plait.train.running_metrics import RunningMetrics
 from plait.train.schedules import build_scheduler
+from plait.train.watchdog import Watchdog
 
 
 def build_mesh(resolved: ResolvedRecipe, rank: int, world: int) -> ParallelMesh:
@@ -107,18 +133,21 @@ def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: Pa
 
 def build_runtime(stages: list[nn.Module], mesh: ParallelMesh, policy: PrecisionPolicy,
                   optimizer: DistributedOptimizer, *, schedule: str, microbatches: int, micro_batch_size: int,
-                  seq_len: int, sequence_parallel: bool) -> PipelineRuntime:
-    """The runtime that drives ``stages`` (any pipeline degree, 1 included), with the hook that lets
-    each stage's data-parallel reduction start just before its last backward of a step."""
+                  seq_len: int, sequence_parallel: bool, split_batch: Callable[[TokenBatch], TokenBatch] | None = None,
+                  loss_head: LossHead | None = None, reference_pass: ReferencePass | None = None) -> PipelineRuntime:
+    """The runtime that drives ``stages`` (any pipeline degree, 1 included), with the hooks that let
+    each stage's data-parallel reduction start just before its last backward of a step, and the
+    objective's and context parallelism's hooks (see :class:`~plait.pipeline.hooks.RuntimeHooks`)."""
     device = next(stages[0].parameters()).device
-    runtime = PipelineRuntime(stages, mesh, schedule=schedule, microbatches=microbatches,
-                              micro_batch_size=micro_batch_size, seq_len=seq_len,
-                              hidden_size=config_of(stages[0]).hidden_size, sequence_parallel=sequence_parallel,
-                              dtype=policy.param_dtype, precision_context=(lambda: policy.compute_context(device)))
     grads = optimizer.grads
-    runtime.before_last_backward = lambda chunk: grads.mark_final([stages[chunk]])
-    runtime.mark_final_params = grads.mark_final_params  # split backward (zb-h1): per parameter, after its last W
-    return runtime
+    hooks = RuntimeHooks(before_last_backward=lambda chunk: grads.mark_final([stages[chunk]]),
+                         mark_final_params=grads.mark_final_params,  # split backward (zb-h1): per parameter
+                         loss_head=loss_head, reference_pass=reference_pass, split_batch=split_batch)
+    return PipelineRuntime(stages, mesh, schedule=schedule, microbatches=microbatches,
+                           micro_batch_size=micro_batch_size, seq_len=seq_len,
+                           hidden_size=config_of(stages[0]).hidden_size, sequence_parallel=sequence_parallel,
+                           dtype=policy.param_dtype, precision_context=lambda: policy.compute_context(device),
+                           hooks=hooks)
 
 
 def context_parallel_for(recipe: Recipe, mesh: ParallelMesh) -> ContextParallel:
@@ -178,9 +207,81 @@ def open_datasets(recipe: Recipe, prepared_dir: str | Path) -> tuple[Dataset, Da
     return RowDataset(prepared_dir, "train"), RowDataset(prepared_dir, "val")
 
 
-def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, world: int) -> RunState:
-    """Build this rank's :class:`RunState` (see the module docstring for the order)."""
+def objective_for(recipe: Recipe, head: PreferenceHead | None, validation: Validation,
+                  prepared_dir: Path, vocab_size: int) -> Objective:
+    """``train.objective``'s plug-in: the preference objectives read their head; ``lm`` on plain
+    text compares with the unigram baseline of the prepared text."""
+    if head is not None:
+        return PreferenceObjective(recipe.train.objective, head, validation)
+    text = recipe.data.format == "text"
+    return NextTokenObjective(recipe.train.objective, validation, prepared_dir if text else None, vocab_size)
+
+
+def plugins_for(resolved: ResolvedRecipe, stages: list[nn.Module], mesh: ParallelMesh, config: LlamaConfig,
+                control: dist.ProcessGroup | None, agreement: RankAgreement, rank: int, world: int) -> list[StepPlugin]:
+    """The recipe's stateful features, in the order the loop calls them."""
     r = resolved.recipe
+    plugins: list[StepPlugin] = []
+    if is_moe_config(config):
+        # the step's expert load over the replicas (global-batch aux loss, sigmoid router bias); None if unused
+        balancing = attach_load_balancing(
+            stages, r.moe, mesh.info("dp_cp"), microbatches=r.parallel.microbatches,
+            sequence=mesh.info("tp") if r.parallel.sequence_parallel else None)
+        load_file = Path(resolved.output_dir) / MOE_LOAD_FILE if rank == 0 else None
+        plugins.append(MoeStatistics(stages, balancing, control, world, load_file, plot=r.logging.plot,
+                                     steps=r.train.steps))
+    if r.train.compile:
+        plugins.append(CompileTiming(agreement))
+    return plugins
+
+
+def final_export_for(state: RunState, checkpoints: RunCheckpoints) -> FinalExport:
+    """A LoRA run exports its adapter; every other run the whole model."""
+    if state.recipe.lora.rank is not None:
+        return AdapterExport(state, checkpoints)
+    return FullModelExport(state, checkpoints)
+
+
+def measure_peak_once(recipe: Recipe, rank: int, world: int, device: torch.device) -> float:
+    """The per-device peak FLOP/s, measured (CPU) or looked up once, on rank 0, then shared.
+
+    Measuring on one rank while the others wait keeps the matmul probe from competing with
+    itself on a shared host; it also keeps the probe out of every timed interval.
+    """
+    dtype = "fp32" if recipe.precision.preset == "fp32" else "bf16"
+    value = torch.zeros(1, dtype=torch.float64)
+    if rank == 0:
+        value[0] = peak_flops(detect_device(), dtype, torch.get_num_threads())
+    if world > 1:
+        buf = value.to(device)  # NCCL needs a device tensor; gloo takes the CPU one
+        dist.broadcast(buf, src=0)
+        value = buf.cpu()
+    return float(value[0])
+
+
+def metric_sinks(recipe: Recipe, out: Path, start_step: int) -> MultiSink:
+    """The writing rank's sinks. A resumed run continues the run's ``metrics.jsonl`` from its start
+    step (records past it, from steps trained again now, are dropped); a fresh run starts it anew."""
+    lg = recipe.logging
+    out.mkdir(parents=True, exist_ok=True)
+    sinks: list[MetricsSink] = []
+    if lg.jsonl:
+        metrics = out / "metrics.jsonl"
+        resumed = start_step > 0 and metrics.is_file()
+        if resumed:
+            keep_metrics_through(metrics, start_step)
+        sinks.append(JsonlSink(metrics, append=resumed))
+    if lg.tensorboard:
+        sinks.append(TensorBoardSink(out / "tensorboard"))
+    sinks.append(ProgressSink(recipe.train.steps, enabled=lg.progress_bar, initial=start_step))
+    return MultiSink(sinks)
+
+
+def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, world: int) -> Run:
+    """Build this rank's :class:`~plait.train.run.Run` (see the module docstring for the order)."""
+    r = resolved.recipe
+    prepared_dir = Path(prepared_dir)
+    out = Path(resolved.output_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = build_mesh(resolved, rank, world)
     policy = policy_for(r.precision.preset, r.precision.knobs())
@@ -211,23 +312,49 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
         compile_stages(stages, t.compile_mode)
     optimizer = build_optimizer(resolved, stages, mesh, policy)
     p = r.parallel
+    head = preference_head(resolved, mesh, config.vocab_size, device)
+    reference_pass = None
+    if head is not None:
+        reference_stages = None
+        if r.preference.reference_mode(t.objective, lo.rank) == "frozen":  # the initial model, built the same way
+            reference_stages = freeze(build_stages_for(resolved, mesh, config, train_data.vocab_size, device),
+                                      policy.param_dtype)
+        reference_pass = reference_pass_for(resolved, head, mesh, policy, config.hidden_size,
+                                            lambda: policy.compute_context(device), reference_stages)
+    split = None
+    if p.cp > 1:  # every batch (training and evaluation) is cut to this rank's zigzag chunks
+        split = partial(split_token_batch, split=context.split(r.data.seq_len), rank=context.info.rank)
     runtime = build_runtime(stages, mesh, policy, optimizer, schedule=p.schedule, microbatches=p.microbatches,
                             micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len // p.cp,
-                            sequence_parallel=p.sequence_parallel)
-    if p.cp > 1:  # every batch (training and evaluation) is cut to this rank's zigzag chunks
-        runtime.split_batch = partial(split_token_batch, split=context.split(r.data.seq_len), rank=context.info.rank)
-    reference_stages = None
-    if r.preference.reference_mode(t.objective, lo.rank) == "frozen":  # the initial model, built the same way
-        reference_stages = freeze(build_stages_for(resolved, mesh, config, train_data.vocab_size, device),
-                                  policy.param_dtype)
-    head = attach_preference(resolved, runtime, mesh, policy, config.vocab_size, reference_stages)
+                            sequence_parallel=p.sequence_parallel, split_batch=split, loss_head=head,
+                            reference_pass=reference_pass)
+    control = _control_group(world)
+    watchdog = Watchdog(t.stall_timeout_s, rank, dump_dir=out)  # hang/rank-N.txt on a stall
+    agreement = RankAgreement(control, watchdog)
+    validation = Validation(runtime, val_data, global_batch=resolved.global_batch_size, batches=t.eval_batches,
+                            microbatches=p.microbatches, micro_batch_size=r.data.micro_batch_size,
+                            dp=mesh.info("dp"), pp=mesh.info("pp"))
     state = RunState(resolved=resolved, rank=rank, world=world, device=device, mesh=mesh, policy=policy,
                      config=config, stages=stages, runtime=runtime, optimizer=optimizer,
                      scheduler=scheduler_at(optimizer.inner, r, 0), train_data=train_data, val_data=val_data,
-                     dropout_seed=seed, control=_control_group(world), preference=head,
-                     reference_stages=reference_stages)
-    if r.preference.reference_mode(t.objective, lo.rank) == "precompute":  # scored by the initial model
-        attach_precomputed_reference(state, prepared_dir)
+                     dropout_seed=seed, control=control,
+                     objective=objective_for(r, head, validation, prepared_dir, train_data.vocab_size),
+                     plugins=plugins_for(resolved, stages, mesh, config, control, agreement, rank, world))
+    if head is not None and r.preference.reference_mode(t.objective, lo.rank) == "precompute":
+        attach_precomputed_reference(state, head, prepared_dir)  # scored by the initial model
     state.start_step = _resume(state)  # the checkpoint is restored into this state
     state.scheduler = scheduler_at(optimizer.inner, r, state.start_step)
-    return state
+    c = r.checkpoint
+    checkpoints = RunCheckpoints(state, CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
+                                                         keep_every=c.keep_every),
+                                 run_model_use_files(state), asynchronous=c.async_save)
+    sampler = GlobalBatchSampler(len(train_data), resolved.global_batch_size, r.run.seed)
+    loader = BatchLoader(train_data, sampler, dp_rank=state.dp.rank, dp=state.dp.size, microbatches=p.microbatches,
+                         prefetch=r.data.prefetch, start_step=state.start_step)
+    fpt = model_flops_per_token(config, r.data.seq_len, weight_gradients=lo.rank is None)  # a frozen base: 4N
+    return Run(state=state, loader=loader, checkpoints=checkpoints, export=final_export_for(state, checkpoints),
+               watchdog=watchdog, agreement=agreement, signals=StopSignals(agreement),
+               metrics=RunningMetrics(device), sinks=metric_sinks(r, out, state.start_step) if rank == 0 else None,
+               host_syncs=HostSyncDetector(device, steps=3 if t.detect_host_syncs else 0),
+               peak_flops=measure_peak_once(r, rank, world, device), flops_per_token=fpt, out=out,
+               prepared_dir=prepared_dir)

@@ -108,7 +108,7 @@ def train_worker(recipe_yaml: str) -> None:
         final = trainer.fit()
         if trainer.stopped_by_signal:  # preempted: the checkpoint is written; leave quickly and cleanly
             exit_worker_now(0)  # the launcher is shutting down too; do not wait for it to collect a return value
-        trainer.finish(final, prepared)
+        trainer.finish(final)
         if trainer.stopped_by_signal:  # stopped during the end-of-run outputs: leave as after a preemption
             exit_worker_now(0)
     except USER_ERRORS as e:

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from plait.comm.primitives import GroupInfo
 from plait.data.batch import TokenBatch
 from plait.data.sft_prepare import RowDataset
 from plait.post_training.head import PreferenceHead
+
+if TYPE_CHECKING:
+    from plait.pipeline.runtime import PipelineRuntime
+    from plait.train.run_state import Dataset
 
 
 def validation_indices(num_sequences: int, global_batch: int, batches: int) -> list[int]:
@@ -35,8 +41,8 @@ def validation_indices(num_sequences: int, global_batch: int, batches: int) -> l
     return [i % num_sequences for i in range(whole * global_batch)]
 
 
-def rank_batches(dataset, *, global_batch: int, batches: int, microbatches: int, micro_batch_size: int,
-                 dp) -> Iterator[torch.Tensor | TokenBatch]:
+def rank_batches(dataset: Dataset, *, global_batch: int, batches: int, microbatches: int, micro_batch_size: int,
+                 dp: GroupInfo) -> Iterator[torch.Tensor | TokenBatch]:
     """This DP rank's share of each evaluated global batch, ``[microbatches, micro_batch_size, seq]``."""
     share = microbatches * micro_batch_size
     assert share * dp.size == global_batch, (share, dp.size, global_batch)
@@ -68,7 +74,7 @@ def local_loss_sum(loss: torch.Tensor, batch: torch.Tensor | TokenBatch, dp_size
     return loss.detach().double() * tokens, float(tokens)
 
 
-def mean_token_loss(totals: torch.Tensor, *groups) -> float:
+def mean_token_loss(totals: torch.Tensor, *groups: GroupInfo | None) -> float:
     """``totals`` = (sum of token losses, token count), float64, summed over ``groups`` then divided."""
     for g in groups:
         if g is not None and g.size > 1:
@@ -78,8 +84,8 @@ def mean_token_loss(totals: torch.Tensor, *groups) -> float:
 
 
 @torch.no_grad()
-def evaluate(runtime, dataset, *, global_batch: int, batches: int, microbatches: int,
-             micro_batch_size: int, dp, pp) -> float:
+def evaluate(runtime: PipelineRuntime, dataset: Dataset, *, global_batch: int, batches: int, microbatches: int,
+             micro_batch_size: int, dp: GroupInfo, pp: GroupInfo) -> float:
     """Validation loss through the rank's schedule (forward only; one stage without pipeline
     parallelism); see the module docstring.
 
@@ -100,8 +106,9 @@ def evaluate(runtime, dataset, *, global_batch: int, batches: int, microbatches:
 
 
 @torch.no_grad()
-def evaluate_preference(runtime, head: PreferenceHead, dataset, *, global_batch: int, batches: int,
-                        microbatches: int, micro_batch_size: int, dp, pp) -> dict[str, float]:
+def evaluate_preference(runtime: PipelineRuntime, head: PreferenceHead, dataset: Dataset, *, global_batch: int,
+                        batches: int, microbatches: int, micro_batch_size: int, dp: GroupInfo,
+                        pp: GroupInfo) -> dict[str, float]:
     """The preference objective on the same validation rows under every layout: ``val_loss`` (the
     per-pair loss averaged over every evaluated pair, plus the SFT term over their chosen tokens)
     and the pair metrics (``val_rewards/accuracy``, ...), read from the head's evaluation sums.

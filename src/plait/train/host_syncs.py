@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TextIO
 
 import torch
 
@@ -62,7 +63,7 @@ class _MethodCounter:
     def __init__(self, record: Callable[[str], None]) -> None:
         self.record = record
         self.thread = threading.get_ident()
-        self._orig: dict[str, Callable] = {}
+        self._orig: dict[str, Callable[..., Any]] = {}
         self._inside = False
 
     def __enter__(self) -> _MethodCounter:
@@ -70,7 +71,8 @@ class _MethodCounter:
             orig = getattr(torch.Tensor, name)
             self._orig[name] = orig
 
-            def wrapper(t, *a, _orig=orig, _name=name, **k):
+            def wrapper(t: torch.Tensor, *a: Any, _orig: Callable[..., Any] = orig, _name: str = name,
+                        **k: Any) -> Any:
                 # the first read only: .item() of a CUDA tensor may call other wrapped methods
                 if threading.get_ident() == self.thread and not self._inside:
                     self._inside = True
@@ -91,11 +93,12 @@ class _MethodCounter:
 
 
 class HostSyncDetector:
-    """Records the device-to-host reads of steps ``0 .. steps - 1`` (later steps run untouched)."""
+    """Records the device-to-host reads of steps ``0 .. steps - 1`` (later steps run untouched);
+    ``steps=0``: watches nothing (the run did not ask), so the loop needs no branch."""
 
     def __init__(self, device: torch.device, steps: int = 3) -> None:
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
         self.device, self.steps = device, steps
         self.reads: list[HostRead] = []
         self.checked = 0
@@ -125,7 +128,8 @@ class HostSyncDetector:
             warnings.simplefilter("always")
             shown = warnings.showwarning
 
-            def show(message, category, filename, lineno, file=None, line=None):
+            def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                     file: TextIO | None = None, line: str | None = None) -> None:
                 if "synchroniz" in str(message):
                     record(str(message).splitlines()[0])
                 else:

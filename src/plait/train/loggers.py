@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm.auto import tqdm
@@ -146,7 +146,8 @@ class ProgressSink(MetricsSink):
 
     _POSTFIX = (("loss", "loss"), ("val_loss", "val"), ("lr", "lr"), ("tokens_per_s", "tok/s"), ("mfu", "mfu"))
 
-    def __init__(self, total_steps: int, enabled: bool | None = None, *, initial: int = 0, file=None) -> None:
+    def __init__(self, total_steps: int, enabled: bool | None = None, *, initial: int = 0,
+                 file: TextIO | None = None) -> None:
         if enabled is None:
             enabled = _global_rank() == 0
         self.enabled = enabled

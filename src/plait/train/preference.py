@@ -1,8 +1,9 @@
 """Preference training wired into the one training path: the head on the last stage, the reference model.
 
-:func:`attach_preference` gives the run's runtime a :class:`~plait.post_training.head.PreferenceHead`
-(the last stage's loss from its logits) and, for DPO and IPO, a reference pass that runs before
-every schedule, training and evaluation alike, over the same batch and through the same pipeline:
+:func:`preference_head` makes the :class:`~plait.post_training.head.PreferenceHead` the runtime's
+hooks give the last stage (its loss from its logits) and, for DPO and IPO, :func:`reference_pass_for`
+the reference pass that runs before every schedule, training and evaluation alike, over the same
+batch and through the same pipeline:
 
 * ``adapters_off`` (LoRA): the policy's own stages with every adapter disabled
   (:func:`plait.lora.adapters_disabled`), forward only through the same runtime. The base weights
@@ -22,7 +23,8 @@ from the generators the policy's dropout uses.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from plait.config.schema import PREFERENCE_OBJECTIVES
 from plait.data.batch import TokenBatch
 from plait.lora import adapters_disabled
 from plait.mesh import ParallelMesh
+from plait.pipeline.hooks import ReferencePass, RuntimeHooks
 from plait.pipeline.runtime import PipelineRuntime
 from plait.post_training.head import PreferenceHead
 from plait.post_training.objectives import PreferenceSettings
@@ -57,20 +60,28 @@ def eval_mode(stages: list[nn.Module]) -> Iterator[None]:
             module.training = mode
 
 
-def _adapters_off_pass(runtime: PipelineRuntime, head: PreferenceHead):
-    stages = runtime.stages
+class AdaptersOffPass:
+    """``adapters_off``: the policy's own stages with every adapter disabled, forward only through
+    the runtime that is about to run the step."""
 
-    def reference_pass(tokens: TokenBatch) -> None:
-        with adapters_disabled(stages), eval_mode(stages), head.collecting_reference():
+    def __init__(self, head: PreferenceHead) -> None:
+        self.head = head
+
+    def __call__(self, runtime: PipelineRuntime, tokens: TokenBatch) -> None:
+        stages = runtime.stages
+        with adapters_disabled(stages), eval_mode(stages), self.head.collecting_reference():
             runtime.execute(tokens, train=False)
-    return reference_pass
 
 
-def _frozen_pass(reference: PipelineRuntime, head: PreferenceHead):
-    def reference_pass(tokens: TokenBatch) -> None:
-        with eval_mode(reference.stages), head.collecting_reference():
-            reference.execute(tokens, train=False)
-    return reference_pass
+class FrozenPass:
+    """``frozen``: the reference copy's own forward-only runtime over the same layout."""
+
+    def __init__(self, reference: PipelineRuntime, head: PreferenceHead) -> None:
+        self.reference, self.head = reference, head
+
+    def __call__(self, runtime: PipelineRuntime, tokens: TokenBatch) -> None:  # noqa: ARG002 - its own runtime
+        with eval_mode(self.reference.stages), self.head.collecting_reference():
+            self.reference.execute(tokens, train=False)
 
 
 def freeze(stages: list[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
@@ -82,31 +93,37 @@ def freeze(stages: list[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
     return stages
 
 
-def attach_preference(resolved: ResolvedRecipe, runtime: PipelineRuntime, mesh: ParallelMesh,
-                      policy: PrecisionPolicy, vocab_size: int,
-                      reference_stages: list[nn.Module] | None) -> PreferenceHead | None:
-    """Wire the recipe's preference objective into ``runtime`` (see the module doc); ``None`` for
-    the other objectives. ``reference_stages``: the frozen copy, for ``reference: frozen``."""
+def preference_head(resolved: ResolvedRecipe, mesh: ParallelMesh, vocab_size: int,
+                    device: torch.device) -> PreferenceHead | None:
+    """The recipe's preference objective's loss head on the last stage; ``None`` for the other objectives."""
     r = resolved.recipe
     objective = r.train.objective
     if objective not in PREFERENCE_OBJECTIVES:
         return None
+    return PreferenceHead(objective, preference_settings(resolved), vocab_size=vocab_size, tp=mesh.info("tp"),
+                          microbatches=r.parallel.microbatches, dp_size=mesh.info("dp").size, device=device)
+
+
+def reference_pass_for(resolved: ResolvedRecipe, head: PreferenceHead, mesh: ParallelMesh, policy: PrecisionPolicy,
+                       hidden_size: int, precision_context: Callable[[], AbstractContextManager[object]],
+                       reference_stages: list[nn.Module] | None) -> ReferencePass | None:
+    """The reference model's pass before every schedule (see the module doc); ``None`` for
+    ``precompute`` (the batches carry the table's sums) and the objectives without a reference.
+    ``reference_stages``: the frozen copy, for ``reference: frozen``."""
+    r = resolved.recipe
     p = r.parallel
-    head = PreferenceHead(objective, preference_settings(resolved), vocab_size=vocab_size, tp=mesh.info("tp"),
-                          microbatches=p.microbatches, dp_size=mesh.info("dp").size, device=runtime.device)
-    runtime.loss_head = head
-    mode = r.preference.reference_mode(objective, r.lora.rank)
+    mode = r.preference.reference_mode(r.train.objective, r.lora.rank)
     if mode == "adapters_off":
-        runtime.reference_pass = _adapters_off_pass(runtime, head)
-    elif mode == "frozen":
+        return AdaptersOffPass(head)
+    if mode == "frozen":
         assert reference_stages is not None, "build_run builds the frozen reference for reference: frozen"
         reference = PipelineRuntime(reference_stages, mesh, schedule=p.schedule, microbatches=p.microbatches,
                                     micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
-                                    hidden_size=runtime.act_shape[-1], sequence_parallel=p.sequence_parallel,
-                                    dtype=policy.param_dtype, precision_context=runtime.precision_context)
-        reference.loss_head = head
-        runtime.reference_pass = _frozen_pass(reference, head)
-    elif mode not in (None, "precompute"):  # precompute: the batches carry the table's sums
+                                    hidden_size=hidden_size, sequence_parallel=p.sequence_parallel,
+                                    dtype=policy.param_dtype, precision_context=precision_context,
+                                    hooks=RuntimeHooks(loss_head=head))
+        return FrozenPass(reference, head)
+    if mode not in (None, "precompute"):
         raise ValueError(f"preference.reference={mode!r} is not a reference mode; use frozen, adapters_off or "
                          f"precompute")
-    return head
+    return None

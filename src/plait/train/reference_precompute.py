@@ -30,6 +30,7 @@ from plait.data.reference_table import load_table, pair_offsets, reference_key, 
 from plait.data.sft_prepare import RowDataset
 from plait.lora import adapters_disabled
 from plait.outputs.ownership import OutputDirError, probe_writable
+from plait.post_training.head import PreferenceHead
 from plait.train.preference import eval_mode
 from plait.train.run_state import RunState
 
@@ -54,11 +55,11 @@ def _writes_table(state: RunState) -> bool:
 
 
 @torch.no_grad()
-def compute_table(state: RunState, dataset: RowDataset) -> np.ndarray:
-    """``[pairs, 2]`` reference sums of every pair of ``dataset`` (see the module doc)."""
+def compute_table(state: RunState, head: PreferenceHead, dataset: RowDataset) -> np.ndarray:
+    """``[pairs, 2]`` reference sums of every pair of ``dataset`` (see the module doc), through
+    the policy's runtime with its adapters off and ``head`` keeping the last stage's sums."""
     assert dataset.row_pairs is not None, "preference rows"
-    head, runtime, stages = state.preference, state.runtime, state.runtime.stages
-    assert head is not None, "a preference objective"
+    runtime, stages = state.runtime, state.runtime.stages
     r = state.recipe
     microbatches, rows_per_microbatch = r.parallel.microbatches, r.data.micro_batch_size
     dp = state.mesh.info("dp")
@@ -99,7 +100,7 @@ def compute_table(state: RunState, dataset: RowDataset) -> np.ndarray:
     return table.numpy()
 
 
-def attach_precomputed_reference(state: RunState, prepared_dir: str | Path) -> None:
+def attach_precomputed_reference(state: RunState, head: PreferenceHead, prepared_dir: str | Path) -> None:
     """Give both splits of the run their reference table: read it when the prepared directory holds
     one for this model, else compute and store it (rank 0 writes; every rank waits for the file)."""
     key = reference_key(reference_identity(state.recipe))
@@ -108,7 +109,7 @@ def attach_precomputed_reference(state: RunState, prepared_dir: str | Path) -> N
         table = load_table(prepared_dir, key, dataset.split, dataset.total_pairs)
         if table is None:
             started = time.perf_counter()
-            table = compute_table(state, dataset)
+            table = compute_table(state, head, dataset)
             if state.rank == 0:
                 try:
                     path = write_table(prepared_dir, key, dataset.split, table)

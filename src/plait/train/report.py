@@ -14,7 +14,10 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 PathLike = str | os.PathLike
 
@@ -96,7 +99,7 @@ def plot_run(metrics_jsonl: PathLike, out_png: PathLike, *, title: str | None = 
     return out
 
 
-def _plot_rewards(ax: Any, records: list[dict[str, Any]]) -> None:
+def _plot_rewards(ax: Axes, records: list[dict[str, Any]]) -> None:
     """Reward accuracy (left axis, 0-1) and reward margin (right axis) of a preference run."""
     margin_ax = ax.twinx()
     for key, axis, style, label in (("rewards/accuracy", ax, "-", "train accuracy"),
@@ -232,10 +235,10 @@ def summary_table(metrics_jsonl: PathLike, start_step: int = 0) -> str:
     s = summarize(metrics_jsonl, start_step)
     na = "n/a"
 
-    def loss_at(value, step):
+    def loss_at(value: float | None, step: int | None) -> str:
         return na if value is None else f"{value:.4f}" + (f" (step {step})" if step is not None else "")
 
-    def val(value, step):
+    def val(value: float | None, step: int | None) -> str:
         return na if value is None else f"{loss_at(value, step)}, ppl {_ppl(value)}"
 
     rows = [

@@ -1,5 +1,6 @@
-"""A rank's run as one typed object: what the loop, the checkpoint writer and reader, evaluation
-and the end-of-run outputs consume (nothing receives "the whole trainer").
+"""A rank's trained model as one typed object: what the loop, the checkpoint writer and reader,
+evaluation and the end-of-run outputs consume (nothing receives "the whole trainer"), with the
+run's objective and plug-ins (:mod:`plait.train.plugins`).
 
 :func:`plait.train.build_run.build_run` is the only function that makes one.
 """
@@ -22,8 +23,8 @@ from plait.data_parallel.optimizer import DistributedOptimizer
 from plait.mesh import ParallelMesh
 from plait.models.llama.config import LlamaConfig
 from plait.pipeline.runtime import PipelineRuntime
-from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy
+from plait.train.plugins import Objective, StepPlugin
 
 #: a split of the run's data: text sequences, or fine-tuning rows
 Dataset = TokenDataset | RowDataset
@@ -50,21 +51,16 @@ class RunState:
     dropout_seed: int
     #: a gloo group for host-side agreement (preemption) that never touches the accelerator
     control: dist.ProcessGroup | None
+    #: ``train.objective``'s loop hooks: its validation scores and interval metrics
+    objective: Objective
+    #: the stateful features' loop hooks, called in this order (MoE statistics, compile timing, ...)
+    plugins: list[StepPlugin]
     #: the optimizer step the run starts at (0, or the resumed checkpoint's)
     start_step: int = 0
-    #: the preference objective's head on the last stage (``None``: the next-token loss)
-    preference: PreferenceHead | None = None
-    #: the frozen reference model's stages (DPO/IPO with ``preference.reference: frozen``)
-    reference_stages: list[nn.Module] | None = None
 
     @property
     def recipe(self) -> Recipe:
         return self.resolved.recipe
-
-    @property
-    def modules(self) -> list[nn.Module]:
-        """The modules whose parameters this rank owns (its stages)."""
-        return self.stages
 
     @property
     def tp(self) -> GroupInfo:
@@ -77,7 +73,3 @@ class RunState:
     @property
     def pp(self) -> GroupInfo:
         return self.mesh.info("pp")
-
-    @property
-    def holds_last_stage(self) -> bool:
-        return any(stage.last for stage in self.stages)

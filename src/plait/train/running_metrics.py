@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from plait.comm.primitives import GroupInfo
+
 
 class RunningMetrics:
     def __init__(self, device: torch.device) -> None:
@@ -32,7 +34,7 @@ class RunningMetrics:
         """No step since the last read had a non-finite loss or norm that was not skipped (a host read)."""
         return bool(torch.isfinite(self._sums[:2]).all()) and float(self._sums[3]) == 0
 
-    def read(self, average_over=None, loss_from=None) -> dict[str, float]:
+    def read(self, average_over: GroupInfo | None = None, loss_from: GroupInfo | None = None) -> dict[str, float]:
         """Means over the interval's non-skipped steps, then reset.
 
         ``loss_from``: the pipeline group, whose last stage alone holds the loss (the others add

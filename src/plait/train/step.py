@@ -11,17 +11,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.data.batch import TokenBatch
 from plait.data_parallel.optimizer import DistributedOptimizer
 
+if TYPE_CHECKING:
+    from plait.pipeline.runtime import PipelineRuntime
+
 #: ``watch(operation, axis)`` -> a context manager timing a communicating phase (see train/watchdog.py)
-Watch = Callable[[str, str], AbstractContextManager]
+Watch = Callable[[str, str], AbstractContextManager[None]]
 
 
-def no_watch(operation: str, axis: str) -> AbstractContextManager:  # noqa: ARG001 - same signature as a Watch
+def no_watch(operation: str, axis: str) -> AbstractContextManager[None]:  # noqa: ARG001 - same signature as a Watch
     return contextlib.nullcontext()
 
 
@@ -46,8 +50,9 @@ def finish_step(optimizer: DistributedOptimizer, grad_clip: float, loss: torch.T
     return norm
 
 
-def train_step(runtime, optimizer: DistributedOptimizer, batch: torch.Tensor | TokenBatch, *, grad_clip: float,
-               skip_nonfinite: bool = False, watch: Watch = no_watch) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(runtime: PipelineRuntime, optimizer: DistributedOptimizer, batch: torch.Tensor | TokenBatch, *,
+               grad_clip: float, skip_nonfinite: bool = False,
+               watch: Watch = no_watch) -> tuple[torch.Tensor, torch.Tensor]:
     """One step for every layout: the rank's schedule over ``batch`` (``[microbatches, micro_batch,
     seq]``; one stage and plain gradient accumulation without pipeline parallelism), then the
     reductions, norm, clipping and update of :func:`finish_step`.

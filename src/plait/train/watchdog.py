@@ -70,7 +70,7 @@ def _abort(message: str) -> None:
     os._exit(EXIT_STATUS)
 
 
-def _default_store() -> Any:
+def _default_store() -> dist.Store | None:
     """The default process group's key-value store, or ``None`` (no process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -99,7 +99,7 @@ def group_ranks(group: str) -> list[int] | None:
 
 class Watchdog:
     def __init__(self, timeout: float, rank: int, *, on_stall: Callable[[str], None] = _abort,
-                 poll: float | None = None, dump_dir: str | Path | None = None, store: Any = None,
+                 poll: float | None = None, dump_dir: str | Path | None = None, store: dist.Store | None = None,
                  world: int | None = None, grace: float | None = None) -> None:
         self.timeout, self.rank, self.on_stall = timeout, rank, on_stall
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
@@ -183,7 +183,7 @@ class Watchdog:
         self._diagnose(report, message)
 
     # ------------------------------------------------------------------ diagnosis
-    def _store_or_none(self) -> Any:
+    def _store_or_none(self) -> dist.Store | None:
         if self._store is None:
             self._store = _default_store()
         return self._store
@@ -254,7 +254,7 @@ class Watchdog:
             self._world = dist.get_world_size() if dist.is_initialized() else 1
         return self._world
 
-    def _wait_for(self, store: Any, keys: list[str], seconds: float) -> bool:
+    def _wait_for(self, store: dist.Store, keys: list[str], seconds: float) -> bool:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if store.check(keys):
@@ -262,7 +262,7 @@ class Watchdog:
             time.sleep(min(self._poll, 0.1))
         return False
 
-    def _collect(self, store: Any) -> dict[int, dict[str, Any]]:
+    def _collect(self, store: dist.Store) -> dict[int, dict[str, Any]]:
         """Every rank's report that arrives within the grace period."""
         world = self._world_size()
         keys = {r: REPORT_KEY.format(rank=r) for r in range(world)}

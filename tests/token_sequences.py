@@ -1,4 +1,4 @@
-"""Documents -> one token stream (joined by the end-of-text token) -> fixed-length sequences."""
+"""Test helper: documents -> one token stream (joined by the end-of-text token) -> fixed-length sequences."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""What a training checkpoint holds, and putting it back into a run of any layout.
+"""What a training checkpoint of a run holds, writing it, and putting it back into a run of any layout.
+
+Beside :class:`~plait.train.run_state.RunState`, which it adapts to the checkpoint format
+(:mod:`plait.checkpoint`, which knows no run).
 
 Saved: the weights (and bf16-mixed master weights), the AdamW moments keyed by parameter name,
 the optimizer step count (which is also the learning-rate scheduler's position and the data
@@ -9,16 +12,17 @@ learning rate and optimizer state, and (under the same layout) the same dropout 
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from plait.checkpoint.contents import CONTENTS_KEY, contents_of, resume_problems, saved_contents
+from plait.checkpoint.contents import CONTENTS_KEY, contents_of, model_config_dict, resume_problems, saved_contents
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.reader import CheckpointReader
-from plait.checkpoint.writer import checkpointed_buffers
+from plait.checkpoint.writer import CheckpointWriter, checkpointed_buffers
 from plait.parallel_state import named_parameters_with_specs
 from plait.train.run_state import RunState
 
@@ -34,7 +38,7 @@ def rng_states(state: RunState) -> dict[str, torch.Tensor]:
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
-    tracker = getattr(state.modules[0], "rng_tracker", None)
+    tracker = getattr(state.stages[0], "rng_tracker", None)
     if tracker is not None:
         for dev, dev_state in tracker.get_state().items():
             states[f"tracker/{dev}"] = dev_state
@@ -48,9 +52,19 @@ def checkpoint_meta(state: RunState, step: int) -> dict[str, Any]:
             CONTENTS_KEY: contents_of(state.recipe)}
 
 
-def model_config_dict(config) -> dict[str, Any]:
-    """The constructor arguments of a :class:`LlamaConfig` (JSON-safe), for the manifest."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
+def save_checkpoint(state: RunState, writer: CheckpointWriter, step: int, attachments: dict[str, Path], *,
+                    asynchronous: bool) -> float:
+    """Snapshot this rank's state after ``step`` and write it (in the background when
+    ``asynchronous``); returns the seconds the training loop was held up. ``attachments``: files
+    travelling with the checkpoint (tokenizer, chat template: plait convert writes them out)."""
+    start = time.perf_counter()
+    snap = writer.snapshot(step, state.stages, state.optimizer, state.mesh, checkpoint_meta(state, step),
+                           rng_states(state), attachments)
+    if asynchronous:
+        writer.write_async(snap)
+    else:
+        writer.write(snap)
+    return time.perf_counter() - start
 
 
 @torch.no_grad()
@@ -62,14 +76,14 @@ def restore(state: RunState, directory: str | Path) -> int:
             raise CheckpointError(f"{directory} cannot continue this recipe: " + "; ".join(problems))
         # the trained parameters come from the checkpoint; frozen ones (a LoRA run's base) stay as
         # the run built them from its base, which the check above found to be the checkpoint's
-        params = [entry for entry in named_parameters_with_specs(state.modules) if entry[2].requires_grad]
+        params = [entry for entry in named_parameters_with_specs(state.stages) if entry[2].requires_grad]
         reader.check_model({name: tuple(spec.full_shape) if spec is not None else tuple(p.shape)
                             for _, name, p, spec in params})
         step = int(reader.manifest.get("train_step", reader.step))
         for _, name, p, spec in params:
             kind = "master" if reader.has("master", name) else "model"
             reader.read_into(kind, name, p, spec)
-        for name, buf in checkpointed_buffers(state.modules):  # kept as they are when the checkpoint has none
+        for name, buf in checkpointed_buffers(state.stages):  # kept as they are when the checkpoint has none
             if reader.has("buffer", name):
                 reader.read_into("buffer", name, buf)
         opt = state.optimizer
@@ -96,7 +110,7 @@ def restore(state: RunState, directory: str | Path) -> int:
                 torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-            tracker = getattr(state.modules[0], "rng_tracker", None)
+            tracker = getattr(state.stages[0], "rng_tracker", None)
             tracked = {k[len("tracker/"):]: v for k, v in rng.items() if k.startswith("tracker/")}
             if tracker is not None and tracked:
                 tracker.set_state(tracked)
@@ -104,3 +118,23 @@ def restore(state: RunState, directory: str | Path) -> int:
         raise CheckpointError(f"{directory} is at step {step}, beyond train.steps={state.recipe.train.steps}; "
                               f"raise train.steps to continue training")
     return step
+
+
+class RunCheckpoints:
+    """The run's checkpoints: ``writer`` under ``checkpoint.dir``'s save directory, saved
+    asynchronously unless asked otherwise, every one carrying ``attachments``."""
+
+    def __init__(self, state: RunState, writer: CheckpointWriter, attachments: dict[str, Path], *,
+                 asynchronous: bool) -> None:
+        self.state, self.writer, self.attachments, self.asynchronous = state, writer, attachments, asynchronous
+
+    def save(self, step: int, *, sync: bool = False, writer: CheckpointWriter | None = None) -> float:
+        """Save after ``step``; returns the seconds the loop was held up. ``writer``: another root."""
+        return save_checkpoint(self.state, writer or self.writer, step, self.attachments,
+                               asynchronous=self.asynchronous and not sync)
+
+    def finish(self) -> None:
+        """Wait for the background save; every rank returns only after the checkpoint is committed."""
+        self.writer.wait()
+        if self.state.world > 1:
+            dist.barrier(group=self.state.control)

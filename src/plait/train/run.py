@@ -1,0 +1,49 @@
+"""Everything one rank's training run uses, as one typed object made by
+:func:`plait.train.build_run.build_run`: the :class:`~plait.train.run_state.RunState` (model,
+optimizer, data, objective and plug-ins), and what the loop drives it with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.data.loader import BatchLoader
+from plait.train.agreement import RankAgreement, StopSignals
+from plait.train.checkpointing import RunCheckpoints
+from plait.train.host_syncs import HostSyncDetector
+from plait.train.loggers import MultiSink
+from plait.train.plugins import FinalExport
+from plait.train.run_state import RunState
+from plait.train.running_metrics import RunningMetrics
+from plait.train.watchdog import Watchdog
+
+
+@dataclass
+class Run:
+    """One rank's run. ``sinks`` exist on the writing rank (global rank 0) only."""
+
+    state: RunState
+    #: this rank's batches from ``state.start_step`` on, built ahead by a background thread
+    loader: BatchLoader
+    checkpoints: RunCheckpoints
+    #: the final model's writer (full Hugging Face model or LoRA adapter)
+    export: FinalExport
+    #: dumps every rank's stacks and names the collective when a phase stalls
+    watchdog: Watchdog
+    agreement: RankAgreement
+    signals: StopSignals
+    metrics: RunningMetrics
+    sinks: MultiSink | None
+    #: counts device-to-host reads in the first steps (``train.detect_host_syncs``; 0 steps: off)
+    host_syncs: HostSyncDetector
+    #: the device's peak FLOP/s (measured once on rank 0, shared) and the model's FLOPs per token
+    peak_flops: float
+    flops_per_token: float
+    #: where rank 0 writes the run's outputs
+    out: Path
+    #: the prepared data directory the run reads
+    prepared_dir: Path
+
+    @property
+    def is_writer(self) -> bool:
+        return self.state.rank == 0
