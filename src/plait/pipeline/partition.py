@@ -17,12 +17,19 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from plait.pipeline.trace import Unit
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from plait.models.decoder.config import DecoderConfig
 
 PARTITION_METHODS = ("balanced", "even", "manual")
 COST_KINDS = ("params", "flops")
@@ -33,7 +40,8 @@ class PartitionError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ costs
-def unit_costs(model_config, units: list[Unit], seq_len: int | None = None, kind: str = "params") -> list[float]:
+def unit_costs(model_config: DecoderConfig, units: list[Unit], seq_len: int | None = None,
+               kind: str = "params") -> list[float]:
     """Cost of each unit for a model config of any family (``layer_parameters()`` sizes a block,
     ``attention_span(seq_len)`` the keys each query's attention is counted over).
 
@@ -58,12 +66,14 @@ def unit_costs(model_config, units: list[Unit], seq_len: int | None = None, kind
         if kind == "params":
             cost = {"embedding": v * h, "block": block, "norm": h, "head": v * h}.get(unit.kind, 0)
         else:
+            assert seq_len is not None  # kind == "flops": checked above
             cost = {"block": 6 * block + 12 * q * c.attention_span(seq_len), "head": 6 * v * h}.get(unit.kind, 0)
         costs.append(float(cost))
     return costs
 
 
-def measure_unit_times(model: nn.Module, units: list[Unit], example_inputs, kwargs: dict | None = None, *,
+def measure_unit_times(model: nn.Module, units: list[Unit], example_inputs: torch.Tensor | tuple[Any, ...],
+                       kwargs: dict[str, Any] | None = None, *,
                        warmup: int = 1, iters: int = 3) -> list[float]:
     """Seconds per unit for one forward + backward, from a short profile of ``model`` on one device.
 
@@ -75,10 +85,10 @@ def measure_unit_times(model: nn.Module, units: list[Unit], example_inputs, kwar
     run get 0. Use a micro-batch shaped like training's; the numbers feed ``balanced_partition``.
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    captured: dict[str, tuple] = {}
-    hooks = []
+    captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    hooks: list[RemovableHandle] = []
     for unit in units:
-        def hook(module, a, kw, name=unit.name):
+        def hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], name: str = unit.name) -> None:
             captured.setdefault(name, _detach((a, kw)))
         hooks.append(model.get_submodule(unit.name).register_forward_pre_hook(hook, with_kwargs=True))
     try:
@@ -96,7 +106,7 @@ def measure_unit_times(model: nn.Module, units: list[Unit], example_inputs, kwar
         module = model.get_submodule(unit.name)
         a, kw = captured[unit.name]
         inputs = [t for t in _tensors((a, kw)) if t.requires_grad]
-        params = [p for p in module.parameters() if p.requires_grad]
+        params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
         samples = []
         for i in range(warmup + iters):
             _sync(inputs + params)
@@ -111,7 +121,7 @@ def measure_unit_times(model: nn.Module, units: list[Unit], example_inputs, kwar
     return times
 
 
-def _detach(obj):
+def _detach(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().clone()
         return t.requires_grad_(True) if t.is_floating_point() else t
@@ -122,7 +132,7 @@ def _detach(obj):
     return obj
 
 
-def _tensors(obj):
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
@@ -133,7 +143,7 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-def _sync(tensors) -> None:
+def _sync(tensors: Iterable[torch.Tensor]) -> None:
     for t in tensors:
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
@@ -321,7 +331,7 @@ def compress_names(names: list[str]) -> str:
     parts: list[str] = []
     run: tuple[str, int, int] | None = None
 
-    def flush():
+    def flush() -> None:
         if run is not None:
             label = run[0].rsplit(".", 1)[-1]
             parts.append(f"{label} {run[1]}" if run[1] == run[2] else f"{label} {run[1]}-{run[2]}")

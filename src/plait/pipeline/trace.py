@@ -29,12 +29,16 @@ import inspect
 import operator
 import os
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx
 from torch import nn
+
+if TYPE_CHECKING:
+    from plait.models.llama.config import LlamaConfig
 
 #: the values of :attr:`Unit.kind`
 UNIT_KINDS = ("embedding", "block", "norm", "head", "other")
@@ -66,7 +70,8 @@ class Unit:
 
 
 # ---------------------------------------------------------------------------------------- tracing
-def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (), example_inputs=None, *,
+def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (),
+                example_inputs: torch.Tensor | tuple[Any, ...] | None = None, *,
                 block_list: str | None = None, concrete_args: dict[str, Any] | None = None,
                 export_kwargs: dict[str, Any] | None = None) -> list[Unit]:
     """The model's units in execution order, traced with ``torch.fx``.
@@ -109,7 +114,8 @@ def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (), example_inp
     return _units_from_graph(graph, model, blocks)
 
 
-def trace_units_export(model: nn.Module, example_inputs, kwargs: dict[str, Any] | None = None, *,
+def trace_units_export(model: nn.Module, example_inputs: torch.Tensor | tuple[Any, ...],
+                       kwargs: dict[str, Any] | None = None, *,
                        block_list: str | None = None) -> list[Unit]:
     """The model's units in execution order, traced with ``torch.export.export``.
 
@@ -140,7 +146,7 @@ def decoder_units(num_layers: int, block_type: str) -> list[Unit]:
             + [Unit("model.norm", "norm", "RMSNorm"), Unit("lm_head", "head", "Linear")])
 
 
-def llama_units(config) -> list[Unit]:
+def llama_units(config: LlamaConfig) -> list[Unit]:
     """The units of plait's unsharded ``LlamaForCausalLM`` for ``config`` (:func:`decoder_units`)."""
     return decoder_units(config.num_hidden_layers, "LlamaDecoderLayer")
 
@@ -183,15 +189,15 @@ class _UnitTracer(torch.fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
     # Remember the value that reached Python control flow, to name it in the error.
-    def to_bool(self, obj):
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
         self.failed_node = obj.node
         return super().to_bool(obj)
 
-    def iter(self, obj):
+    def iter(self, obj: torch.fx.Proxy) -> Iterator[Any]:
         self.failed_node = obj.node
         return super().iter(obj)
 
-    def keys(self, obj):
+    def keys(self, obj: torch.fx.Proxy) -> torch.fx.Proxy:
         self.failed_node = obj.node
         return super().keys(obj)
 
@@ -232,11 +238,11 @@ def _describe_fx_failure(exc: Exception, tracer: _UnitTracer, model: nn.Module, 
     return "\n".join(lines)
 
 
-def _cls_name(typ) -> str:
+def _cls_name(typ: object) -> str:
     return typ.__name__ if isinstance(typ, type) else str(typ).rsplit(".", 1)[-1]
 
 
-def _user_frame(exc: Exception):
+def _user_frame(exc: Exception) -> traceback.FrameSummary | None:
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     here = os.path.abspath(__file__)
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
@@ -363,7 +369,8 @@ def _units_from_graph(graph: torch.fx.Graph, model: nn.Module, block_list: str) 
         raise TraceError(f"module(s) {', '.join(between)} run between the blocks of `{block_list}`; "
                          f"a pipeline chain needs the blocks to run back to back")
 
-    units, seen_head = [], False
+    units: list[Unit] = []
+    seen_head = False
     for i, name in enumerate(order):
         module = model.get_submodule(name)
         position = "before" if i < first else "block" if i <= last else "after"
@@ -375,7 +382,8 @@ def _units_from_graph(graph: torch.fx.Graph, model: nn.Module, block_list: str) 
     return units
 
 
-def _check_chain(nodes, index, unit_of, units: list[Unit], blocks: list[str]) -> None:
+def _check_chain(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], unit_of: dict[torch.fx.Node, str | None],
+                 units: list[Unit], blocks: list[str]) -> None:
     """Every value crossing the boundary before block k (k >= 1) must be block k-1's output (a
     single value, consumed by block k) or a side value that no embedding or block output feeds."""
     sources = {u.name for u in units if u.kind in ("embedding", "block")}
@@ -383,24 +391,24 @@ def _check_chain(nodes, index, unit_of, units: list[Unit], blocks: list[str]) ->
     for n in nodes:
         streamy[n] = unit_of[n] in sources or (
             not _is_meta(n) and any(streamy.get(a, False) for a in n.all_input_nodes))
-    first_index = {}
+    first_index: dict[str, int] = {}
     for n in nodes:
         u = unit_of[n]
         if u is not None and u not in first_index and not _ignored_user(n):
             first_index[u] = index[n]
 
-    def output_of(value, block) -> bool:
+    def output_of(value: torch.fx.Node, block: str) -> bool:
         while value.op == "call_function" and value.target is operator.getitem:
-            value = value.args[0]
+            value = cast(torch.fx.Node, value.args[0])  # the indexed value of a traced getitem
         return unit_of[value] == block
 
-    def describe(node) -> str:
+    def describe(node: torch.fx.Node) -> str:
         u = unit_of[node]
         return f"`{node.name}` ({'in ' + u if u else 'in the enclosing forward'})"
 
     for k in range(1, len(blocks)):
         prev, cur, pos = blocks[k - 1], blocks[k], first_index[blocks[k]]
-        carried = []
+        carried: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = []
         for n in nodes[:pos]:
             if n.op == "get_attr" or not streamy[n]:
                 continue
@@ -424,5 +432,5 @@ def _check_chain(nodes, index, unit_of, units: list[Unit], blocks: list[str]) ->
                              f"output of `{prev}` (`{value.name}` is used by {describe(later[0])})")
 
 
-def _natural_key(name: str):
+def _natural_key(name: str) -> list[int | str]:
     return [int(p) if p.isdigit() else p for p in name.split(".")]
