@@ -80,7 +80,6 @@ from plait.materialize import build_llama, build_llama_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.pipeline import tasks as T  # noqa: E402
-from plait.pipeline.layout import plan_partition  # noqa: E402
 from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
 from plait.pipeline.schedules import (  # noqa: E402
     INTERLEAVED_SCHEDULES,
@@ -88,6 +87,7 @@ from plait.pipeline.schedules import (  # noqa: E402
     schedule_tasks,
 )
 from plait.pipeline.simulate import schedule_bubble, simulate  # noqa: E402
+from plait.plan.pipeline_split import plan_partition  # noqa: E402
 
 DEFAULTS = dict(
     # part 1: blocks dominate, one chunk forward (1 layer, 1 x 256 tokens) ~16 ms on one thread

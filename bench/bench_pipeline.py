@@ -82,9 +82,9 @@ from _common import (  # noqa: E402
 )
 from plait.materialize import build_llama, build_llama_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
-from plait.pipeline.layout import stage_layer_lists  # noqa: E402
 from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
 from plait.pipeline.schedules import INTERLEAVED_SCHEDULES  # noqa: E402
+from plait.plan.pipeline_split import plan_partition  # noqa: E402
 
 PP = 2
 #: Pipeline-specific defaults (the model size is ``_common.DEFAULTS``).
@@ -179,9 +179,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     m, mbs, seq = args.microbatches, args.micro_batch_size, args.seq
     ids = random_batch(config, m * mbs, seq, args.seed)  # [m * mbs, seq]
     batch = ids.view(m, mbs, seq)
-    layers = stage_layer_lists(config, PP, seq, method=args.split, cost="flops")
+    layers = plan_partition(config, PP, seq, method=args.split, cost="flops").stage_layers()
     vpp = args.vpp if args.schedule in INTERLEAVED_SCHEDULES else 1  # plait's chunks per rank (torch: one stage)
-    plait_layers = layers if vpp == 1 else stage_layer_lists(config, PP * vpp, seq, method=args.split, cost="flops")
+    plait_layers = layers if vpp == 1 else plan_partition(config, PP * vpp, seq, method=args.split,
+                                                          cost="flops").stage_layers()
     log = print if rank == 0 else (lambda *a, **k: None)
     log(environment(), flush=True)
     busy_at_start = _busy()

@@ -29,12 +29,12 @@ def _worker(rank, world, eager):
     from plait.materialize import build_llama_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama import LlamaConfig, LlamaForCausalLM
-    from plait.pipeline.layout import stage_layer_lists
+    from plait.plan.pipeline_split import plan_partition
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=256)
     mesh = ParallelMesh(world, rank, tp=2, pp=2)
-    layers = stage_layer_lists(cfg, 2, 256)
+    layers = plan_partition(cfg, 2, 256).stage_layers()
     base = _rss()
     if eager:  # what a naive build does: the whole model on every rank first
         full = LlamaForCausalLM(cfg)

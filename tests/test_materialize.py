@@ -30,7 +30,7 @@ def _stage_weights(rank, world, tied):
     from plait.mesh import ParallelMesh
     from plait.models.llama.parallelize import kv_replication_for
     from plait.parallel_state import full_state_dict
-    from plait.pipeline.layout import stage_layer_lists
+    from stage_layers import stage_layer_lists
 
     cfg = _tiny(tied)
     mesh = ParallelMesh(world, rank, tp=2, pp=2, kv_replication=kv_replication_for(cfg, 2))
@@ -67,7 +67,7 @@ def _peak_build_memory(rank, world):
     from plait.materialize import build_llama_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama import LlamaConfig
-    from plait.pipeline.layout import stage_layer_lists
+    from stage_layers import stage_layer_lists
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=256)

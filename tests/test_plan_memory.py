@@ -28,7 +28,6 @@ from plait.materialize import build_llama, build_llama_stages
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.parallelize import kv_replication_for
-from plait.pipeline.layout import plan_partition
 from plait.pipeline.simulate import simulate, theoretical_bubble
 from plait.plan.layout import Layout
 from plait.plan.memory import (
@@ -40,6 +39,7 @@ from plait.plan.memory import (
     rank_chunks,
     rank_parameter_count,
 )
+from plait.plan.pipeline_split import plan_partition
 from plait.plan.timing import estimate_step_time
 from plait.precision import policy_for
 from plait.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -31,7 +31,6 @@ from plait.models.qwen3.config import Qwen3Config
 from plait.models.qwen3_moe.config import Qwen3MoeConfig
 from plait.moe.expert_parallel import apply_expert_parallel, expert_parameter_names
 from plait.nn.moe import MoELayer, SoftmaxTopKRouter
-from plait.pipeline.layout import plan_partition
 from plait.plan.layout import Layout
 from plait.plan.memory import (
     chunk_cost,
@@ -53,6 +52,7 @@ from plait.plan.moe import (
     sequence_parallel_tp_bytes,
     shared_parameter_count,
 )
+from plait.plan.pipeline_split import plan_partition
 from plait.plan.search import SearchOptions, enumerate_layouts, rank_layouts
 from plait.plan.timing import estimate_step_time, rank_flops
 from plait.precision import policy_for

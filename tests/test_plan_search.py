@@ -95,7 +95,7 @@ def test_llama3_degrees_stay_within_a_node():
 @pytest.mark.parametrize("method,cost", [("balanced", "flops"), ("balanced", "params"), ("even", "flops")])
 @pytest.mark.parametrize("stages", [2, 3, 8])
 def test_fast_stage_split_equals_the_traced_partition(stages, method, cost):
-    from plait.pipeline.layout import plan_partition
+    from plait.plan.pipeline_split import plan_partition
     from plait.plan.search import stage_split
 
     for c in (tiny(num_hidden_layers=8), tiny(num_hidden_layers=9, tie_word_embeddings=True, vocab_size=4000)):

@@ -86,7 +86,7 @@ def render_show(resolved, recipe_path: str | None, overrides: list[str]) -> str:
             value = _format_number(value)
         lines.append(f"#   {key}: {value}")
     if resolved.pp > 1:
-        from plait.pipeline.layout import partition_for
+        from plait.plan.pipeline_split import partition_for
 
         lines.append("# pipeline split:")
         lines.extend(f"#   {line}" for line in partition_for(resolved).describe().splitlines())

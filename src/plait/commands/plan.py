@@ -350,7 +350,7 @@ def run(args) -> int:
     p = recipe.parallel
     stage_layers = None
     if rec.layout.pp > 1:
-        from plait.pipeline.layout import plan_partition
+        from plait.plan.pipeline_split import plan_partition
 
         try:
             stage_layers = plan_partition(config, rec.layout.pp * rec.layout.vpp, recipe.data.seq_len,

@@ -1,43 +1,9 @@
-"""Which decoder layers each pipeline stage holds, for the trainer and ``plait config show``.
-
-The model of the config's family is traced (its blocks as leaves), each unit (embedding, blocks,
-final norm, head) gets a cost, and the units are cut into ``pp * vpp`` contiguous stages:
-cost-balanced by default, NxD's even split by layer count, or at named cut points.
+"""The pipeline split moved to :mod:`plait.plan.pipeline_split` (it builds the family's model, and
+the pipeline package sits below the model families). These names stay importable from here until
+``train/build_run.py``, ``config/host_memory.py``, ``plan/memory.py`` and ``bench/measure_memory.py``
+import them from there; then this module goes.
 """
 
-from __future__ import annotations
+from plait.plan.pipeline_split import partition_for, plan_partition
 
-from typing import Any
-
-import torch
-
-from plait.models.registry import family_of
-from plait.pipeline.partition import partition_model, unit_costs
-from plait.pipeline.trace import trace_units
-
-
-def plan_partition(config: Any, num_stages: int, seq_len: int, *, method: str = "balanced",
-                   cost: str = "flops", cuts: list[str] | None = None):
-    """The :class:`~plait.pipeline.partition.Partition` of ``config``'s model into ``num_stages``."""
-    with torch.device("meta"):
-        model = family_of(config).causal_lm_cls(config)
-    units = trace_units(model)
-    costs = unit_costs(config, units, seq_len, kind=cost)
-    return partition_model(units, costs, num_stages, method=method, cuts=cuts, cost_kind=cost)
-
-
-def stage_layer_lists(config: Any, num_stages: int, seq_len: int, **kw) -> list[list[int]]:
-    """Decoder-layer indices of each global stage, in order."""
-    partition = plan_partition(config, num_stages, seq_len, **kw)
-    prefix = "model.layers."
-    return [[int(name[len(prefix):]) for name in stage if name.startswith(prefix)] for stage in partition.stages]
-
-
-def partition_for(resolved, vocab_size: int | None = None):
-    """The partition a resolved recipe asks for (``None`` without pipeline parallelism)."""
-    p = resolved.recipe.parallel
-    if p.pp == 1:
-        return None
-    config = resolved.model_config(vocab_size)
-    return plan_partition(config, p.pp * p.vpp, resolved.recipe.data.seq_len, method=p.partition,
-                          cost=p.partition_cost, cuts=p.pipeline_cuts)
+__all__ = ["partition_for", "plan_partition"]

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from plait.materialize import build_model, build_stages
 from plait.mesh import ParallelMesh
 from plait.parallel_state import shard_specs
-from plait.pipeline.layout import plan_partition
 from plait.plan.layout import Layout
 from plait.plan.memory import estimate_memory
+from plait.plan.pipeline_split import plan_partition
 from plait.plan.search import PlanError
 
 _DTYPE_BYTES_FALLBACK = 4
@@ -172,7 +172,7 @@ def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "
             kv_placement: str = "interleaved", stage_layers: list[list[int]] | None = None) -> DryRunReport:
     """Build ``rank``'s share of ``config`` under ``layout`` on ``world`` fake ranks (module docstring).
 
-    The pipeline split is :func:`~plait.pipeline.layout.plan_partition` with ``partition`` /
+    The pipeline split is :func:`~plait.plan.pipeline_split.plan_partition` with ``partition`` /
     ``partition_cost`` / ``pipeline_cuts``, as the trainer uses, unless ``stage_layers`` (the decoder
     layers of each of the ``pp * vpp`` global stages) is given, e.g. computed once for several
     ranks. Raises :class:`PlanError` when the

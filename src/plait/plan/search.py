@@ -382,7 +382,7 @@ def smallest_budget_hint(min_total: int, headroom: float) -> str:
 def stage_split(config: LlamaConfig, num_stages: int, seq_len: int, *, method: str = "balanced", cost: str = "flops",
                 cuts: list[str] | None = None) -> list[list[int]]:
     """Decoder layers of each of ``num_stages`` pipeline stages, as
-    :func:`~plait.pipeline.layout.plan_partition` splits them, from the units the model family
+    :func:`~plait.plan.pipeline_split.plan_partition` splits them, from the units the model family
     declares (what its model traces to) instead of a traced model, so it costs microseconds, not
     seconds."""
     units = family_of(config).units(config)

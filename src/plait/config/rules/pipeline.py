@@ -5,9 +5,9 @@ before launch)."""
 from __future__ import annotations
 
 from plait.config.rules.checker import Checker
-from plait.pipeline.layout import plan_partition
 from plait.pipeline.partition import PartitionError
 from plait.pipeline.schedules import INTERLEAVED_SCHEDULES, ScheduleError, validate_schedule
+from plait.plan.pipeline_split import plan_partition
 
 
 def check_pipeline(c: Checker) -> None:
