@@ -25,13 +25,16 @@ ranks of a TP group.
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from plait.init import init_parameters
 from plait.mesh import ParallelMesh
+from plait.models.decoder.config import DecoderConfig
+from plait.models.decoder.model import DecoderForCausalLM
 from plait.models.hf_io import check_hf_tensors, load_hf_config, read_hf_tensors
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
@@ -61,14 +64,14 @@ def rng_tracker_of(module: nn.Module) -> TensorParallelRNG:
     return tracker
 
 
-def _meta_model(config: Any, mesh: ParallelMesh, dtype: torch.dtype, sequence_parallel: bool,
-                rng: TensorParallelRNG) -> LlamaForCausalLM:
+def _meta_model(config: DecoderConfig, mesh: ParallelMesh, dtype: torch.dtype, sequence_parallel: bool,
+                rng: TensorParallelRNG) -> DecoderForCausalLM:
     """The full model of ``config``'s family on the meta device, with its TP plan applied."""
     family = family_of(config)
     with torch.device("meta"):
         model = family.causal_lm_cls(config, dtype=dtype)
-    if not isinstance(model, LlamaForCausalLM):  # every family's model derives from it
-        raise TypeError(f"{family.name}: {type(model).__name__} does not derive from LlamaForCausalLM")
+    if not isinstance(model, DecoderForCausalLM):  # every family's model derives from it
+        raise TypeError(f"{family.name}: {type(model).__name__} does not derive from DecoderForCausalLM")
     if mesh.tp > 1:
         family.parallelize(model, mesh, sequence_parallel=sequence_parallel, rng=rng)
     model.rng_tracker = rng  # also without TP, so every built model has one
@@ -83,7 +86,30 @@ def _allocate(module: nn.Module, device: str | torch.device) -> None:
     reset_buffers(module)
 
 
-def build_model(config: Any, mesh: ParallelMesh, *, seed: int = 0, device: str | torch.device = "cpu",
+def _build(config: DecoderConfig, mesh: ParallelMesh, pieces: Callable[[DecoderForCausalLM], Iterator[nn.Module]],
+           *, seed: int, device: str | torch.device, dtype: torch.dtype, sequence_parallel: bool, init: bool,
+           rng_seed: int | None, hf_path: PathLike | None) -> list[nn.Module]:
+    """The one build sequence: the full model on meta with its TP plan, the Hugging Face tensors
+    checked against it, only this rank's experts kept; then each of ``pieces(full)`` (the model
+    itself, or this rank's stages, taken one at a time) allocated on ``device`` and filled."""
+    rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
+    full = _meta_model(config, mesh, dtype, sequence_parallel, rng)
+    tensors = check_hf_tensors(full, hf_path) if hf_path is not None else None
+    apply_expert_parallel([full], mesh.info("ep"))  # only this rank's experts from here on
+    built = []
+    for module in pieces(full):
+        _allocate(module, device)
+        if sequence_parallel:  # MoE layers see sequence shards: their gradients are summed over TP
+            sum_moe_gradients_over_tp([module], mesh.info("tp"))
+        if tensors is not None:
+            read_hf_tensors(module, tensors)
+        elif init:
+            init_parameters(module, seed, config.initializer_range)
+        built.append(module)
+    return built
+
+
+def build_model(config: DecoderConfig, mesh: ParallelMesh, *, seed: int = 0, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, init: bool = True,
                 rng_seed: int | None = None, hf_path: PathLike | None = None) -> nn.Module:
     """This rank's shard of the full (unsplit) model of ``config``'s family on ``device``.
@@ -93,29 +119,20 @@ def build_model(config: Any, mesh: ParallelMesh, *, seed: int = 0, device: str |
     ``rng_seed`` seeds ``model.rng_tracker`` (default ``seed``). With ``mesh.ep > 1`` the model
     holds only this rank's experts and exchanges tokens over ``mesh.group("ep")``.
     """
-    rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
-    model = _meta_model(config, mesh, dtype, sequence_parallel, rng)
-    tensors = check_hf_tensors(model, hf_path) if hf_path is not None else None
-    apply_expert_parallel([model], mesh.info("ep"))  # only this rank's experts from here on
-    _allocate(model, device)
-    if sequence_parallel:  # MoE layers see sequence shards: their gradients are summed over TP
-        sum_moe_gradients_over_tp([model], mesh.info("tp"))
-    if tensors is not None:
-        read_hf_tensors(model, tensors)
-    elif init:
-        init_parameters(model, seed, config.initializer_range)
+    (model,) = _build(config, mesh, lambda full: iter([full]), seed=seed, device=device, dtype=dtype,
+                      sequence_parallel=sequence_parallel, init=init, rng_seed=rng_seed, hf_path=hf_path)
     return model
 
 
-def load_from_hf(path: PathLike, mesh, *, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> nn.Module:
+def load_from_hf(path: PathLike, mesh: ParallelMesh, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
     """This rank's shard of the Hugging Face model at ``path`` on ``mesh``, of the family its
     ``config.json`` names (config, build, load)."""
     config = load_hf_config(path)
     return build_model(config, mesh, sequence_parallel=sequence_parallel, dtype=dtype, device=device, hf_path=path)
 
 
-def build_stages(config: Any, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,
+def build_stages(config: DecoderConfig, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, init: bool = True, rng_seed: int | None = None,
                  hf_path: PathLike | None = None) -> list[nn.Module]:
@@ -135,24 +152,16 @@ def build_stages(config: Any, mesh: ParallelMesh, stage_layers: list[list[int]],
     rank; pass a ``rng_seed`` that depends on the pipeline rank for streams that also differ
     between pipeline ranks.
     """
-    family = family_of(config)
+    stage_cls = family_of(config).stage_cls
     num_stages = len(stage_layers)
-    rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
-    full = _meta_model(config, mesh, dtype, sequence_parallel, rng)
-    tensors = check_hf_tensors(full, hf_path) if hf_path is not None else None
-    apply_expert_parallel([full], mesh.info("ep"))  # only this rank's experts from here on
-    stages = []
-    for s in range(mesh.pp_rank, num_stages, mesh.pp):
-        stage = family.stage_cls(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)
-        _allocate(stage, device)
-        if sequence_parallel:  # MoE layers see sequence shards: their gradients are summed over TP
-            sum_moe_gradients_over_tp([stage], mesh.info("tp"))
-        if tensors is not None:
-            read_hf_tensors(stage, tensors)
-        elif init:
-            init_parameters(stage, seed, config.initializer_range)
-        stages.append(stage)
-    return stages
+
+    def stages(full: DecoderForCausalLM) -> Iterator[nn.Module]:
+        # each stage is cut from the full model only once the one before it is allocated and filled
+        for s in range(mesh.pp_rank, num_stages, mesh.pp):
+            yield stage_cls(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)
+
+    return _build(config, mesh, stages, seed=seed, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
+                  init=init, rng_seed=rng_seed, hf_path=hf_path)
 
 
 def build_llama(config: LlamaConfig, mesh: ParallelMesh, *, seed: int = 0, device: str | torch.device = "cpu",

@@ -285,6 +285,7 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     from plait.heldout import load_scoring_model
     from plait.materialize import build_model
     from plait.mesh import single_process_mesh
+    from plait.models.decoder.config import DecoderConfig
     from plait.models.errors import ModelConfigError
     from plait.models.hf_io import CheckpointMismatchError, load_hf_config
 
@@ -299,7 +300,7 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
         config = load_hf_config(base or model_dir)  # config.json only: the prompt is checked before the weights load
     except (ModelConfigError, OSError) as e:
         raise _UsageError(f"cannot load {model_dir}: {_one_line(e)}") from None
-    assert isinstance(config, TokenConfig), f"model config {type(config).__name__} lacks the token fields"
+    assert isinstance(config, DecoderConfig), f"model config {type(config).__name__} is not a model family's"
     start, stop = start_and_stop_ids(tokenizer, config)
     shown = args.prompt
     if args.chat:

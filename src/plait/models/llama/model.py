@@ -6,9 +6,12 @@ which swaps submodules for parallel ones; the forward functions here are written
 swapped modules slot in (attention projects q/k/v through one method, the output head goes
 through a loss module that the parallel plan can replace).
 
-The model is traceable by ``torch.fx`` with :class:`LlamaDecoderLayer` as a leaf module (its
-``pipeline_block`` marker). Other families (Qwen3, Mistral) subclass these classes and override only
-what differs, through the ``attention_cls`` / ``layer_cls`` / ``model_cls`` class attributes.
+The embedding, the block list, the final norm, the head and the loss module are the generic
+decoder's (:mod:`plait.models.decoder.model`); Llama's model says which block and norm it uses and
+adds the rotary tables. The model is traceable by ``torch.fx`` with :class:`LlamaDecoderLayer` as a
+leaf module (its ``pipeline_block`` marker). Other families (Qwen3, Mistral) subclass these classes
+and override only what differs, through the ``attention_cls`` / ``layer_cls`` / ``model_cls`` class
+attributes.
 
 Dropout (``config.attention_dropout`` on the attention weights, ``config.hidden_dropout`` on the
 attention and MLP outputs before each residual add) is off by default and draws from the global
@@ -21,22 +24,19 @@ name them (:mod:`plait.activation_checkpointing`); they add no parameters and ch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from plait.models.decoder.config import DecoderConfig
+from plait.models.decoder.model import DecoderForCausalLM, DecoderModel
 from plait.models.llama.config import LlamaConfig
 from plait.nn.attention import AttentionCore, causal_attention, document_causal_mask
 from plait.nn.mlp import GatedMLP, SwiGLU
 from plait.nn.norm import RMSNorm, rms_norm
 from plait.nn.output import CausalLMOutput
 from plait.nn.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half
-
-if TYPE_CHECKING:  # the attributes the tensor-parallel plan sets; the model itself has no distributed code
-    from plait.comm.primitives import GroupInfo
-    from plait.tensor_parallel.heads import HeadLayout
-    from plait.tensor_parallel.random import TensorParallelRNG
 
 # The generic blocks moved to :mod:`plait.nn`; their names stay importable from here.
 __all__ = ["AttentionCore", "CausalLMOutput", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM",
@@ -108,63 +108,30 @@ class LlamaDecoderLayer(nn.Module):
         return self.residual_dropout(y) if self.residual_dropout.p > 0 else y
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder blocks, final norm (and the rotary tables every block shares)."""
+class LlamaModel(DecoderModel):
+    """Embedding, decoder blocks, final RMSNorm (and the rotary tables every block shares)."""
 
     layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
-        super().__init__()
-        kw = {"device": device, "dtype": dtype}
-        # typed as modules: the tensor-parallel plan swaps in its parallel embedding and norm
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(self.layer_cls(config, **kw) for _ in range(config.num_hidden_layers))
-        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        super().__init__(config, device=device, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config, device=device)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``position_ids``/``segment_ids`` (``[batch, seq]``) describe a packed batch: positions
-        restart in each sample and attention stays within a sample."""
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(h, input_ids.shape[1], position_ids)
+    def build_norm(self, config: DecoderConfig, device=None, dtype=None) -> nn.Module:
+        assert isinstance(config, LlamaConfig)
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+
+    def block_inputs(self, h: torch.Tensor, seq_len: int, position_ids: torch.Tensor | None,
+                     segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The rotary ``cos``/``sin`` tables and, for a packed batch, the document mask."""
+        cos, sin = self.rotary_emb(h, seq_len, position_ids)
         mask = None if segment_ids is None else document_causal_mask(segment_ids)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask)
-        return self.norm(h)
+        return cos, sin, mask
 
 
-class LlamaForCausalLM(nn.Module):
-    """Decoder plus output head. ``forward(ids)`` gives logits; ``forward(ids, labels)`` the loss."""
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama's decoder plus output head (the generic :class:`DecoderForCausalLM`)."""
 
-    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
-
-    #: set by the tensor-parallel plan (:func:`plait.models.llama.parallelize.parallelize`); the
-    #: builder (:mod:`plait.materialize`) sets ``rng_tracker`` on every model it builds
-    head_layout: HeadLayout
-    tensor_parallel: GroupInfo
-    sequence_parallel: bool
-    rng_tracker: TensorParallelRNG
-
-    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
-        super().__init__()
-        self.config = config
-        kw = {"device": device, "dtype": dtype}
-        self.model = self.model_cls(config, **kw)
-        # typed as modules: the tensor-parallel plan swaps in its column-parallel head and loss
-        self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
-        self.tie_weights()
-        self.output: nn.Module = CausalLMOutput(config.vocab_size)
-
-    def tie_weights(self) -> None:
-        """Re-tie the output head to the embedding (needed after ``to_empty`` or module swaps)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-                loss_normalizer: float | None = None) -> torch.Tensor:
-        """Logits, or with ``labels`` the loss (mean over the target tokens, or their sum divided by
-        ``loss_normalizer``); ``position_ids``/``segment_ids`` for a packed batch."""
-        h = self.model(input_ids, position_ids, segment_ids)
-        return self.output(self.lm_head(h), labels, loss_normalizer)
+    config: LlamaConfig
+    model: LlamaModel
+    model_cls: ClassVar[type[DecoderModel]] = LlamaModel

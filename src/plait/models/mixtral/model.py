@@ -12,13 +12,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from plait.models.decoder.config import DecoderConfig
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM, LlamaModel
 from plait.models.mistral.model import MistralAttention
 from plait.models.mixtral.config import MixtralConfig
 from plait.nn.moe import ExpertMLP, MoELayer, SoftmaxTopKRouter
 from plait.nn.norm import RMSNorm
-from plait.nn.rotary import RotaryEmbedding
 
 
 class MixtralExpert(ExpertMLP):
@@ -63,13 +63,8 @@ class MoEModel(LlamaModel):
 
     layer_cls: ClassVar[type[nn.Module]] = MoEDecoderLayer
 
-    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
-        nn.Module.__init__(self)  # Llama's body, with each block told its index
-        kw = {"device": device, "dtype": dtype}
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(self.layer_cls(config, **kw, layer_id=i) for i in range(config.num_hidden_layers))
-        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.rotary_emb = RotaryEmbedding(config, device=device)
+    def build_layer(self, config: DecoderConfig, layer_id: int, device=None, dtype=None) -> nn.Module:
+        return self.layer_cls(config, device=device, dtype=dtype, layer_id=layer_id)
 
 
 class MixtralDecoderLayer(MoEDecoderLayer):
