@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from plait.models.decoder.config import DecoderConfig
+from plait.models.decoder.shapes import LocalShapes
 from plait.pipeline.trace import Unit
 
 
@@ -49,6 +50,9 @@ class ModelFamily:
     ``stage_cls``: a pipeline stage cut from a full model, ``cls(full, layer_ids, first=, last=)``.
     ``units``: the pipeline units of ``config`` in execution order (what a stage boundary may cut
     between), without building a model.
+    ``local_shapes``: ``fn(config, tp, kv_replication)``, the per-rank widths ``parallelize``
+    builds on a mesh of those degrees (``kv_replication`` 1: the plan's automatic factor), from the
+    config alone: what the planner (:mod:`plait.plan`) prices.
     ``hf_name``: plait parameter name -> Hugging Face tensor name (the identity for families whose
     plait names are Hugging Face's).
     ``recipes``: ready recipe files shipped with the family.
@@ -61,5 +65,6 @@ class ModelFamily:
     parallelize: Callable[..., nn.Module]
     stage_cls: type[nn.Module]
     units: Callable[[Any], list[Unit]]
+    local_shapes: Callable[[Any, int, int], LocalShapes]
     hf_name: Callable[[str], str] = same_name
     recipes: tuple[Path, ...] = field(default=())

@@ -21,10 +21,10 @@ peak the model's own computation uses (dropped tokens under a capacity are still
 
 from __future__ import annotations
 
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.config import DecoderConfig
 
 
-def matmul_params(config: LlamaConfig) -> int:
+def matmul_params(config: DecoderConfig) -> int:
     """Non-embedding parameters plus the output head's matrix, less the experts a token does not use
     (the ``N`` of ``6N``)."""
     embedding = config.vocab_size * config.hidden_size
@@ -34,7 +34,7 @@ def matmul_params(config: LlamaConfig) -> int:
     return non_embedding + head - (inactive() if callable(inactive) else 0)
 
 
-def model_flops_per_token(config: LlamaConfig, seq_len: int, *, weight_gradients: bool = True) -> int:
+def model_flops_per_token(config: DecoderConfig, seq_len: int, *, weight_gradients: bool = True) -> int:
     """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
 
     ``weight_gradients=False`` is a frozen base (LoRA): the backward pass computes the input

@@ -9,8 +9,9 @@ Notation: ``B`` micro-batch size, ``S`` sequence length, ``h`` hidden size, ``T`
 ``m`` micro-batches per step; per TP rank ``q = local_q_heads * head_dim`` (padding heads
 included), ``k = local_kv_heads * head_dim`` (K/V replication included), ``n_q`` local query heads,
 ``i = intermediate_size / T``, ``V' = ceil(vocab / T)`` (the vocabulary padded to a multiple of
-``T``; exactly ``vocab`` at ``T = 1``, where plait does not swap in parallel modules).
-``S' = S / T`` under sequence parallelism, else ``S``. Byte sizes per precision preset
+``T``; exactly ``vocab`` at ``T = 1``, where plait does not swap in parallel modules): the
+family's own widths (:func:`local_shapes`, from ``ModelFamily.local_shapes``, as its ``parallelize``
+builds them). ``S' = S / T`` under sequence parallelism, else ``S``. Byte sizes per precision preset
 (:data:`PRECISIONS`, following :mod:`plait.precision`): ``p`` parameter, ``g`` gradient
 buffer (fp32 under ``bf16-mixed``: gradients are accumulated and reduced in fp32), ``o`` one
 optimizer state (the dtype the optimizer updates), ``w`` master weight, ``c`` compute (matmul
@@ -128,10 +129,14 @@ import functools
 from dataclasses import dataclass, field
 
 from plait.context_parallel.plan import attention_workspace_bytes, ring_buffer_bytes
+from plait.models.decoder.config import DecoderConfig
+from plait.models.decoder.shapes import LocalShapes
 from plait.models.llama.config import LlamaConfig
+from plait.models.registry import family_of
 from plait.pipeline.layout import plan_partition
 from plait.pipeline.schedules import compute_order
 from plait.pipeline.tasks import Forward, WeightGrad
+from plait.plan.block import llama_block
 from plait.plan.layout import Layout
 from plait.plan.moe import (
     MoEShape,
@@ -146,7 +151,6 @@ from plait.plan.moe import (
     shared_parameter_count,
 )
 from plait.tensor_parallel.cross_entropy import default_chunk_rows
-from plait.tensor_parallel.heads import HeadLayout
 
 MiB = 1024**2
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -189,53 +193,25 @@ def precision_bytes(precision: str) -> PrecisionBytes:
 
 
 # ------------------------------------------------------------------------------ local shapes
-@dataclass(frozen=True)
-class LocalShapes:
-    """Per-TP-rank widths of one decoder layer and the vocabulary (see module doc for symbols)."""
-
-    tp: int
-    hidden: int
-    q: int            # local query width, padding heads included
-    kv: int           # local K (= V) width, replicated KV heads included
-    q_heads: int      # local query heads
-    intermediate: int
-    vocab: int        # local vocabulary rows (padded)
-    head_padding: bool
-    vocab_padding: bool
-    ep: int = 1       # expert parallelism: each sparse layer holds experts / ep whole experts
-
-
-def local_shapes(config: LlamaConfig, layout: Layout) -> LocalShapes:
-    """Local sizes exactly as the family's ``parallelize`` (Llama's plan, which Qwen3 and Mistral
-    reuse) builds them.
-
-    ``tp = 1`` keeps the unparallelized model. Otherwise heads follow
-    :meth:`HeadLayout.plan` (``layout.kv_replication`` when above 1, else the automatic factor, as
-    :func:`~plait.models.llama.parallelize.head_layout_for` does) and the vocabulary is split in
-    ``ceil(V / T)`` rows per rank.
+def local_shapes(config: DecoderConfig, layout: Layout) -> LocalShapes:
+    """Local sizes exactly as the family's ``parallelize`` builds them: its ``local_shapes``
+    (:class:`~plait.models.family.ModelFamily`; Llama's plan, which Qwen3, Mistral and the MoE
+    families reuse, :func:`plait.models.llama.parallelize.local_shapes`) at ``layout.tp`` and
+    ``layout.kv_replication`` (1: the plan's automatic factor), with ``layout.ep``.
     """
-    c, tp = config, layout.tp
-    if tp == 1:
-        return LocalShapes(1, c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
-                           c.num_attention_heads, c.intermediate_size, c.vocab_size, False, False, layout.ep)
-    if c.intermediate_size % tp:
-        raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={tp}")
-    heads = HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, tp,
-                            layout.kv_replication if layout.kv_replication > 1 else None)
-    vocab = -(-c.vocab_size // tp)
-    return LocalShapes(tp, c.hidden_size, heads.local_q_heads * c.head_dim, heads.local_kv_heads * c.head_dim,
-                       heads.local_q_heads, c.intermediate_size // tp, vocab, heads.needs_padding,
-                       vocab * tp != c.vocab_size, layout.ep)
+    shapes = family_of(config).local_shapes(config, layout.tp, layout.kv_replication)
+    return dataclasses.replace(shapes, ep=layout.ep)
 
 
-def layer_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: int | None = None) -> int:
-    """Local parameters of one decoder layer: q/k/v (+ biases), o (+ replicated bias), gate/up
-    (+ biases), down (+ replicated bias), two RMSNorm weights.
+def layer_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: int | None = None) -> int:
+    """Local parameters of one decoder layer (Llama's block, :mod:`plait.plan.block`): q/k/v
+    (+ biases), o (+ replicated bias), gate/up (+ biases), down (+ replicated bias), two RMSNorm
+    weights.
 
     MoE families (:mod:`plait.plan.moe`): decoder layer ``layer``'s own feed-forward part, a sparse
     layer's router and shared expert whole and ``experts / ep`` whole experts, a dense layer's
     tensor-parallel MLP; ``layer`` is then required."""
-    c, h = config, sh.hidden
+    c, h = llama_block(config), sh.hidden
     attn = h * sh.q + 2 * h * sh.kv + sh.q * h
     if c.attention_bias:
         attn += sh.q + 2 * sh.kv
@@ -250,17 +226,17 @@ def layer_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: int | Non
     return attn + mlp + 2 * h + family_extra_parameters(c)
 
 
-def ffn_parameter_count(config: LlamaConfig, moe: MoEShape, sh: LocalShapes, layer: int) -> int:
+def ffn_parameter_count(config: DecoderConfig, moe: MoEShape, sh: LocalShapes, layer: int) -> int:
     """MoE family: a sparse layer's router, shared expert and local experts, or a dense layer's
     local MLP (the feed-forward part of :func:`layer_parameter_count`)."""
     h = sh.hidden
     if moe.is_sparse(layer):
         return shared_parameter_count(moe, h) + expert_parameter_count(moe, h, sh.ep)
     i = config.intermediate_size // sh.tp
-    return 3 * h * i + ((2 * i + h) if config.mlp_bias else 0)
+    return 3 * h * i + ((2 * i + h) if llama_block(config).mlp_bias else 0)
 
 
-def layer_expert_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: int) -> int:
+def layer_expert_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: int) -> int:
     """The routed experts' part of :func:`layer_parameter_count` (0 for a dense layer or model):
     the parameters reduced and ZeRO-1-sharded over the expert-data-parallel group."""
     moe = moe_shape(config)
@@ -269,16 +245,16 @@ def layer_expert_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: in
     return expert_parameter_count(moe, sh.hidden, sh.ep)
 
 
-def family_extra_parameters(config: LlamaConfig) -> int:
+def family_extra_parameters(config: DecoderConfig) -> int:
     """Parameters a family's block adds to Llama's (Qwen3's per-head q/k norm weights): small
     tensors replicated on every TP rank, read by no matmul. For an MoE family, whose
     ``layer_parameters`` counts experts, the part besides the feed-forward layer."""
     if moe_shape(config) is not None:
         return attention_extra_parameters(config)
-    return config.layer_parameters() - LlamaConfig.layer_parameters(config)
+    return config.layer_parameters() - LlamaConfig.layer_parameters(llama_block(config))
 
 
-def layer_matmul_parameter_count(config: LlamaConfig, sh: LocalShapes, layer: int | None = None) -> int:
+def layer_matmul_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: int | None = None) -> int:
     """The part of :func:`layer_parameter_count` that matmuls read (everything but the norms)."""
     return layer_parameter_count(config, sh, layer) - 2 * sh.hidden - family_extra_parameters(config)
 
@@ -293,7 +269,7 @@ class Chunk:
     last: bool
 
 
-def rank_chunks(config: LlamaConfig, layout: Layout, seq_len: int, pp_rank: int, *,
+def rank_chunks(config: DecoderConfig, layout: Layout, seq_len: int, pp_rank: int, *,
                 stage_layers: list[list[int]] | None = None) -> list[Chunk]:
     """The chunks pipeline rank ``pp_rank`` holds: global stages ``pp_rank, pp_rank + pp, ...``.
 
@@ -309,7 +285,7 @@ def rank_chunks(config: LlamaConfig, layout: Layout, seq_len: int, pp_rank: int,
     return [Chunk(s, tuple(stage_layers[s]), s == 0, s == n - 1) for s in range(pp_rank, n, layout.pp)]
 
 
-def default_stage_layers(config: LlamaConfig, num_stages: int, seq_len: int) -> list[list[int]]:
+def default_stage_layers(config: DecoderConfig, num_stages: int, seq_len: int) -> list[list[int]]:
     """:func:`plait.pipeline.layout.plan_partition`'s balanced FLOP split (the trainer's default),
     cached per (config, stages, sequence length): a layout search prices many layouts."""
     return [list(s) for s in _cached_split(repr(config), config, num_stages, seq_len)]
@@ -318,7 +294,7 @@ def default_stage_layers(config: LlamaConfig, num_stages: int, seq_len: int) -> 
 _SPLITS: dict[tuple[str, int, int], tuple[tuple[int, ...], ...]] = {}
 
 
-def _cached_split(key: str, config: LlamaConfig, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+def _cached_split(key: str, config: DecoderConfig, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
     k = (key, num_stages, seq_len)
     if k not in _SPLITS:
         split = plan_partition(config, num_stages, seq_len, method="balanced", cost="flops").stage_layers()
@@ -328,7 +304,7 @@ def _cached_split(key: str, config: LlamaConfig, num_stages: int, seq_len: int) 
     return _SPLITS[k]
 
 
-def chunk_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Chunk) -> int:
+def chunk_parameter_count(config: DecoderConfig, sh: LocalShapes, chunk: Chunk) -> int:
     """Local parameters of one chunk: its layers; the embedding on the first stage, and on the last
     stage too when embeddings are tied (each end keeps a copy, summed over both ends before the
     data-parallel reduction, see :mod:`plait.data_parallel.grad_sync`);
@@ -346,7 +322,7 @@ def chunk_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Chunk) ->
     return n
 
 
-def chunk_expert_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Chunk) -> int:
+def chunk_expert_parameter_count(config: DecoderConfig, sh: LocalShapes, chunk: Chunk) -> int:
     """Routed-expert parameters of one chunk (0 for a dense model)."""
     moe = moe_shape(config)
     if moe is None:
@@ -354,13 +330,13 @@ def chunk_expert_parameter_count(config: LlamaConfig, sh: LocalShapes, chunk: Ch
     return sum(1 for layer in chunk.layers if moe.is_sparse(layer)) * expert_parameter_count(moe, sh.hidden, sh.ep)
 
 
-def rank_parameter_count(config: LlamaConfig, layout: Layout, seq_len: int, pp_rank: int = 0) -> int:
+def rank_parameter_count(config: DecoderConfig, layout: Layout, seq_len: int, pp_rank: int = 0) -> int:
     """Exact local parameter count of one rank (every TP rank of a stage holds the same count)."""
     sh = local_shapes(config, layout)
     return sum(chunk_parameter_count(config, sh, ch) for ch in rank_chunks(config, layout, seq_len, pp_rank))
 
 
-def _largest_weights(config: LlamaConfig, sh: LocalShapes, chunks: list[Chunk]) -> tuple[int, int]:
+def _largest_weights(config: DecoderConfig, sh: LocalShapes, chunks: list[Chunk]) -> tuple[int, int]:
     """Elements of the rank's largest weight outside the routed experts, and of its largest routed
     expert weight (0 without one): the two are sharded over different groups under ZeRO-1."""
     sizes = []
@@ -399,7 +375,7 @@ def _largest_segment(largest_weight: int, shards: int, grad_bytes: int) -> int:
 
 
 # ------------------------------------------------------------------------------ activations
-def layer_activation_bytes(config: LlamaConfig, layout: Layout, precision: str, micro_batch_size: int,
+def layer_activation_bytes(config: DecoderConfig, layout: Layout, precision: str, micro_batch_size: int,
                            seq_len: int, layer: int | None = None) -> int:
     """Bytes one decoder layer saves for backward per micro-batch (per TP rank).
 
@@ -491,7 +467,7 @@ class ChunkCost:
     backward_end_transient: int  # at the end of a backward (the embedding's new gradient)
 
 
-def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk, micro_batch_size: int,
+def chunk_cost(config: DecoderConfig, layout: Layout, precision: str, chunk: Chunk, micro_batch_size: int,
                seq_len: int) -> ChunkCost:
     """Activation-phase costs of one chunk (module doc; ``N = B * S`` tokens, ``V'`` local vocab).
 
@@ -584,7 +560,7 @@ def chunk_cost(config: LlamaConfig, layout: Layout, precision: str, chunk: Chunk
     return ChunkCost(act, copies, logits, grads, fwd, bwd, end)
 
 
-def _moe_chunk_copies(config: LlamaConfig, moe: MoEShape, sh: LocalShapes, pb: PrecisionBytes, layout: Layout,
+def _moe_chunk_copies(config: DecoderConfig, moe: MoEShape, sh: LocalShapes, pb: PrecisionBytes, layout: Layout,
                       chunk: Chunk) -> int:
     """Weight copies an MoE family's chunk keeps per in-flight micro-batch: autocast's bf16 copies
     of the attention (and dense MLP) weights, and each sparse layer's stacked expert weights and
@@ -783,7 +759,7 @@ class MemoryBreakdown:
         return "| " + " | ".join(cells) + " |"
 
 
-def estimate_memory(config: LlamaConfig, layout: Layout, *, precision: str = "fp32", micro_batch_size: int,
+def estimate_memory(config: DecoderConfig, layout: Layout, *, precision: str = "fp32", micro_batch_size: int,
                     seq_len: int, microbatches: int, stage: int | None = None,
                     stage_layers: list[list[int]] | None = None) -> MemoryBreakdown:
     """Peak bytes on one rank of ``layout`` for a training step (see the module doc for every term).
@@ -863,7 +839,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     )
 
 
-def _moe_recomputed_layer(config: LlamaConfig, layout: Layout, pb: PrecisionBytes, B: int, S: int,
+def _moe_recomputed_layer(config: DecoderConfig, layout: Layout, pb: PrecisionBytes, B: int, S: int,
                           chunks: list[Chunk]) -> int:
     """Full checkpointing, MoE family: the largest of the rank's layers while it is recomputed
     (its activations without checkpointing and its weight copies)."""

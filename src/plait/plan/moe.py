@@ -43,7 +43,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from plait.models.decoder.config import DecoderConfig
 from plait.models.llama.config import LlamaConfig
+from plait.plan.block import llama_block
 
 
 @dataclass(frozen=True)
@@ -96,16 +98,16 @@ def shared_parameter_count(shape: MoEShape, hidden: int) -> int:
     return shape.experts * hidden + shared
 
 
-def full_ffn_parameters(config: LlamaConfig, shape: MoEShape, layer: int) -> int:
+def full_ffn_parameters(config: DecoderConfig, shape: MoEShape, layer: int) -> int:
     """The unsharded feed-forward parameters of decoder layer ``layer`` (sparse or dense)."""
     h = config.hidden_size
     if shape.is_sparse(layer):
         return shared_parameter_count(shape, h) + expert_parameter_count(shape, h, 1)
     i = config.intermediate_size
-    return 3 * h * i + ((2 * i + h) if config.mlp_bias else 0)
+    return 3 * h * i + ((2 * i + h) if llama_block(config).mlp_bias else 0)
 
 
-def attention_extra_parameters(config: LlamaConfig) -> int:
+def attention_extra_parameters(config: DecoderConfig) -> int:
     """Per-layer parameters a family adds to Llama's attention and norms (Qwen3's q/k norm
     weights), from the exact model count: the layers' total less their feed-forward parameters
     and Llama's attention and norms."""
@@ -120,7 +122,8 @@ def attention_extra_parameters(config: LlamaConfig) -> int:
     if dense is not None:
         ffn += (L - sparse) * full_ffn_parameters(config, shape, dense)
     i = config.intermediate_size
-    llama_attn_norms = LlamaConfig.layer_parameters(config) - 3 * h * i - ((2 * i + h) if config.mlp_bias else 0)
+    llama = llama_block(config)
+    llama_attn_norms = LlamaConfig.layer_parameters(llama) - 3 * h * i - ((2 * i + h) if llama.mlp_bias else 0)
     return (layers - ffn) // L - llama_attn_norms
 
 
@@ -238,7 +241,7 @@ def sequence_parallel_tp_bytes(shape: MoEShape, hidden: int, ep: int, tp: int, *
     return ring * (moe_parameter_count(shape, hidden, ep) * grad + (shape.experts + 1) * 8)
 
 
-def active_ffn_matmul_parameters(config: LlamaConfig, shape: MoEShape, layer: int, tp: int) -> int:
+def active_ffn_matmul_parameters(config: DecoderConfig, shape: MoEShape, layer: int, tp: int) -> int:
     """Feed-forward parameters one token's matmuls read on a rank of a TP group of ``tp``: a sparse
     layer's router, ``k`` experts and shared expert (whole on every TP rank); a dense layer's MLP
     split ``tp`` ways (its executed FLOPs are ``6`` times this per token)."""

@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass, field
 
 from plait.devices import DeviceError, DeviceSpec, get_device
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.config import DecoderConfig
 from plait.models.registry import family_of
 from plait.pipeline.partition import partition_model, unit_costs
 from plait.pipeline.schedules import INTERLEAVED_SCHEDULES, ScheduleError, validate_schedule
@@ -163,7 +163,7 @@ class _Reasons:
         return "; ".join(shown) + (f"; ... ({more} more)" if more > 0 else "")
 
 
-def _head_check(config: LlamaConfig, tp: int, placement: str) -> tuple[list[int], int] | str:
+def _head_check(config: DecoderConfig, tp: int, placement: str) -> tuple[list[int], int] | str:
     """``(valid kv replication factors, automatic factor)`` for ``tp``, or a reason string."""
     c = config
     try:
@@ -182,7 +182,7 @@ def _head_check(config: LlamaConfig, tp: int, placement: str) -> tuple[list[int]
     return valid, auto.kv_replication
 
 
-def _enumerate(config: LlamaConfig, world: int, *, devices_per_node: int, micro_batch_size: int, seq_len: int,
+def _enumerate(config: DecoderConfig, world: int, *, devices_per_node: int, micro_batch_size: int, seq_len: int,
                microbatches: int | None, global_batch_size: int | None,
                options: SearchOptions) -> tuple[list[tuple[Layout, int]], _Reasons]:
     reasons = _Reasons()
@@ -282,15 +282,15 @@ def _expert_degrees(moe: MoEShape | None, options: SearchOptions) -> list[int]:
     return _divisors(moe.experts)
 
 
-def _describe_model(config: LlamaConfig) -> str:
+def _describe_model(config: DecoderConfig) -> str:
     return (f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
             f"{config.num_key_value_heads} KV heads, intermediate {config.intermediate_size}")
 
 
-def enumerate_layouts(config: LlamaConfig, world: int, *, devices_per_node: int = 8, micro_batch_size: int = 1,
+def enumerate_layouts(config: DecoderConfig, world: int, *, devices_per_node: int = 8, micro_batch_size: int = 1,
                       seq_len: int, microbatches: int | None = None, global_batch_size: int | None = None,
                       options: SearchOptions | None = None) -> list[Layout]:
-    """Every valid layout of ``config`` (a :class:`LlamaConfig`) on ``world`` devices (module rules).
+    """Every valid layout of ``config`` (a family's config) on ``world`` devices (module rules).
 
     Raises :class:`PlanError` naming the world and why, when there is none.
     """
@@ -300,7 +300,7 @@ def enumerate_layouts(config: LlamaConfig, world: int, *, devices_per_node: int 
     return [layout for layout, _ in pairs]
 
 
-def _enumerate_checked(config: LlamaConfig, world: int, *, devices_per_node: int, micro_batch_size: int,
+def _enumerate_checked(config: DecoderConfig, world: int, *, devices_per_node: int, micro_batch_size: int,
                        seq_len: int, microbatches: int | None, global_batch_size: int | None,
                        options: SearchOptions) -> list[tuple[Layout, int]]:
     _check_positive(world=world, devices_per_node=devices_per_node, micro_batch_size=micro_batch_size,
@@ -379,7 +379,7 @@ def smallest_budget_hint(min_total: int, headroom: float) -> str:
     return f"{math.ceil(need / 1e9 * 10) / 10:.1f} GB ({need / 1024**3:.1f} GiB)"
 
 
-def stage_split(config: LlamaConfig, num_stages: int, seq_len: int, *, method: str = "balanced", cost: str = "flops",
+def stage_split(config: DecoderConfig, num_stages: int, seq_len: int, *, method: str = "balanced", cost: str = "flops",
                 cuts: list[str] | None = None) -> list[list[int]]:
     """Decoder layers of each of ``num_stages`` pipeline stages, as
     :func:`~plait.plan.pipeline_split.plan_partition` splits them, from the units the model family
@@ -391,7 +391,7 @@ def stage_split(config: LlamaConfig, num_stages: int, seq_len: int, *, method: s
     return part.stage_layers()
 
 
-def rank_layouts(config: LlamaConfig, world: int, device: DeviceSpec | str, *, devices_per_node: int = 8,
+def rank_layouts(config: DecoderConfig, world: int, device: DeviceSpec | str, *, devices_per_node: int = 8,
                  micro_batch_size: int = 1, seq_len: int, microbatches: int | None = None,
                  global_batch_size: int | None = None, precision: str = "autocast", memory_bytes: int | None = None,
                  headroom: float = DEFAULT_HEADROOM,

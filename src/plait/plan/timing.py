@@ -89,8 +89,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from plait.devices import DeviceSpec, peak_flops
+from plait.models.decoder.config import DecoderConfig
 from plait.models.flops import model_flops_per_token
-from plait.models.llama.config import LlamaConfig
 from plait.pipeline.simulate import schedule_bubble
 from plait.plan.layout import Layout
 from plait.plan.memory import (
@@ -173,7 +173,7 @@ def _bandwidth(device: DeviceSpec, intra: bool, what: str) -> float:
     return bw
 
 
-def rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, micro_batch_size: int, microbatches: int,
+def rank_flops(config: DecoderConfig, layout: Layout, seq_len: int, micro_batch_size: int, microbatches: int,
                pp_rank: int, stage_layers: list[list[int]] | None = None) -> float:
     """Executed FLOPs of one rank for a step (module doc: compute), recomputation included."""
     sh = local_shapes(config, layout)
@@ -191,7 +191,7 @@ def rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, micro_batch_si
     return total * tokens
 
 
-def _moe_rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, tokens: int, pp_rank: int,
+def _moe_rank_flops(config: DecoderConfig, layout: Layout, seq_len: int, tokens: int, pp_rank: int,
                     stage_layers: list[list[int]] | None) -> float:
     """:func:`rank_flops` of an MoE family: per token, a sparse layer's router, ``k`` experts and
     shared expert (whole on every TP rank, which all repeat them; under sequence parallelism each
@@ -214,7 +214,7 @@ def _moe_rank_flops(config: LlamaConfig, layout: Layout, seq_len: int, tokens: i
     return total * tokens
 
 
-def estimate_step_time(config: LlamaConfig, layout: Layout, device: DeviceSpec, *, precision: str = "autocast",
+def estimate_step_time(config: DecoderConfig, layout: Layout, device: DeviceSpec, *, precision: str = "autocast",
                        micro_batch_size: int, seq_len: int, microbatches: int,
                        nodes_of: Callable[[int], int] | None = None, devices_per_node: int | None = None,
                        efficiency: float = DEFAULT_EFFICIENCY, dp_overlap: float = DEFAULT_DP_OVERLAP,

@@ -7,7 +7,7 @@ from pathlib import Path
 from plait.models.family import ModelFamily
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
-from plait.models.llama.parallelize import parallelize
+from plait.models.llama.parallelize import local_shapes, parallelize
 from plait.models.llama.pipeline_stage import LlamaStage
 from plait.pipeline.trace import Unit, decoder_units
 
@@ -20,6 +20,6 @@ def units(config: LlamaConfig) -> list[Unit]:
 
 FAMILY = ModelFamily(
     name="llama", model_types=LlamaConfig.model_types, config_cls=LlamaConfig, causal_lm_cls=LlamaForCausalLM,
-    parallelize=parallelize, stage_cls=LlamaStage, units=units,
+    parallelize=parallelize, stage_cls=LlamaStage, units=units, local_shapes=local_shapes,
     recipes=tuple(_RECIPES / f"{n}.yaml" for n in ("llama3-8b", "llama3-70b", "llama3-405b", "smollm2-135m-finetune")),
 )

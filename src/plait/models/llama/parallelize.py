@@ -18,6 +18,8 @@ after pipeline splitting, to the modules it swapped in.
 Works on a model on the meta device (nothing is allocated; see :mod:`plait.materialize`) or on
 a model with real weights, whose full tensors are then cut into this rank's shards, so a
 reference model can be turned into its sharded twin for parity tests.
+
+:func:`local_shapes` gives the planner the widths this plan builds, from the config alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from plait.mesh import ParallelMesh
+from plait.models.decoder.shapes import LocalShapes
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.model import LlamaForCausalLM
 from plait.nn.attention import causal_attention
@@ -61,6 +64,28 @@ def kv_replication_for(config: LlamaConfig, tp: int, requested: int | None = Non
     """The KV replication factor a mesh needs for ``config`` at degree ``tp`` (validated)."""
     return HeadLayout.plan(config.num_attention_heads, config.num_key_value_heads, config.head_dim, tp,
                            requested).kv_replication
+
+
+def local_shapes(config: LlamaConfig, tp: int, kv_replication: int = 1) -> LocalShapes:
+    """The local widths :func:`parallelize` builds at degree ``tp`` on a mesh of ``kv_replication``
+    (the planner's :class:`LocalShapes`; Qwen3, Mistral and the MoE families share this plan).
+
+    ``tp = 1`` keeps the unparallelized model. Otherwise heads follow :meth:`HeadLayout.plan`
+    (``kv_replication`` when above 1, else the automatic factor, as :func:`head_layout_for` does),
+    the MLP is split ``tp`` ways and the vocabulary in ``ceil(V / tp)`` rows per rank.
+    """
+    c = config
+    if tp == 1:
+        return LocalShapes(1, c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                           c.num_attention_heads, c.intermediate_size, c.vocab_size, False, False)
+    if c.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={tp}")
+    heads = HeadLayout.plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, tp,
+                            kv_replication if kv_replication > 1 else None)
+    vocab = -(-c.vocab_size // tp)
+    return LocalShapes(tp, c.hidden_size, heads.local_q_heads * c.head_dim, heads.local_kv_heads * c.head_dim,
+                       heads.local_q_heads, c.intermediate_size // tp, vocab, heads.needs_padding,
+                       vocab * tp != c.vocab_size)
 
 
 def parallelize(model: ModelT, mesh: ParallelMesh, *, sequence_parallel: bool = False,
@@ -147,4 +172,4 @@ def _load_from_full(model: LlamaForCausalLM, full: dict[str, torch.Tensor], devi
         p.copy_(specs[name].shard(src) if name in specs else src)
 
 
-__all__ = ["parallelize", "head_layout_for", "kv_replication_for", "reset_buffers"]
+__all__ = ["parallelize", "head_layout_for", "kv_replication_for", "local_shapes", "reset_buffers"]

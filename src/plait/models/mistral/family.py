@@ -4,6 +4,7 @@ Llama's pipeline stage."""
 from __future__ import annotations
 
 from plait.models.family import ModelFamily
+from plait.models.llama.parallelize import local_shapes
 from plait.models.llama.pipeline_stage import LlamaStage
 from plait.models.mistral.config import MistralConfig
 from plait.models.mistral.model import MistralForCausalLM
@@ -16,4 +17,5 @@ def units(config: MistralConfig) -> list[Unit]:
 
 
 FAMILY = ModelFamily(name="mistral", model_types=MistralConfig.model_types, config_cls=MistralConfig,
-                     causal_lm_cls=MistralForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units)
+                     causal_lm_cls=MistralForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units,
+                     local_shapes=local_shapes)

@@ -4,6 +4,7 @@ pipeline stage (the stage only moves the full model's submodules, whatever their
 from __future__ import annotations
 
 from plait.models.family import ModelFamily
+from plait.models.llama.parallelize import local_shapes
 from plait.models.llama.pipeline_stage import LlamaStage
 from plait.models.qwen3.config import Qwen3Config
 from plait.models.qwen3.model import Qwen3ForCausalLM
@@ -16,4 +17,5 @@ def units(config: Qwen3Config) -> list[Unit]:
 
 
 FAMILY = ModelFamily(name="qwen3", model_types=Qwen3Config.model_types, config_cls=Qwen3Config,
-                     causal_lm_cls=Qwen3ForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units)
+                     causal_lm_cls=Qwen3ForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units,
+                     local_shapes=local_shapes)

@@ -1,9 +1,10 @@
-"""The Qwen3-MoE family as a :class:`ModelFamily`: its config and blocks, the MoE plan (tp=1) and
-Llama's pipeline stage."""
+"""The Qwen3-MoE family as a :class:`ModelFamily`: its config and blocks, the MoE plan (tp=1),
+Llama's pipeline stage and Llama's local shapes (as for Mixtral)."""
 
 from __future__ import annotations
 
 from plait.models.family import ModelFamily
+from plait.models.llama.parallelize import local_shapes
 from plait.models.llama.pipeline_stage import LlamaStage
 from plait.models.mixtral.parallelize import parallelize
 from plait.models.qwen3_moe.config import Qwen3MoeConfig
@@ -16,4 +17,5 @@ def units(config: Qwen3MoeConfig) -> list[Unit]:
 
 
 FAMILY = ModelFamily(name="qwen3_moe", model_types=Qwen3MoeConfig.model_types, config_cls=Qwen3MoeConfig,
-                     causal_lm_cls=Qwen3MoeForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units)
+                     causal_lm_cls=Qwen3MoeForCausalLM, parallelize=parallelize, stage_cls=LlamaStage, units=units,
+                     local_shapes=local_shapes)
