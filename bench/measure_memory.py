@@ -2,7 +2,7 @@
 
 What is measured: for each layout, precision preset and activation-checkpointing mode, ``world``
 spawned gloo ranks on the CPU (one intra-op thread each) build the model exactly as the trainer
-does (:func:`plait.materialize.build_llama`, or :func:`~plait.materialize.build_llama_stages`
+does (:func:`plait.materialize.build_model`, or :func:`~plait.materialize.build_stages`
 driven by :class:`~plait.pipeline.runtime.PipelineRuntime` with the balanced FLOP split), apply
 :func:`plait.activation_checkpointing.apply_activation_checkpointing` (``--ckpt``), build the
 optimizer (:class:`plait.data_parallel.optimizer.DistributedOptimizer`: flat buffers, fused
@@ -162,8 +162,8 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
     from plait.models.llama.parallelize import kv_replication_for
-    from plait.pipeline.layout import plan_partition
     from plait.plan.layout import Layout
+    from plait.plan.pipeline_split import plan_partition
     from plait.precision import policy_for
     from plait.train.build_run import build_runtime
     from plait.train.step import train_step

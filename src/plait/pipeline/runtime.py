@@ -161,7 +161,9 @@ class PipelineRuntime:
         loss_sum = torch.zeros((), device=self.device)
         state: dict[tuple[int, int], _InFlight] = {}
         received: dict[tuple[int, int], torch.Tensor] = {}
-        pending: list[dist.Work | torch.Tensor] = []
+        #: sent gradients' handles and the tensors they read, kept until the end of the step
+        pending_sends: list[dist.Work | None] = []
+        sent_grads: list[torch.Tensor] = []
         act_sends: dict[tuple[int, int], tuple[dist.Work | None, torch.Tensor]] = {}
         tasks = self.tasks if train else self._forward_only_tasks()
         receives = _Receives(self, list(tasks), train)
@@ -200,7 +202,7 @@ class PipelineRuntime:
                 # The gradient exists only because the next stage received this activation, so the
                 # send is complete: wait (returns at once) and release the sent buffer now.
                 sent = act_sends.pop(key, None)
-                if sent is not None:
+                if sent is not None and sent[0] is not None:
                     sent[0].wait()
             elif isinstance(task, T.Backward):
                 st = state[key]
@@ -226,17 +228,18 @@ class PipelineRuntime:
                 input_grad = st.inputs.grad
                 assert input_grad is not None, "a SendGradient follows the Backward that fills its input's grad"
                 grad = input_grad.contiguous()
-                pending.append(dist.isend(grad, dst=self._peer(stage_id - 1), group=self.pp_group,
-                                          tag=self._tag(1, task.microbatch, stage_id - 1)))
-                pending.append(grad)
+                pending_sends.append(dist.isend(grad, dst=self._peer(stage_id - 1), group=self.pp_group,
+                                                tag=self._tag(1, task.microbatch, stage_id - 1)))
+                sent_grads.append(grad)
             receives.task_done(index, key)
         receives.finish()
         if self.weight_grads is not None and (left := self.weight_grads.pending()):
             raise RuntimeError(f"the schedule left deferred weight gradients unrun: {left}")
         for work, _ in act_sends.values():  # evaluation (no gradients come back) and the last sends
-            work.wait()
-        for work in pending:
-            if hasattr(work, "wait"):
+            if work is not None:
+                work.wait()
+        for work in pending_sends:
+            if work is not None:
                 work.wait()
         return loss_sum
 

@@ -67,8 +67,8 @@ from plait.moe.expert_parallel import expert_parameter_names
 from plait.moe.load_map import MOE_LOAD_FILE
 from plait.moe.step_load import attach_load_balancing
 from plait.pipeline.hooks import LossHead, ReferencePass, RuntimeHooks
-from plait.pipeline.layout import partition_for
 from plait.pipeline.runtime import PipelineRuntime
+from plait.plan.pipeline_split import partition_for
 from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy, policy_for
 from plait.train.agreement import RankAgreement, StopSignals
