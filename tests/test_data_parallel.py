@@ -24,7 +24,12 @@ def _params(sizes):
 @pytest.mark.parametrize("shards", [1, 2, 3, 4])
 def test_every_element_is_owned_exactly_once(shards):
     params = _params([7, 300, 5, 64, 1, 129, 33])
-    plan = plan_buckets(params, bucket_numel=100, shards=shards, deferred_names=frozenset({"p3"}))
+
+    def plan_of(shard):  # the plan of data-parallel rank ``shard`` (planning only: no process group)
+        return plan_buckets(params, bucket_numel=100, dp=GroupInfo(None, shard, shards), sharded=True,
+                            deferred_names=frozenset({"p3"}))
+
+    plan = plan_of(0)
     assert all(b.numel % shards == 0 for b in plan.buckets)
     # buckets follow reverse registration order; the deferred parameter has a bucket of its own, last
     assert [e.name for e in plan.entries] == ["p6", "p5", "p4", "p2", "p1", "p0", "p3"]
@@ -32,7 +37,7 @@ def test_every_element_is_owned_exactly_once(shards):
     assert all(len(b.entries) == 1 or sum(e.numel for e in b.entries) <= 100 for b in plan.buckets)
     owned = {}
     for shard in range(shards):
-        for s in plan.owned_segments(shard):
+        for s in plan_of(shard).owned_segments():
             for i in range(s.start, s.end):
                 assert i not in owned
                 owned[i] = s.entry.name

@@ -18,7 +18,11 @@ own, which are reduced only at the end of backward.
 Parameters named in ``expert_names`` (routed experts under expert parallelism, which differ
 between the ranks of an expert group) also get buckets of their own, marked ``expert``: their
 data-parallel reduction runs over the expert-data-parallel group instead, and under ZeRO-1 they
-are split into that group's size of shards (``Bucket.shards``; ``expert_shards``).
+are split into that group's size of shards.
+
+Each bucket carries what its reduction needs, decided here once: the group it is reduced (and
+sharded) over (``Bucket.group``), its shard count and the shard this rank owns, so the gradient
+reduction and the optimizer ask the bucket instead of telling expert buckets apart.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from plait.comm.primitives import GroupInfo
 
 
 @dataclass
@@ -52,19 +58,22 @@ class Bucket:
     index: int
     start: int
     end: int
+    group: GroupInfo  #: the data-parallel group it is reduced over (the expert-data-parallel one for experts)
+    shards: int = 1  #: how many owned ranges it splits into: the size of ``group`` under ZeRO-1, else 1
+    shard: int = 0  #: the owned range of this rank: its rank in ``group`` under ZeRO-1, else 0
     entries: list[ParamEntry] = field(default_factory=list)
     deferred: bool = False
-    expert: bool = False  #: holds expert-parallel parameters (reduced over the expert-data-parallel group)
-    shards: int = 1  #: how many owned ranges it splits into (the plan's, or the expert group's)
+    expert: bool = False  #: holds expert-parallel parameters (their squares are added over the expert group)
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
-    def shard_range(self, shard: int, shards: int) -> tuple[int, int]:
-        """The flat-buffer range owned by ``shard``."""
-        size = self.numel // shards
-        return self.start + shard * size, self.start + (shard + 1) * size
+    @property
+    def owned_range(self) -> tuple[int, int]:
+        """The flat-buffer range this rank owns (the whole bucket without ZeRO-1)."""
+        size = self.numel // self.shards
+        return self.start + self.shard * size, self.start + (self.shard + 1) * size
 
 
 @dataclass
@@ -87,7 +96,6 @@ class BucketPlan:
 
     entries: list[ParamEntry]
     buckets: list[Bucket]
-    shards: int
 
     @property
     def numel(self) -> int:
@@ -98,13 +106,11 @@ class BucketPlan:
         """Elements added so every bucket splits evenly into shards."""
         return self.numel - sum(e.numel for e in self.entries)
 
-    def owned_segments(self, shard: int, expert_shard: int | None = None) -> list[Segment]:
-        """Every parameter segment inside shard ``shard``'s ranges (``expert_shard``'s in expert
-        buckets; default ``shard``), in buffer order."""
+    def owned_segments(self) -> list[Segment]:
+        """Every parameter segment inside this rank's owned ranges, in buffer order."""
         out = []
         for b in self.buckets:
-            mine = expert_shard if b.expert and expert_shard is not None else shard
-            lo, hi = b.shard_range(mine, b.shards)
+            lo, hi = b.owned_range
             for e in b.entries:
                 a, z = max(lo, e.start), min(hi, e.end)
                 if a < z:
@@ -112,15 +118,18 @@ class BucketPlan:
         return out
 
 
-def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, shards: int,
-                 deferred_names: frozenset[str] = frozenset(),
-                 expert_names: frozenset[str] = frozenset(), expert_shards: int | None = None) -> BucketPlan:
+def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, dp: GroupInfo,
+                 sharded: bool, deferred_names: frozenset[str] = frozenset(),
+                 expert_names: frozenset[str] = frozenset(), expert_dp: GroupInfo | None = None) -> BucketPlan:
     """Lay out ``params`` (name, parameter, decay, norm weight), given in registration order.
 
-    ``bucket_numel`` caps a bucket (a larger parameter gets a bucket of its own).
+    ``bucket_numel`` caps a bucket (a larger parameter gets a bucket of its own). Buckets are
+    reduced over ``dp``, the experts' over ``expert_dp`` (default ``dp``); ``sharded`` (ZeRO-1)
+    splits each bucket into its group's size of shards, of which this rank owns the one at its
+    rank in the group.
     """
-    if bucket_numel < 1 or shards < 1:
-        raise ValueError(f"bucket_numel={bucket_numel} and shards={shards} must be positive")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel} must be positive")
     entries: list[ParamEntry] = []
     buckets: list[Bucket] = []
     ordered = list(reversed(params))
@@ -128,16 +137,19 @@ def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, b
     deferred = [p for p in ordered if p[0] in deferred_names]
     experts = [p for p in ordered if p[0] in expert_names and p[0] not in deferred_names]
     offset = 0
-    for group, is_deferred, is_expert in ((regular, False, False), (experts, False, True), (deferred, True, False)):
-        count = expert_shards if is_expert and expert_shards is not None else shards
+    experts_group = expert_dp if expert_dp is not None else dp
+    for members, group, is_deferred, is_expert in ((regular, dp, False, False), (experts, experts_group, False, True),
+                                                   (deferred, dp, True, False)):
+        count, mine = (group.size, group.rank) if sharded else (1, 0)
         current: Bucket | None = None
-        for name, param, decay, weight in group:
+        for name, param, decay, weight in members:
             n = param.numel()
             if current is not None and current.entries and (offset - current.start) + n > bucket_numel:
                 offset = _close(current, offset, count)
                 current = None
             if current is None:
-                current = Bucket(len(buckets), offset, offset, deferred=is_deferred, expert=is_expert, shards=count)
+                current = Bucket(len(buckets), offset, offset, group, shards=count, shard=mine, deferred=is_deferred,
+                                 expert=is_expert)
                 buckets.append(current)
             entry = ParamEntry(name, param, offset, n, current.index, decay, weight)
             current.entries.append(entry)
@@ -145,7 +157,7 @@ def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, b
             offset += n
         if current is not None:
             offset = _close(current, offset, count)
-    return BucketPlan(entries, buckets, shards)
+    return BucketPlan(entries, buckets)
 
 
 def _close(bucket: Bucket, offset: int, shards: int) -> int:

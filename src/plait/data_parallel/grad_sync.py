@@ -41,26 +41,27 @@ class GradSync:
 
     def __init__(self, plan: BucketPlan, *, grad_dtype: torch.dtype, device: torch.device, dp: GroupInfo,
                  zero: bool, overlap: bool = True, tied: GroupInfo | None = None,
-                 expert_dp: GroupInfo | None = None, collectives: ShardCollectives | None = None) -> None:
-        """``collectives`` forces ZeRO-1's strategy on every group (default: chosen per backend,
+                 collectives: ShardCollectives | None = None) -> None:
+        """``dp`` is the whole data-parallel group (gradients are divided by its size); each bucket
+        is reduced over its own :attr:`~plait.data_parallel.buckets.Bucket.group`. ``collectives``
+        forces ZeRO-1's strategy on every group (default: chosen per backend,
         :func:`~plait.data_parallel.collectives.collectives_for`)."""
         self.bucket_plan, self.dp, self.zero, self.overlap, self.tied = plan, dp, zero, overlap, tied
-        self.expert_dp = expert_dp
         self.data = torch.zeros(plan.numel, dtype=grad_dtype, device=device)
         self.views = {id(e.param): self.data[e.start:e.end] for e in plan.entries}
         self._entry = {id(e.param): e for e in plan.entries}
         if zero:
             # the reduced owned shard of each bucket: its own slice of ``data`` where the backend's
             # collective reduces in place (gloo), else a slice of one separate shard buffer
-            self.collectives = {id(g): collectives or collectives_for(g) for g in (dp, expert_dp) if g is not None}
+            groups = {id(b.group): b.group for b in plan.buckets}
+            self._collectives = {key: collectives or collectives_for(g) for key, g in groups.items()}
             separate = [b for b in plan.buckets if not self._in_place(b)]
             self.shard_data = torch.zeros(sum(b.numel // b.shards for b in separate), dtype=grad_dtype, device=device)
             self.shard_views, at = [], 0
             for b in plan.buckets:
                 size = b.numel // b.shards
                 if self._in_place(b):
-                    group = self._group(b)
-                    lo, hi = b.shard_range(group.rank if group.size > 1 else 0, b.shards)
+                    lo, hi = b.owned_range
                     self.shard_views.append(self.data[lo:hi])
                 else:
                     self.shard_views.append(self.shard_data[at:at + size])
@@ -81,16 +82,13 @@ class GradSync:
         """The old name of :attr:`bucket_plan`, kept only until ``tests/test_zero_bubble.py`` reads the new one."""
         return self.bucket_plan
 
-    def _group(self, bucket: Bucket) -> GroupInfo:
-        """The group ``bucket`` is reduced (and, with ZeRO-1, sharded) over."""
-        return self.expert_dp if bucket.expert and self.expert_dp is not None else self.dp
-
-    def _collectives(self, bucket: Bucket) -> ShardCollectives:
-        return self.collectives[id(self._group(bucket))]
+    def collectives_of(self, bucket: Bucket) -> ShardCollectives:
+        """ZeRO-1's collectives on ``bucket``'s group."""
+        return self._collectives[id(bucket.group)]
 
     def _in_place(self, bucket: Bucket) -> bool:
         """Whether ``bucket``'s reduced owned shard is its slice of the gradient buffer."""
-        return self._collectives(bucket).reduces_in_place
+        return self.collectives_of(bucket).reduces_in_place
 
     # ------------------------------------------------------------------ backward side
     def mark_final(self, modules: list[nn.Module] | None = None) -> None:
@@ -147,20 +145,16 @@ class GradSync:
         if self.dp.size == 1:
             return
         flat = self.data[bucket.start:bucket.end]
-        flat.div_(self.dp.size)
-        if bucket.expert and self.expert_dp is not None:
-            if self.expert_dp.size > 1 and self.zero:
-                self._works.append(self._collectives(bucket).reduce(flat, self.shard_views[bucket.index],
-                                                                    self.expert_dp))
-            elif self.expert_dp.size > 1:
-                self._works.append(all_reduce(flat, self.expert_dp.group, async_op=True))
-            elif self.zero and not self._in_place(bucket):  # one replica per expert: its shard is the whole bucket
+        flat.div_(self.dp.size)  # the whole degree, also for an expert bucket (see the module doc)
+        group = bucket.group
+        if group.size == 1:  # one replica per expert: its owned shard is the whole bucket
+            if self.zero and not self._in_place(bucket):
                 self.shard_views[bucket.index].copy_(flat)
             return
         if self.zero:
-            work = self._collectives(bucket).reduce(flat, self.shard_views[bucket.index], self.dp)
+            work = self.collectives_of(bucket).reduce(flat, self.shard_views[bucket.index], group)
         else:
-            work = all_reduce(flat, self.dp.group, async_op=True)
+            work = all_reduce(flat, group.group, async_op=True)
         self._works.append(work)
 
     def finish(self) -> None:
@@ -198,8 +192,7 @@ class GradSync:
         if not self.zero:
             return self.data[start:end]
         for b in self.bucket_plan.buckets:
-            group = self._group(b)
-            lo, hi = b.shard_range(group.rank if group.size > 1 else 0, b.shards)
+            lo, hi = b.owned_range
             if lo <= start and end <= hi:
                 return self.shard_views[b.index][start - lo:end - lo]
         raise ValueError(f"flat range [{start}, {end}) is not owned by data-parallel rank {self.dp.rank}")

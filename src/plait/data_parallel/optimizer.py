@@ -90,9 +90,6 @@ class DistributedOptimizer:
             zero = False
         self.policy, self.dp, self.tp, self.pp, self.zero = policy, dp, tp, pp, zero
         self.shards = dp.size if zero else 1
-        self.shard = dp.rank if zero else 0
-        #: the expert-data-parallel group, which shards and reduces the experts' buckets (ep > 1)
-        self.expert_dp = expert_dp
         params, seen = [], set()
         for module in modules:
             specs = shard_specs(module)
@@ -107,15 +104,13 @@ class DistributedOptimizer:
         device = params[0][1].device
         deferred = _tied_names(modules, pp)
         bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=policy.grad_dtype).element_size()))
-        self.bucket_plan: BucketPlan = plan_buckets(params, bucket_numel=bucket_numel, shards=self.shards,
+        self.bucket_plan: BucketPlan = plan_buckets(params, bucket_numel=bucket_numel, dp=dp, sharded=zero,
                                                      deferred_names=deferred, expert_names=expert_names,
-                                                     expert_shards=expert_dp.size if zero and expert_dp else None)
-        self.segments: list[Segment] = self.bucket_plan.owned_segments(
-            self.shard, expert_dp.rank if zero and expert_dp else None)
+                                                     expert_dp=expert_dp)
+        self.segments: list[Segment] = self.bucket_plan.owned_segments()
         self._build_weights(device)
         self.grads = GradSync(self.bucket_plan, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
-                              overlap=overlap, tied=tied if deferred else None, expert_dp=expert_dp,
-                              collectives=collectives)
+                              overlap=overlap, tied=tied if deferred else None, collectives=collectives)
         self.inner = self._build_inner(hyper)
         #: the clipping factor's reciprocal that the next step's kernel divides the gradients by
         self._grad_scale: torch.Tensor | None = None
@@ -153,7 +148,7 @@ class DistributedOptimizer:
                 self.master_views.append(self.master_data[at:at + size])
                 at += size
             for s in self.segments:
-                lo, _ = self._owned_range(s.bucket)
+                lo, _ = s.bucket.owned_range
                 src = originals[id(s.entry.param)][s.start - s.entry.start:s.end - s.entry.start]
                 self.master_views[s.bucket.index][s.start - lo:s.end - lo].copy_(src)
         for e in plan.entries:  # only now: the originals were read above
@@ -164,18 +159,8 @@ class DistributedOptimizer:
         grad = self.grads.reduced_view(s.start, s.end)
         if not self.has_master:
             return self.param_data[s.start:s.end], grad
-        lo, _ = self._owned_range(s.bucket)
+        lo, _ = s.bucket.owned_range
         return self.master_views[s.bucket.index][s.start - lo:s.end - lo], grad
-
-    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
-        """The flat range of ``bucket`` this rank owns (its expert-data-parallel shard in an expert bucket)."""
-        if bucket.expert and self.expert_dp is not None and self.zero:
-            return bucket.shard_range(self.expert_dp.rank, bucket.shards)
-        return bucket.shard_range(self.shard, bucket.shards)
-
-    def _shard_group(self, bucket: Bucket) -> GroupInfo:
-        """The group over which ``bucket``'s owned ranges are gathered under ZeRO-1."""
-        return self.expert_dp if bucket.expert and self.expert_dp is not None else self.dp
 
     def _build_inner(self, hyper: OptimizerHyper) -> torch.optim.Optimizer:
         decay: list[torch.Tensor] = []
@@ -205,7 +190,7 @@ class DistributedOptimizer:
         runs: list[FlatRun] = []
         self._run_buckets: list[list[Bucket]] = []
         for b in self.bucket_plan.buckets:
-            lo, hi = self._owned_range(b)
+            lo, hi = b.owned_range
             values = self.master_views[b.index] if self.has_master else self.param_data[lo:hi]
             grads = self.grads.reduced_view(lo, hi)
             members = [self.main_params[i] for i, s in enumerate(self.segments) if s.bucket is b]
@@ -322,12 +307,11 @@ class DistributedOptimizer:
         """Write bucket ``b``'s updated owned range into the weights and start sharing it (ZeRO-1);
         returns the work handles."""
         master = self.master_views[b.index] if self.has_master else None
-        if self.zero and b.shards > 1:  # the owned shard is in place; the backend's collectives fill the rest
+        if b.shards > 1:  # ZeRO-1: the owned shard is in place; the backend's collectives fill the rest
             if master is not None:
-                lo, hi = self._owned_range(b)
+                lo, hi = b.owned_range
                 self.param_data[lo:hi].copy_(master)
-            group = self._shard_group(b)
-            return self.grads.collectives[id(group)].gather(self.param_data[b.start:b.end], group)
+            return self.grads.collectives_of(b).gather(self.param_data[b.start:b.end], b.group)
         # without ZeRO-1, or one replica per expert (the whole bucket is owned): only a master to copy
         assert master is not None or self.zero, "without ZeRO-1 the weights are published only from a master copy"
         if master is not None:
@@ -414,7 +398,7 @@ class DistributedOptimizer:
             by_bucket.setdefault(s.bucket.index, []).append(i)
         device = self.param_data.device
         for b in self.bucket_plan.buckets:
-            lo, hi = self._owned_range(b)
+            lo, hi = b.owned_range
             flats = {}
             for kind in kinds:
                 owned = torch.zeros(hi - lo, dtype=self.policy.master_dtype, device=device)
@@ -424,9 +408,9 @@ class DistributedOptimizer:
                     src = main if kind == "master" else self.inner.state.get(main, {}).get(kind)
                     if src is not None:
                         owned[s.start - lo:s.end - lo].copy_(src.reshape(-1))
-                if self.zero and b.shards > 1:
+                if b.shards > 1:
                     full = torch.empty(b.numel, dtype=owned.dtype, device=device)
-                    all_gather_single(full, owned, group=self._shard_group(b).group)
+                    all_gather_single(full, owned, group=b.group.group)
                     owned = full
                 flats[kind] = owned
             for e in b.entries:
