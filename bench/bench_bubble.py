@@ -45,7 +45,7 @@ maximum over ranks (rank 0 for 1F1B) and the per-rank values. glibc's allocator 
 **Part 2, stage balance** (one process, one thread). A model with a large vocabulary relative to
 its blocks (default vocab 32000, hidden 256, 8 layers, seq 128) is split into ``--balance-stages``
 stages by ``plan_partition`` with ``balanced``/``flops`` (plait's default), ``balanced``/``params``
-and ``even``. Each stage is built with ``build_llama_stages`` and its forward + backward (including
+and ``even``. Each stage is built with ``build_stages`` and its forward + backward (including
 the embedding on stage 0 and norm, head and loss on the last) is timed on one micro-batch; the
 table gives each stage's median time and max/mean (1.0 = perfectly balanced; a pipeline's steady
 state runs at the pace of the slowest stage). For reference also the predicted cost share and
@@ -76,7 +76,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import free_port, gloo_rank_entry, markdown_table, random_batch  # noqa: E402
-from plait.materialize import build_llama, build_llama_stages  # noqa: E402
+from plait.materialize import build_model, build_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.pipeline import tasks as T  # noqa: E402
@@ -220,7 +220,7 @@ def bubble_worker(rank: int, world: int, args: argparse.Namespace, out_path: str
             raise SystemExit(f"{config.num_hidden_layers} layers cannot fill {num} stages")
         layers = plan_partition(config, num, seq, method="even").stage_layers()
         # own stages per schedule: zb-h1 attaches its weight-gradient queue to the layers
-        stages = [s.train() for s in build_llama_stages(config, mesh, layers, seed=0)]
+        stages = [s.train() for s in build_stages(config, mesh, layers, seed=0)]
         for m in ms:
             rt = TimedRuntime(stages, mesh, schedule=name, microbatches=m, micro_batch_size=mbs, seq_len=seq,
                               hidden_size=config.hidden_size, sequence_parallel=False, dtype=torch.float32)
@@ -372,7 +372,7 @@ def balance(args: argparse.Namespace) -> str:
                    args.bal_kv_heads, args.bal_seq)
     seq, n = args.bal_seq, args.balance_stages
     ids = random_batch(config, args.micro_batch_size, seq, 0)
-    full = build_llama(config, single_process_mesh(), seed=0).train()
+    full = build_model(config, single_process_mesh(), seed=0).train()
     units = trace_units(full)
     unit_s = dict(zip((u.name for u in units),
                       measure_unit_times(full, units, (ids, ids), warmup=1, iters=args.bal_iters), strict=True))
@@ -381,7 +381,7 @@ def balance(args: argparse.Namespace) -> str:
     for method, cost in (("balanced", "flops"), ("balanced", "params"), ("even", "flops")):
         part = plan_partition(config, n, seq, method=method, cost=cost)
         layers = part.stage_layers()
-        stages = [build_llama_stages(config, ParallelMesh(n, s, pp=n, create_groups=False), layers, seed=0)[0].train()
+        stages = [build_stages(config, ParallelMesh(n, s, pp=n, create_groups=False), layers, seed=0)[0].train()
                   for s in range(n)]
         label = f"{method} ({cost})" if method == "balanced" else "even (by layer count)"
         splits.append((label, part, stages))

@@ -58,13 +58,13 @@ print(json.dumps({"base": base, "peak": peak, "seconds": seconds}))
 def build(config_kw: dict):
     from plait.comm.primitives import GroupInfo
     from plait.data_parallel import DistributedOptimizer, OptimizerHyper
-    from plait.materialize import build_llama
+    from plait.materialize import build_model
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
     from plait.precision import policy_for
 
     mesh = ParallelMesh(1, 0, create_groups=False)
-    model = build_llama(LlamaConfig(**config_kw), mesh)
+    model = build_model(LlamaConfig(**config_kw), mesh)
     solo = GroupInfo(None, 0, 1)
     opt = DistributedOptimizer([model], policy_for("fp32"), OptimizerHyper(1e-4, 0.1, (0.9, 0.95), 1e-8),
                                dp=solo, tp=solo)
@@ -82,8 +82,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
-    from plait.checkpoint.reader import CheckpointReader
     from plait.checkpoint.contents import model_config_dict
+    from plait.checkpoint.reader import CheckpointReader
     from plait.checkpoint.writer import CheckpointWriter
     from plait.models.llama.config import LlamaConfig
 

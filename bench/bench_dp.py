@@ -27,7 +27,7 @@ update) on 2 gloo ranks on the CPU, one intra-op thread per rank, for
   parameters after the step).
 
 Same model on every side: plait's Llama built unsharded on every rank by
-:func:`plait.materialize.build_llama` (``tp = 1``) with the same seed, so all start from the same
+:func:`plait.materialize.build_model` (``tp = 1``) with the same seed, so all start from the same
 weights; each rank trains on its own fixed random batch, the same for every implementation.
 AdamW: lr 1e-4, betas (0.9, 0.999), eps 1e-8, no weight decay (plait exempts norms from decay
 and the peers would not; with none, the update is identical). The script prints the first-step
@@ -84,7 +84,7 @@ from _common import (  # noqa: E402
     resolve_args,
     time_steps,
 )
-from plait.materialize import build_llama  # noqa: E402
+from plait.materialize import build_model  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 
 DP = 2
@@ -132,7 +132,7 @@ def torch_side(config, mesh: ParallelMesh, seed: int, *, zero: bool):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    model = build_llama(config, mesh, seed=seed).train()
+    model = build_model(config, mesh, seed=seed).train()
     ddp = DistributedDataParallel(model)  # default bucket_cap_mb=25, like plait's parallel.bucket_mb
     params = list(ddp.parameters())
     kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
@@ -253,7 +253,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         t = torch.tensor([state_fn(), master_fn()], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         states[name] = (int(t[0].item()), int(t[1].item()))
-    n_params = sum(p.numel() for p in build_llama(config, mesh, seed=args.seed, device="meta", init=False).parameters())
+    n_params = sum(p.numel() for p in build_model(config, mesh, seed=args.seed, device="meta", init=False).parameters())
     log(f"\nparameters: {n_params:,} ({n_params * 4 / MiB:.1f} MiB fp32); full AdamW state "
         f"{2 * n_params * 4 / MiB:.1f} MiB\n")
 

@@ -5,13 +5,13 @@ schedule over ``--microbatches`` micro-batches with the mean next-token loss, ``
 step; the optimizer step **is included** on both sides) on 2 gloo ranks on the CPU, one intra-op
 thread per rank, for
 
-* **plait**: :func:`plait.materialize.build_llama_stages` on ``ParallelMesh(2, rank, pp=2)`` driven by
+* **plait**: :func:`plait.materialize.build_stages` on ``ParallelMesh(2, rank, pp=2)`` driven by
   :class:`plait.pipeline.runtime.PipelineRuntime` with ``schedule="1f1b"`` (``--schedule zb-h1``: the
   zero-bubble schedule, B and W split; ``--schedule interleaved-zb``: that split over ``--vpp`` chunks
   per rank; the torch side stays ``Schedule1F1B``, what a user would run);
 * **torch.pipelining**: ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B`` around
   :class:`TorchStageModule`, a thin module that runs *the same* plait ``LlamaStage`` (same layers,
-  same weights: built by the same ``build_llama_stages`` call) with the signature pipelining wants
+  same weights: built by the same ``build_stages`` call) with the signature pipelining wants
   (one tensor in, one tensor out). The last stage returns logits and ``loss_fn`` is plait's own
   ``CausalLMOutput`` (label-shifting mean cross-entropy); ``scale_grads=True`` divides the
   gradients by the number of micro-batches, as plait does by dividing each micro-batch loss.
@@ -80,7 +80,7 @@ from _common import (  # noqa: E402
     resolve_args,
     time_steps,
 )
-from plait.materialize import build_llama, build_llama_stages  # noqa: E402
+from plait.materialize import build_model, build_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.pipeline.runtime import PipelineRuntime  # noqa: E402
 from plait.pipeline.schedules import INTERLEAVED_SCHEDULES  # noqa: E402
@@ -194,14 +194,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     ref_loss = float("nan")
     if rank == 0:  # unsplit single-process model, same init: mean loss over the micro-batches
-        reference = build_llama(config, single_process_mesh(), seed=args.seed)
+        reference = build_model(config, single_process_mesh(), seed=args.seed)
         with torch.no_grad():
             ref_loss = statistics.fmean(reference(batch[i], batch[i]).item() for i in range(m))
         del reference
 
     # plait: the pipeline runtime over this rank's stage.
     mesh = ParallelMesh(world, rank, pp=world)
-    plait_stages = build_llama_stages(config, mesh, plait_layers, seed=args.seed)
+    plait_stages = build_stages(config, mesh, plait_layers, seed=args.seed)
     for s in plait_stages:
         s.train()
     runtime = PipelineRuntime(plait_stages, mesh, schedule=args.schedule, microbatches=m, micro_batch_size=mbs,
@@ -210,7 +210,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     plait_opt = adamw([[p for s in plait_stages for p in s.parameters()]], args.foreach)
     runs = {"plait": (_step_fn(lambda: runtime.run(batch, train=True), plait_opt), Result("plait"))}
     if args.compare_receives:  # the same runtime with blocking receives into fresh buffers
-        blocking_stages = build_llama_stages(config, mesh, plait_layers, seed=args.seed)
+        blocking_stages = build_stages(config, mesh, plait_layers, seed=args.seed)
         for s in blocking_stages:
             s.train()
         blocking = PipelineRuntime(blocking_stages, mesh, schedule=args.schedule, microbatches=m,
@@ -222,7 +222,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                                   Result("plait blocking"))
 
     # torch.distributed.pipelining: the same stage (a second copy, same weights), 1F1B.
-    (torch_inner,) = build_llama_stages(config, mesh, layers, seed=args.seed)
+    (torch_inner,) = build_stages(config, mesh, layers, seed=args.seed)
     torch_module = TorchStageModule(torch_inner, seq).train()
     pipe_stage = PipelineStage(torch_module, rank, world, torch.device("cpu"))
     schedule = Schedule1F1B(pipe_stage, m, loss_fn=torch_module.loss)

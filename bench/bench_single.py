@@ -6,7 +6,7 @@ intra-op threads (default 2), for fp32 and for bf16 autocast (``torch.autocast("
 dtype=torch.bfloat16)`` around the forward and loss; backward and optimizer outside it).
 
 How: both models are built from the same :class:`plait.models.llama.config.LlamaConfig`; plait's
-comes from :func:`plait.materialize.build_llama` (seeded init) and the HF model (SDPA attention,
+comes from :func:`plait.materialize.build_model` (seeded init) and the HF model (SDPA attention,
 no KV cache) is loaded with plait's state dict, so both start from identical weights and train on
 the same fixed random batch with identically configured AdamW. The losses of the first step are
 printed (they must agree) together with the losses after the last step (same trajectory). After
@@ -64,7 +64,7 @@ from _common import (  # noqa: E402
     time_steps,
 )
 from plait.devices import peak_flops  # noqa: E402
-from plait.materialize import build_llama  # noqa: E402
+from plait.materialize import build_model  # noqa: E402
 from plait.mesh import single_process_mesh  # noqa: E402
 from plait.models.flops import mfu, model_flops_per_token  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
@@ -94,7 +94,7 @@ def make_step(forward: Callable[[], torch.Tensor], params: list[torch.nn.Paramet
 def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtype | None) -> dict[str, Result]:
     config = make_config(args)
     ids = random_batch(config, args.batch, args.seq, args.seed)
-    plait_model = build_llama(config, single_process_mesh(), seed=args.seed).train()
+    plait_model = build_model(config, single_process_mesh(), seed=args.seed).train()
     hf_model = hf_twin(config, plait_model.state_dict())
 
     plait_step = make_step(lambda: plait_model(ids, ids), list(plait_model.parameters()), autocast_dtype,
@@ -103,7 +103,7 @@ def bench_dtype(args: argparse.Namespace, label: str, autocast_dtype: torch.dtyp
                         autocast_dtype, args.foreach)
     runs = {"plait": (plait_step, Result("plait")), "HF": (hf_step, Result("HF"))}
     if args.compile:
-        compiled_model = build_llama(config, single_process_mesh(), seed=args.seed).train()
+        compiled_model = build_model(config, single_process_mesh(), seed=args.seed).train()
         compile_stages([compiled_model], args.compile_mode)
         compiled_step = make_step(lambda: compiled_model(ids, ids), list(compiled_model.parameters()),
                                   autocast_dtype, args.foreach)

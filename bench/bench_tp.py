@@ -4,7 +4,7 @@ What is measured: tokens per second of a full fp32 training step (``zero_grad``,
 mean next-token loss, backward, ``torch.optim.AdamW`` step) on 2 gloo ranks on the CPU, one
 intra-op thread per rank, for
 
-* **plait**: :func:`plait.materialize.build_llama` on ``ParallelMesh(2, rank, tp=2)`` (vocab-parallel
+* **plait**: :func:`plait.materialize.build_model` on ``ParallelMesh(2, rank, tp=2)`` (vocab-parallel
   embedding, column-parallel q/k/v and gate/up sharing one input, row-parallel o/down,
   column-parallel output head with vocab-parallel cross-entropy);
 * **DTensor**: transformers' ``LlamaForCausalLM`` (SDPA attention) parallelised with
@@ -74,7 +74,7 @@ from _common import (  # noqa: E402
     resolve_args,
     time_steps,
 )
-from plait.materialize import build_llama  # noqa: E402
+from plait.materialize import build_model  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
 from plait.models.llama.parallelize import kv_replication_for  # noqa: E402
@@ -149,11 +149,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     # plait: every rank builds only its shard.
     mesh = ParallelMesh(world, rank, tp=world, kv_replication=kv_replication_for(config, world))
-    plait_model = build_llama(config, mesh, seed=args.seed).train()
+    plait_model = build_model(config, mesh, seed=args.seed).train()
     plait_opt = adamw([list(plait_model.parameters())], args.foreach)
 
     # DTensor: the full model (same init), sharded by parallelize_module.
-    reference = build_llama(config, single_process_mesh(), seed=args.seed)
+    reference = build_model(config, single_process_mesh(), seed=args.seed)
     with torch.no_grad():
         ref_loss = reference(ids, ids).item()
     device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -170,7 +170,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     }
     if args.compile:
         # train.compile: true on a second plait replica (same init): its TP-free modules are compiled
-        compiled_model = build_llama(config, mesh, seed=args.seed).train()
+        compiled_model = build_model(config, mesh, seed=args.seed).train()
         compile_stages([compiled_model])
         compiled_opt = adamw([list(compiled_model.parameters())], args.foreach)
         runs["plait-compiled"] = (make_step(lambda: compiled_model(ids, ids), compiled_opt), Result("plait-compiled"))

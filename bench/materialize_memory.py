@@ -26,7 +26,7 @@ def _rss() -> int:
 def _worker(rank, world, eager):
     import torch
 
-    from plait.materialize import build_llama_stages
+    from plait.materialize import build_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama import LlamaConfig, LlamaForCausalLM
     from plait.plan.pipeline_split import plan_partition
@@ -40,7 +40,7 @@ def _worker(rank, world, eager):
         full = LlamaForCausalLM(cfg)
         torch.nn.init.normal_(full.lm_head.weight)
         del full
-    stages = build_llama_stages(cfg, mesh, layers, seed=0)
+    stages = build_stages(cfg, mesh, layers, seed=0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     shard = sum(p.numel() * p.element_size() for s in stages for p in s.parameters())
     return (peak - base) / 2**20, shard / 2**20

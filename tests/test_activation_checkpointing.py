@@ -98,7 +98,7 @@ SELECTIONS = [("full", None), ("selective", ["self_attn", "mlp"]), ("selective",
 
 
 def _tp_worker(rank, world, sp):
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import ParallelMesh
     from plait.models.llama.parallelize import kv_replication_for
     from plait.tensor_parallel.random import TensorParallelRNG, TrackedDropout
@@ -173,7 +173,7 @@ def test_tp2_checkpointing_bitwise_equal_with_dropout(sp):
 
 # ---------------------------------------------------------------------------- single process
 def _single_build(**kw):
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
 
     return lambda: build_llama(_config(**kw), single_process_mesh(), seed=3)
@@ -245,8 +245,8 @@ def test_errors_name_the_problem():
 
 def test_pipeline_stages():
     """Two stages built in one process (pp=1 mesh, two global stages): counts, names, bitwise equality."""
+    from builders import build_llama_stages
     from plait.activation_checkpointing import apply_activation_checkpointing
-    from plait.materialize import build_llama_stages
     from plait.mesh import single_process_mesh
 
     cfg = _config(num_hidden_layers=3)

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from builders import build_llama
 from plait.checkpoint.format import CheckpointError, read_manifest, step_dir_name
 from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.store import apply_retention, complete_checkpoints, latest_checkpoint, remove_incomplete
 from plait.checkpoint.writer import CheckpointWriter
 from plait.comm.primitives import GroupInfo
 from plait.data_parallel import DistributedOptimizer, OptimizerHyper
-from plait.materialize import build_llama
 from plait.mesh import ParallelMesh
 from plait.models.llama.config import LlamaConfig
 from plait.precision import policy_for

@@ -32,7 +32,7 @@ CONTEXT = 64  # max_position_embeddings of the test model
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny Hugging Face directory with a ChatML tokenizer (config, model.safetensors, tokenizer)."""
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
     from plait.models.hf_io import save_hf_checkpoint
     from plait.models.llama import LlamaConfig

@@ -20,8 +20,8 @@ DOCS = ["the quick brown fox jumps over the lazy dog. " * 3, "to be or not to be
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny Hugging Face directory (config, one model.safetensors, tokenizer) to generate from."""
+    from builders import build_llama
     from plait.data.tokenizer import train_bpe
-    from plait.materialize import build_llama
     from plait.mesh import single_process_mesh
     from plait.models.hf_io import save_hf_checkpoint
     from plait.models.llama import LlamaConfig

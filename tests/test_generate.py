@@ -21,7 +21,7 @@ def _config(**kw):
 
 
 def _model(seed=0, **kw):
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
 
     return build_llama(_config(**kw), single_process_mesh(), seed=seed)
@@ -133,8 +133,8 @@ def test_generate_rejects_bad_arguments():
 
 
 def _tp_generate(rank, world, seed):
+    from builders import build_llama
     from plait.generate import generate
-    from plait.materialize import build_llama
     from plait.mesh import ParallelMesh
 
     mesh = ParallelMesh(world, rank, tp=world)
@@ -165,8 +165,8 @@ def _parse(argv):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
+    from builders import build_llama
     from plait.data.tokenizer import train_bpe
-    from plait.materialize import build_llama
     from plait.mesh import single_process_mesh
     from plait.models.hf_io import save_hf_checkpoint
 

@@ -19,9 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from builders import build_llama
 from distributed import run_distributed
 from model_weights import randomize
-from plait.materialize import build_llama, load_from_hf
+from plait.materialize import load_from_hf
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.hf_io import (
     CheckpointMismatchError,

@@ -18,7 +18,7 @@ def _config(**kw):
 
 
 def _full_weights(rank, world, cfg_kw):
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import ParallelMesh
     from plait.models.llama.parallelize import kv_replication_for
     from plait.parallel_state import full_state_dict
@@ -32,7 +32,7 @@ def _full_weights(rank, world, cfg_kw):
 @pytest.mark.parametrize("cfg_kw", [{}, pytest.param({"tie_word_embeddings": True}, marks=pytest.mark.slow)],
                          ids=["untied", "tied"])  # tied: also by tests/test_materialize.py at TP=2 x PP=2
 def test_initial_weights_identical_for_tp_1_2_4(cfg_kw):
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
 
     ref = dict(build_llama(_config(**cfg_kw), single_process_mesh(), seed=42).named_parameters())
@@ -44,7 +44,7 @@ def test_initial_weights_identical_for_tp_1_2_4(cfg_kw):
 
 
 def test_init_depends_on_seed_and_name():
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
 
     a = dict(build_llama(_config(), single_process_mesh(), seed=1).named_parameters())
@@ -58,7 +58,7 @@ def test_init_depends_on_seed_and_name():
 def test_fx_traces_with_decoder_layers_as_leaves():
     import torch.fx
 
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
     from plait.models.llama.model import LlamaDecoderLayer
 

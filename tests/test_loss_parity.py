@@ -16,8 +16,8 @@ STEPS, BATCH, SEQ, SEED = 20, 4, 64, 1234
 
 def _data():
     from plait.data.corpora import corpus_documents
-    from token_sequences import split_sequences, token_stream
     from plait.data.tokenizer import train_bpe
+    from token_sequences import split_sequences, token_stream
 
     docs = corpus_documents("shakespeare", limit=3)
     tok = train_bpe(docs, 512, cache_key="test-parity")
@@ -33,7 +33,7 @@ def _config():
 
 
 def _train(mesh, sp):
-    from plait.materialize import build_llama
+    from builders import build_llama
     from tp_training_loop import train_steps
 
     torch.manual_seed(0)

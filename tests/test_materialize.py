@@ -26,7 +26,7 @@ def _tiny(tied):
 
 
 def _stage_weights(rank, world, tied):
-    from plait.materialize import build_llama_stages
+    from builders import build_llama_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama.parallelize import kv_replication_for
     from plait.parallel_state import full_state_dict
@@ -43,7 +43,7 @@ def _stage_weights(rank, world, tied):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_tp2_pp2_initial_weights_equal_one_process(tied):
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
 
     ref = {k: v.detach() for k, v in build_llama(_tiny(tied), single_process_mesh(), seed=11).named_parameters()}
@@ -64,7 +64,7 @@ def _rss_bytes() -> int:
 
 
 def _peak_build_memory(rank, world):
-    from plait.materialize import build_llama_stages
+    from builders import build_llama_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama import LlamaConfig
     from stage_layers import stage_layer_lists

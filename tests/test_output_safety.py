@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from builders import build_llama
 from plait.checkpoint.convert import hf_to_plait, plait_to_hf
 from plait.checkpoint.preflight import check_outputs, claim_outputs
 from plait.cli import main
 from plait.config import validate_recipe
-from plait.materialize import build_llama
 from plait.mesh import single_process_mesh
 from plait.models.hf_io import save_hf_checkpoint
 from plait.models.llama.config import LlamaConfig

@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
+from builders import build_llama
 from plait.config import RecipeError, load_recipe, validate_recipe
 from plait.config.load import DEFAULT_RECIPE
 from plait.data.tokenizer import train_bpe
-from plait.materialize import build_llama
 from plait.mesh import single_process_mesh
 from plait.models import packaged
 from plait.models.hf_io import save_hf_checkpoint

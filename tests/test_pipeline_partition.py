@@ -38,7 +38,7 @@ def _llama3_8b():
 
 # ----------------------------------------------------------------------------------- tracing
 def test_trace_plait_llama_gives_embedding_blocks_norm_head():
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
 
     cfg = _config()
@@ -189,7 +189,7 @@ def test_unit_costs_params_and_flops():
 
 
 def test_measure_unit_times_profiles_each_unit_without_touching_grads():
-    from plait.materialize import build_llama
+    from builders import build_llama
     from plait.mesh import single_process_mesh
 
     model = build_llama(_config(num_hidden_layers=2), single_process_mesh(), seed=0)

@@ -24,7 +24,7 @@ SEQ, MB, M = 8, 2, 4
 
 
 def _worker(rank: int, world: int, schedule: str) -> dict:
-    from plait.materialize import build_llama_stages
+    from builders import build_llama_stages
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
     from plait.pipeline.runtime import PipelineRuntime

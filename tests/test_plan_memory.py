@@ -20,11 +20,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from builders import build_llama, build_llama_stages
 from plait.activation_checkpointing import apply_activation_checkpointing
 from plait.comm.primitives import GroupInfo
 from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
 from plait.devices import get_device
-from plait.materialize import build_llama, build_llama_stages
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.parallelize import kv_replication_for

@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+from builders import build_llama_stages
 from plait.comm.primitives import GroupInfo
 from plait.config import RecipeError, check_recipe
 from plait.data_parallel import DistributedOptimizer, OptimizerHyper
-from plait.materialize import build_llama_stages
 from plait.mesh import single_process_mesh
 from plait.models.llama.config import LlamaConfig
 from plait.pipeline.hooks import RuntimeHooks

@@ -36,8 +36,6 @@ from plait.mesh import ParallelMesh
 from plait.models.decoder.config import DecoderConfig
 from plait.models.decoder.model import DecoderForCausalLM
 from plait.models.hf_io import check_hf_tensors, load_hf_config, read_hf_tensors
-from plait.models.llama.config import LlamaConfig
-from plait.models.llama.model import LlamaForCausalLM
 from plait.models.registry import family_of
 from plait.moe.expert_parallel import apply_expert_parallel
 from plait.moe.sequence_parallel import sum_moe_gradients_over_tp
@@ -163,21 +161,3 @@ def build_stages(config: DecoderConfig, mesh: ParallelMesh, stage_layers: list[l
     return _build(config, mesh, stages, seed=seed, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
                   init=init, rng_seed=rng_seed, hf_path=hf_path)
 
-
-def build_llama(config: LlamaConfig, mesh: ParallelMesh, *, seed: int = 0, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                init: bool = True, rng_seed: int | None = None) -> LlamaForCausalLM:
-    """This rank's model shard (:func:`build_model`; kept under its first name)."""
-    model = build_model(config, mesh, seed=seed, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
-                        init=init, rng_seed=rng_seed)
-    assert isinstance(model, LlamaForCausalLM), "every family's model derives from LlamaForCausalLM"
-    return model
-
-
-def build_llama_stages(config: LlamaConfig, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,
-                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                       sequence_parallel: bool = False, init: bool = True,
-                       rng_seed: int | None = None) -> list[torch.nn.Module]:
-    """This rank's pipeline stages (:func:`build_stages`; kept under its first name)."""
-    return build_stages(config, mesh, stage_layers, seed=seed, device=device, dtype=dtype,
-                        sequence_parallel=sequence_parallel, init=init, rng_seed=rng_seed)
