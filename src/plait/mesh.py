@@ -148,7 +148,7 @@ class ParallelMesh:
             raise MeshError(f"rank order {self.rank_order!r} is not a bijection onto range({world_size})")
         self._coord_of = {r: c for c, r in self._rank_at.items()}
 
-        self._groups: dict[str, object] = {}
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
         if create_groups:
             self._build_groups()
 
@@ -262,14 +262,14 @@ class ParallelMesh:
         # dp_cp is built only when cp > 1; otherwise it is the dp group (see group())
         for axis in AXES + ("kv", "tied") + (("dp_cp",) if self.cp > 1 else ()) + (
                 ("ep", "dp_expert") if self.ep > 1 else ()):
-            mine = None
+            mine: dist.ProcessGroup | None = None
             for ranks in self.group_ranks(axis):
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine = group
             self._groups[axis] = mine
 
-    def group(self, axis: str):
+    def group(self, axis: str) -> dist.ProcessGroup | None:
         """This rank's group along ``axis``: ``"tp"``, ``"dp"``, ``"pp"``, ``"cp"``, ``"kv"`` (KV-shared),
         ``"tied"`` (first and last pipeline stage, for tied embeddings) or ``"dp_cp"`` (dp x cp:
         the ranks that average parameter gradients), ``"ep"`` (the expert group) or ``"dp_expert"``
@@ -290,7 +290,7 @@ class ParallelMesh:
         return GroupInfo(group, ranks.index(self.rank), len(ranks))
 
     @property
-    def tp_group(self):
+    def tp_group(self) -> dist.ProcessGroup | None:
         return self.group("tp")
 
     def __repr__(self) -> str:

@@ -7,6 +7,8 @@ same code path serves the unsharded reference.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
@@ -17,15 +19,15 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def group_size(group) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
+def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce(x: torch.Tensor, group, async_op: bool = False):
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> dist.Work | None:
     """Sum ``x`` in place over ``group``; returns the work handle when ``async_op``."""
     if group_size(group) == 1:
         return None
@@ -33,7 +35,7 @@ def all_reduce(x: torch.Tensor, group, async_op: bool = False):
     return dist.all_reduce(x, group=group, async_op=async_op)
 
 
-def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate the equal-shaped ``x`` of every rank along ``dim``."""
     n = group_size(group)
     if n == 1:
@@ -45,7 +47,18 @@ def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def reduce_scatter_dim(x: torch.Tensor, dim: int, group, async_op: bool = False):
+@overload
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None,
+                       async_op: Literal[False] = False) -> torch.Tensor: ...
+
+
+@overload
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None,
+                       async_op: Literal[True]) -> tuple[torch.Tensor, dist.Work | None]: ...
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None,
+                       async_op: bool = False) -> torch.Tensor | tuple[torch.Tensor, dist.Work | None]:
     """Sum ``x`` over ranks and keep this rank's equal chunk along ``dim``.
 
     With ``async_op`` returns ``(result, work)``; the result is valid after ``work.wait()``.
@@ -63,7 +76,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group, async_op: bool = False)
     return (result, work) if async_op else result
 
 
-def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def split_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's equal chunk of ``x`` along ``dim`` (no communication)."""
     n = group_size(group)
     if n == 1:
@@ -83,7 +96,7 @@ class GroupInfo:
 
     __slots__ = ("group", "rank", "size")
 
-    def __init__(self, group, rank: int, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
 
     @staticmethod

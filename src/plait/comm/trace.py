@@ -16,10 +16,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-_entered: dict[int, tuple[Any, str, int]] = {}  # id(group) -> (group, operation, count)
+_entered: dict[int, tuple[dist.ProcessGroup | None, str, int]] = {}  # id(group) -> (group, operation, count)
 
 
-def entered(operation: str, group: Any) -> None:
+def entered(operation: str, group: dist.ProcessGroup | None) -> None:
     """Note that this process enters ``operation`` on ``group`` (called by the primitives)."""
     key = id(group)
     previous = _entered.get(key)

@@ -25,10 +25,18 @@ the algorithms (round-off only).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
 from plait.comm.primitives import GroupInfo, all_gather_single, all_reduce, reduce_scatter_single
+
+
+class Handle(Protocol):
+    """A started collective (a ``torch.distributed`` work handle or :class:`_KeepAlive`)."""
+
+    def wait(self) -> object: ...
 
 
 class ShardCollectives:
@@ -37,13 +45,13 @@ class ShardCollectives:
     #: the reduced owned shard of a bucket lives in the gradient buffer itself (no shard buffer)
     reduces_in_place = False
 
-    def reduce(self, bucket: torch.Tensor, shard: torch.Tensor, group: GroupInfo):
+    def reduce(self, bucket: torch.Tensor, shard: torch.Tensor, group: GroupInfo) -> Handle | None:
         """Start summing ``bucket`` over ``group`` so that this rank's ``1/n`` chunk of the sum ends
         in ``shard`` (the chunk's own slice of ``bucket`` when :attr:`reduces_in_place`); returns the
-        work handle."""
+        work handle (``None`` for a one-rank group)."""
         return reduce_scatter_single(shard, bucket, group=group.group, async_op=True)
 
-    def gather(self, bucket: torch.Tensor, group: GroupInfo) -> list:
+    def gather(self, bucket: torch.Tensor, group: GroupInfo) -> list[Handle]:
         """Start filling every chunk of ``bucket`` from its owner (this rank's chunk already holds
         its updated values); returns the work handles."""
         size = bucket.numel() // group.size
@@ -57,13 +65,15 @@ class GlooShardCollectives(ShardCollectives):
 
     reduces_in_place = True
 
-    def reduce(self, bucket: torch.Tensor, shard: torch.Tensor, group: GroupInfo):
+    def reduce(self, bucket: torch.Tensor, shard: torch.Tensor, group: GroupInfo) -> Handle | None:
         return all_reduce(bucket, group.group, async_op=True)
 
-    def gather(self, bucket: torch.Tensor, group: GroupInfo) -> list:
+    def gather(self, bucket: torch.Tensor, group: GroupInfo) -> list[Handle]:
         size = bucket.numel() // group.size
-        return [dist.broadcast(bucket[r * size:(r + 1) * size], src=dist.get_global_rank(group.group, r),
-                               group=group.group, async_op=True) for r in range(group.size)]
+        pg = group.group
+        assert pg is not None, "a bucket is gathered only over a group of several ranks"
+        return [dist.broadcast(bucket[r * size:(r + 1) * size], src=dist.get_global_rank(pg, r),
+                               group=pg, async_op=True) for r in range(group.size)]
 
 
 class _KeepAlive:
@@ -71,7 +81,7 @@ class _KeepAlive:
 
     __slots__ = ("src", "work")
 
-    def __init__(self, work, src: torch.Tensor) -> None:
+    def __init__(self, work: Handle, src: torch.Tensor) -> None:
         self.work = work
         self.src: torch.Tensor | None = src
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.primitives import GroupInfo, all_gather_single
-from plait.data_parallel.buckets import Bucket, BucketPlan, Segment, plan_buckets
-from plait.data_parallel.collectives import ShardCollectives
+from plait.data_parallel.buckets import Bucket, BucketPlan, ParamEntry, Segment, plan_buckets
+from plait.data_parallel.collectives import Handle, ShardCollectives
 from plait.data_parallel.grad_sync import GradSync
 from plait.optim.flat_adamw import FlatAdamW, FlatRun
 from plait.optim.lowp_adamw import LowPrecisionAdamW
@@ -115,7 +116,7 @@ class DistributedOptimizer:
         #: the clipping factor's reciprocal that the next step's kernel divides the gradients by
         self._grad_scale: torch.Tensor | None = None
         #: ZeRO-1 gathers still in flight, per bucket index (only with ``prefetch_params``)
-        self._pending: dict[int, list] = {}
+        self._pending: dict[int, list[Handle]] = {}
         #: leave ZeRO-1's parameter gathers in flight after :meth:`step`, awaited by each module's
         #: forward (overlapping them with the next forward); then every read of the weights outside
         #: a forward must call :meth:`wait_params` first
@@ -269,7 +270,7 @@ class DistributedOptimizer:
         """
         self.wait_params()  # a gather still in flight reads the owned ranges this step rewrites
         publish = self.has_master or self.zero
-        pending: dict[int, list] = {}
+        pending: dict[int, list[Handle]] = {}
 
         def after_run(i: int) -> None:
             for b in self._run_buckets[i]:
@@ -303,7 +304,7 @@ class DistributedOptimizer:
             self.wait_params()
         self.grads.zero_()
 
-    def _publish(self, b: Bucket) -> list:
+    def _publish(self, b: Bucket) -> list[Handle]:
         """Write bucket ``b``'s updated owned range into the weights and start sharing it (ZeRO-1);
         returns the work handles."""
         master = self.master_views[b.index] if self.has_master else None
@@ -375,7 +376,7 @@ class DistributedOptimizer:
         return 0
 
     @torch.no_grad()
-    def param_states(self):
+    def param_states(self) -> Iterator[tuple[ParamEntry, dict[str, torch.Tensor]]]:
         """Yield ``(entry, {kind: tensor})`` for every parameter, each tensor in the local parameter's shape.
 
         Under ZeRO-1 each bucket's owned ranges are all-gathered over the data-parallel group, so
