@@ -77,11 +77,6 @@ class GradSync:
         for e in plan.entries:
             e.param.register_post_accumulate_grad_hook(self._on_grad)
 
-    @property
-    def layout(self) -> BucketPlan:
-        """The old name of :attr:`bucket_plan`, kept only until ``tests/test_zero_bubble.py`` reads the new one."""
-        return self.bucket_plan
-
     def collectives_of(self, bucket: Bucket) -> ShardCollectives:
         """ZeRO-1's collectives on ``bucket``'s group."""
         return self._collectives[id(bucket.group)]
