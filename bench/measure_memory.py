@@ -73,7 +73,7 @@ import torch.multiprocessing as mp
 
 MiB = 1024**2
 
-#: name -> (Layout kwargs, microbatches). Pipeline layouts use more micro-batches than stages so
+#: name -> (ParallelDegrees kwargs, microbatches). Pipeline layouts use more micro-batches than stages so
 #: the 1F1B steady state (gradients already accumulated) is reached.
 LAYOUTS = {
     "tp1": (dict(), 2),
@@ -162,7 +162,7 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     from plait.mesh import ParallelMesh
     from plait.models.llama.config import LlamaConfig
     from plait.models.llama.parallelize import kv_replication_for
-    from plait.plan.layout import Layout
+    from plait.plan.degrees import ParallelDegrees
     from plait.plan.pipeline_split import plan_partition
     from plait.precision import policy_for
     from plait.train.build_run import build_runtime
@@ -172,7 +172,7 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     cp_mode = layout_kw.pop("cp_mode", "ring")
     config = LlamaConfig(**model_kw)
     kv = kv_replication_for(config, layout_kw.get("tp", 1))
-    layout = Layout(kv_replication=kv, **layout_kw)
+    layout = ParallelDegrees(kv_replication=kv, **layout_kw)
     mesh = ParallelMesh(world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, kv_replication=kv)
     sp = layout.sequence_parallel and layout.tp > 1
     gen = torch.Generator().manual_seed(1234 + mesh.dp_rank)
@@ -350,7 +350,7 @@ def main() -> None:
 
     from plait.models.llama.config import LlamaConfig
     from plait.models.llama.parallelize import kv_replication_for
-    from plait.plan.layout import Layout
+    from plait.plan.degrees import ParallelDegrees
     from plait.plan.memory import chunk_cost, estimate_memory, rank_chunks
 
     config = LlamaConfig(**model_kw)
@@ -363,7 +363,7 @@ def main() -> None:
         for mode in ckpts:
             for precision in precisions:
                 layout_kw = dict(base_kw, zero1=args.zero1, activation_checkpointing=CKPT_MODES[mode])
-                layout = Layout(kv_replication=kv_replication_for(config, layout_kw.get("tp", 1)), **layout_kw)
+                layout = ParallelDegrees(kv_replication=kv_replication_for(config, layout_kw.get("tp", 1)), **layout_kw)
                 label = f"{name}{' zero1' if args.zero1 else ''} (m={m})"
                 start = time.perf_counter()
                 rank_kw = dict(layout_kw, cp_mode="allgather" if name in ALLGATHER else "ring")

@@ -184,7 +184,7 @@ def test_plan_cpu_prices_worlds_above_one(capsys, measured_cpu, nodes_of):
 def test_cpu_bandwidths_price_data_parallel_reduction():
     from plait.devices import CPU_LOOPBACK_BW, CPU_NETWORK_BW, get_device
     from plait.models.llama import LlamaConfig
-    from plait.plan.layout import Layout
+    from plait.plan.degrees import ParallelDegrees
     from plait.plan.timing import estimate_step_time
 
     spec = get_device("cpu")
@@ -192,7 +192,7 @@ def test_cpu_bandwidths_price_data_parallel_reduction():
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     kw = dict(micro_batch_size=1, seq_len=32, microbatches=1, peak=1e9)
-    layout = Layout(tp=1, pp=1, dp=4)
+    layout = ParallelDegrees(tp=1, pp=1, dp=4)
     same_host = estimate_step_time(config, layout, spec, devices_per_node=4, **kw)
     across = estimate_step_time(config, layout, spec, devices_per_node=1, **kw)
     assert 0 < same_host.dp_comm_s and 0 < across.dp_comm_s

@@ -206,14 +206,14 @@ def test_dp_cp_group_holds_the_parameter_replicas():
 # ------------------------------------------------------------------ the planner knows cp
 def test_planner_prices_context_parallelism():
     from plait.models.llama import LlamaConfig
-    from plait.plan.layout import Layout
+    from plait.plan.degrees import ParallelDegrees
     from plait.plan.memory import estimate_memory
     from plait.plan.search import enumerate_layouts
     from plait.plan.timing import rank_flops
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536)
-    one, two = Layout(tp=2, dp=2, zero1=True), Layout(tp=2, cp=2, zero1=True)
+    one, two = ParallelDegrees(tp=2, dp=2, zero1=True), ParallelDegrees(tp=2, cp=2, zero1=True)
     assert (one.world, two.world, two.short()) == (4, 4, "tp2 pp1 dp1 cp2 zero1")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=32768, microbatches=1)
     m1, m2 = estimate_memory(cfg, one, **kw), estimate_memory(cfg, two, **kw)

@@ -27,7 +27,7 @@ from plait.context_parallel.plan import (
 from plait.context_parallel.ring import backward_inputs
 from plait.context_parallel.split import SequenceSplit
 from plait.models.llama.config import LlamaConfig
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import chunk_cost, estimate_memory, rank_chunks
 
 MiB = 1024**2
@@ -92,7 +92,7 @@ def test_estimate_prices_the_ring_workspace_less_what_is_released(cp):
     """At cp > 1 the backward transient is the workspace less what the micro-batch has freed before
     the last layer's attention backward; at cp = 1 (SDPA) nothing of it is priced."""
     S, local = 8192, 8192 // cp
-    layout = Layout(cp=cp)
+    layout = ParallelDegrees(cp=cp)
     (chunk,) = rank_chunks(CP_DEMO, layout, local, 0)
     cost = chunk_cost(CP_DEMO, layout, "fp32", chunk, 1, local)
     h, i, N = 128, 256, local
@@ -103,12 +103,12 @@ def test_estimate_prices_the_ring_workspace_less_what_is_released(cp):
     est = estimate_memory(CP_DEMO, layout, precision="fp32", micro_batch_size=1, seq_len=S, microbatches=1)
     assert est.workspace == cost.backward_transient
     assert est.comm_buffers == ring_buffer_bytes(1, local, 64)
-    one = estimate_memory(CP_DEMO, Layout(), precision="fp32", micro_batch_size=1, seq_len=S, microbatches=1)
+    one = estimate_memory(CP_DEMO, ParallelDegrees(), precision="fp32", micro_batch_size=1, seq_len=S, microbatches=1)
     assert one.comm_buffers == 0 and one.workspace == 8 * S * 2048  # SDPA: the loss backward, no score workspace
 
 
 def test_selective_checkpointing_releases_only_the_head():
-    layout = Layout(cp=2, activation_checkpointing="selective")
+    layout = ParallelDegrees(cp=2, activation_checkpointing="selective")
     (chunk,) = rank_chunks(CP_DEMO, layout, 4096, 0)
     cost = chunk_cost(CP_DEMO, layout, "fp32", chunk, 1, 4096)
     N, h = 4096, 128
@@ -121,14 +121,14 @@ def test_selective_checkpointing_releases_only_the_head():
 def test_loss_under_cp_is_priced_as_the_vocab_parallel_loss():
     """cp's output module runs the vocab-parallel cross-entropy even at TP = 1: its loss working set
     is the one a TP = 2 rank with the same local vocabulary has, not F.cross_entropy's."""
-    layout = Layout(cp=2)
+    layout = ParallelDegrees(cp=2)
     (chunk,) = rank_chunks(CP_DEMO, layout, 1024, 0)
     cp2 = chunk_cost(CP_DEMO, layout, "fp32", chunk, 1, 1024)
     wide = dataclasses.replace(CP_DEMO, vocab_size=2 * CP_DEMO.vocab_size)  # 2048 rows per rank at TP = 2
-    (tp_chunk,) = rank_chunks(wide, Layout(tp=2), 1024, 0)
-    tp2 = chunk_cost(wide, Layout(tp=2), "fp32", tp_chunk, 1, 1024)
+    (tp_chunk,) = rank_chunks(wide, ParallelDegrees(tp=2), 1024, 0)
+    tp2 = chunk_cost(wide, ParallelDegrees(tp=2), "fp32", tp_chunk, 1, 1024)
     assert (cp2.logits_saved, cp2.forward_transient) == (tp2.logits_saved, tp2.forward_transient)
-    one = chunk_cost(CP_DEMO, Layout(), "fp32", chunk, 1, 1024)  # TP = 1 without cp: F.cross_entropy
+    one = chunk_cost(CP_DEMO, ParallelDegrees(), "fp32", chunk, 1, 1024)  # TP = 1 without cp: F.cross_entropy
     # F.cross_entropy saves no per-token numbers and frees no saved logits in backward; the forward
     # working sets can coincide (the chunked loss's chunk depends on the thread count)
     assert (one.logits_saved, one.backward_transient) != (cp2.logits_saved, cp2.backward_transient)

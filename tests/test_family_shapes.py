@@ -22,7 +22,7 @@ from plait.models.decoder.model import DecoderForCausalLM
 from plait.models.decoder.shapes import LocalShapes
 from plait.models.llama.parallelize import kv_replication_for
 from plait.models.registry import FAMILIES
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import local_shapes
 
 FAMILY_FIELDS = {
@@ -96,7 +96,7 @@ def test_planner_shapes_are_the_parallelized_parameters(family, heads):
     tp = HEADS[heads][0]
     for rank in sorted({0, tp - 1}):
         model, kv = _parallel_model(config, tp, rank)
-        sh = local_shapes(config, Layout(tp=tp, kv_replication=kv))
+        sh = local_shapes(config, ParallelDegrees(tp=tp, kv_replication=kv))
         assert sh == FAMILIES[family].local_shapes(config, tp, kv)  # the planner asks the family
         assert _mismatches(model, config, sh, tp) == [], (family, heads, rank)
     if tp > 1:  # the model was really split: its widths are not the full model's

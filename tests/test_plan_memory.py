@@ -29,7 +29,7 @@ from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.llama.config import LlamaConfig
 from plait.models.llama.parallelize import kv_replication_for
 from plait.pipeline.simulate import simulate, theoretical_bubble
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import (
     MemoryBreakdown,
     chunk_cost,
@@ -52,13 +52,13 @@ def _config(**kw) -> LlamaConfig:
     return LlamaConfig(**base)
 
 
-def _layout(config, **kw) -> Layout:
+def _layout(config, **kw) -> ParallelDegrees:
     tp = kw.get("tp", 1)
     kw.setdefault("kv_replication", kv_replication_for(config, tp))
-    return Layout(**kw)
+    return ParallelDegrees(**kw)
 
 
-def _built_params(config, layout: Layout, rank: int, seq_len: int) -> int:
+def _built_params(config, layout: ParallelDegrees, rank: int, seq_len: int) -> int:
     mesh = ParallelMesh(layout.world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                         kv_replication=layout.kv_replication, create_groups=False)
     if layout.pp == 1:

@@ -31,7 +31,7 @@ from plait.models.qwen3.config import Qwen3Config
 from plait.models.qwen3_moe.config import Qwen3MoeConfig
 from plait.moe.expert_parallel import apply_expert_parallel, expert_parameter_names
 from plait.nn.moe import MoELayer, SoftmaxTopKRouter
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import (
     chunk_cost,
     chunk_expert_parameter_count,
@@ -83,7 +83,7 @@ def recipe_config(name: str):
 
 
 # ------------------------------------------------------------------------------ parameters
-def _built(config, layout: Layout, rank: int, seq_len: int = 64) -> tuple[int, int]:
+def _built(config, layout: ParallelDegrees, rank: int, seq_len: int = 64) -> tuple[int, int]:
     """(parameters, routed-expert parameters) the builder gives ``rank`` (meta device)."""
     mesh = ParallelMesh(layout.world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
                         create_groups=False)
@@ -110,7 +110,7 @@ def test_parameters_equal_the_built_rank(make, degrees):
     """Attention split over TP, experts whole on every TP rank and split over ep, the router whole,
     a Qwen3-MoE dense layer's MLP split over TP: the count equals the rank's built model."""
     config = make()
-    layout = Layout(**degrees)
+    layout = ParallelDegrees(**degrees)
     rank = layout.world - 1
     built, experts = _built(config, layout, rank)
     mesh = ParallelMesh(layout.world, rank, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
@@ -124,7 +124,7 @@ def test_parameters_equal_the_built_rank(make, degrees):
 def test_expert_memory_falls_as_one_over_ep_and_dense_does_not():
     config = recipe_config("mixtral-8x7b.yaml")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=16)
-    est = {ep: estimate_memory(config, Layout(pp=4, dp=16, ep=ep, activation_checkpointing="full"), **kw)
+    est = {ep: estimate_memory(config, ParallelDegrees(pp=4, dp=16, ep=ep, activation_checkpointing="full"), **kw)
            for ep in (1, 2, 4, 8)}
     per_layer_expert = 3 * 4096 * 14336
     for ep, m in est.items():
@@ -139,7 +139,8 @@ def test_zero1_shards_expert_state_over_dp_over_ep():
     config = recipe_config("mixtral-8x7b.yaml")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=16)
     for ep in (1, 2, 8):
-        m = estimate_memory(config, Layout(pp=4, dp=16, ep=ep, zero1=True, activation_checkpointing="full"), **kw)
+        layout = ParallelDegrees(pp=4, dp=16, ep=ep, zero1=True, activation_checkpointing="full")
+        m = estimate_memory(config, layout, **kw)
         dense, experts = m.parameter_count - m.expert_parameter_count, m.expert_parameter_count
         owned = -(-m.parameter_count // 16) if ep == 1 else -(-dense // 16) + -(-experts // (16 // ep))
         assert m.optimizer == 2 * 4 * owned and m.master_weights == 4 * owned and m.gradient_shard == 4 * owned
@@ -154,7 +155,7 @@ def test_bf16_optimizer_working_set_shards_expert_weights_over_dp_over_ep(dp, ep
     step-phase transient (above the norm's fp32 gradient copies)."""
     config = mixtral(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
                      num_key_value_heads=8)
-    m = estimate_memory(config, Layout(dp=dp, ep=ep, zero1=True), precision="bf16-pure", micro_batch_size=1,
+    m = estimate_memory(config, ParallelDegrees(dp=dp, ep=ep, zero1=True), precision="bf16-pure", micro_batch_size=1,
                         seq_len=256, microbatches=1)
     assert m.step_buffers == 8 * 4 * -(-4096 * 14336 // (dp // ep))
 
@@ -166,7 +167,7 @@ def test_model_states_equal_the_optimizer_buffers_with_expert_buckets(precision,
     """parameters / gradients / gradient shard / master / optimizer bytes of an expert-parallel rank
     with ZeRO-1 equal a real DistributedOptimizer's, up to bucket padding."""
     config = mixtral()
-    layout = Layout(dp=dp, ep=ep, zero1=True)
+    layout = ParallelDegrees(dp=dp, ep=ep, zero1=True)
     est = estimate_memory(config, layout, precision=precision, micro_batch_size=1, seq_len=32, microbatches=1)
     model = build_model(config, single_process_mesh(), seed=0)
     apply_expert_parallel([model], GroupInfo(None, ep - 1, ep))
@@ -212,7 +213,7 @@ def _saved_bytes(model, ids, precision: str) -> int:
         return saved_bytes(model, ids, precision)
 
 
-def _estimate_saved(config, layout: Layout, precision: str, B: int, S: int) -> int:
+def _estimate_saved(config, layout: ParallelDegrees, precision: str, B: int, S: int) -> int:
     (chunk,) = rank_chunks(config, layout, S, 0)
     cost = chunk_cost(config, layout, precision, chunk, B, S)
     return cost.activations + cost.weight_copies + cost.logits_saved
@@ -232,7 +233,7 @@ def test_saved_activations_match_autograd(precision, ep):
     B, S = 2, 32
     ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     got = _saved_bytes(model, ids, precision)
-    est = _estimate_saved(config, Layout(dp=ep, ep=ep), precision, B, S)
+    est = _estimate_saved(config, ParallelDegrees(dp=ep, ep=ep), precision, B, S)
     assert 0 <= got - est <= 16 * B * S + 4096, (got, est)
 
 
@@ -248,7 +249,7 @@ def test_sequence_parallel_moe_term_is_the_shards_and_matches_autograd(precision
     full-sequence term (no SP: every TP rank routes every token) is far above it."""
     config = mixtral()
     B, S, tp, h = 2, 32, 2, config.hidden_size
-    sp, full = (Layout(tp=tp, dp=ep, ep=ep, sequence_parallel=on) for on in (True, False))
+    sp, full = (ParallelDegrees(tp=tp, dp=ep, ep=ep, sequence_parallel=on) for on in (True, False))
     c, r, p = {"fp32": (4, 4, 4), "autocast": (2, 4, 4), "bf16-pure": (2, 2, 2)}[precision]
     autocast = precision == "autocast"
     shape = moe_shape(config)
@@ -339,7 +340,7 @@ def test_qwen3_moe_activations_differ_from_autograd_only_as_dense_qwen3_does():
                                             head_dim=16)):
         model = build_model(config, single_process_mesh())
         _training_moe(model)
-        gaps.append(_saved_bytes(model, ids, "fp32") - _estimate_saved(config, Layout(), "fp32", B, S))
+        gaps.append(_saved_bytes(model, ids, "fp32") - _estimate_saved(config, ParallelDegrees(), "fp32", B, S))
     assert abs(gaps[0] - gaps[1]) <= 16 * B * S + 4096, gaps
 
 
@@ -348,7 +349,7 @@ def test_expert_rows_grow_with_ep_under_fixed_slots():
     while parameters shrink."""
     config = recipe_config("mixtral-8x7b.yaml")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=8)
-    one, eight = (estimate_memory(config, Layout(pp=4, dp=8, ep=ep), stage=0, **kw) for ep in (1, 8))
+    one, eight = (estimate_memory(config, ParallelDegrees(pp=4, dp=8, ep=ep), stage=0, **kw) for ep in (1, 8))
     assert eight.activations > one.activations and eight.parameters < one.parameters
     # the exchange's send and receive buffers of one layer: 2 * ep * N * h * r
     assert eight.comm_buffers - one.comm_buffers == 2 * 8 * 4096 * 2 * 4096 * 2
@@ -360,7 +361,7 @@ def test_sequence_parallel_memory_is_the_shards():
     projection's gradient that the TP gradient hook all-reduces (bf16-mixed: c = p = 2)."""
     config = recipe_config("mixtral-8x7b.yaml")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=8)
-    base = Layout(tp=2, pp=4, dp=8, ep=2)
+    base = ParallelDegrees(tp=2, pp=4, dp=8, ep=2)
     sp = dataclasses.replace(base, sequence_parallel=True)
     one, two = (estimate_memory(config, lay, stage=1, **kw) for lay in (base, sp))
     assert two.activations < one.activations
@@ -418,8 +419,8 @@ def test_step_time_counts_active_experts_and_the_all_to_all():
     config = recipe_config("mixtral-8x7b.yaml")
     h100 = get_device("h100")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=16)
-    t1 = estimate_step_time(config, Layout(pp=4, dp=16), h100, **kw)
-    t8 = estimate_step_time(config, Layout(pp=4, dp=16, ep=8), h100, **kw)
+    t1 = estimate_step_time(config, ParallelDegrees(pp=4, dp=16), h100, **kw)
+    t8 = estimate_step_time(config, ParallelDegrees(pp=4, dp=16, ep=8), h100, **kw)
     # the same FLOPs (balanced routing), k = 2 experts per token: MFU's model FLOPs over executed
     assert t1.flops_per_rank == t8.flops_per_rank
     assert t1.ep_comm_s == 0 and t8.ep_comm_s > 0
@@ -434,7 +435,7 @@ def test_step_time_counts_active_experts_and_the_all_to_all():
     # executed FLOPs over the pipeline ranks = PaLM's model FLOPs with the k active experts (less the
     # norm weights, which the model count includes and no matmul reads)
     tokens = 16 * 4096
-    executed = sum(rank_flops(config, Layout(pp=4, dp=16), 4096, 1, 16, r) for r in range(4))
+    executed = sum(rank_flops(config, ParallelDegrees(pp=4, dp=16), 4096, 1, 16, r) for r in range(4))
     norms = 6 * (2 * 4096 * 32 + 4096) * tokens
     assert executed == pytest.approx(t1.model_flops / 16 - norms, rel=1e-12)
 
@@ -447,7 +448,7 @@ def test_sequence_parallel_divides_expert_flops_and_all_to_all_by_tp():
     assert shape is not None
     h, m, S = config.hidden_size, 16, 4096
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=S, microbatches=m)
-    base = Layout(tp=2, pp=4, dp=8, ep=2, activation_checkpointing="full")
+    base = ParallelDegrees(tp=2, pp=4, dp=8, ep=2, activation_checkpointing="full")
     sp = dataclasses.replace(base, sequence_parallel=True)
     active = shared_parameter_count(shape, h) + 2 * 3 * h * shape.width  # router + k = 2 experts per token
     for r in range(4):
@@ -474,7 +475,7 @@ def test_tp_volume_of_sparse_layers(sp):
     shape = moe_shape(config)
     assert shape is not None
     h, m, S, E = config.hidden_size, 2, 4096, 8
-    layout = Layout(tp=2, dp=32, ep=2, sequence_parallel=sp)
+    layout = ParallelDegrees(tp=2, dp=32, ep=2, sequence_parallel=sp)
     t = estimate_step_time(config, layout, get_device("h100"), precision="bf16-mixed", micro_batch_size=1,
                            seq_len=S, microbatches=m)
     A, ring = S * h * 2, 1 / 2
@@ -568,10 +569,10 @@ def test_dense_search_has_only_ep_one():
 #: llama3-8b.yaml on 8 H100, seq 2048, global batch 32, autocast: total bytes and step seconds of
 #: four layouts as the planner gave them before it modelled MoE (commit 00e3cf6)
 DENSE_BEFORE = [
-    (Layout(tp=1, pp=1, dp=8, zero1=True), 4, 110906750976, 0.8614413156354208),
-    (Layout(tp=1, pp=2, dp=4, activation_checkpointing="full"), 8, 70439272448, 1.2196076494500805),
-    (Layout(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True), 16, 44859523072, 0.9138737593973882),
-    (Layout(tp=4, pp=2, dp=1, sequence_parallel=True, activation_checkpointing="full"), 32, 17629839360,
+    (ParallelDegrees(tp=1, pp=1, dp=8, zero1=True), 4, 110906750976, 0.8614413156354208),
+    (ParallelDegrees(tp=1, pp=2, dp=4, activation_checkpointing="full"), 8, 70439272448, 1.2196076494500805),
+    (ParallelDegrees(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True), 16, 44859523072, 0.9138737593973882),
+    (ParallelDegrees(tp=4, pp=2, dp=1, sequence_parallel=True, activation_checkpointing="full"), 32, 17629839360,
      1.315508040641833),
 ]
 
@@ -596,7 +597,7 @@ def test_dry_run_of_an_expert_parallel_layout_matches(sp):
     from plait.plan.dry_run import dry_run
 
     config = qwen3_moe()
-    layout = Layout(tp=2, pp=2, dp=2, ep=2, zero1=True, sequence_parallel=sp)
+    layout = ParallelDegrees(tp=2, pp=2, dp=2, ep=2, zero1=True, sequence_parallel=sp)
     for rank in (0, 7):
         report = dry_run(config, layout, 8, rank, precision="bf16-mixed", seq_len=64, microbatches=4)
         assert report.matches_exactly, report.check_line()
@@ -622,7 +623,7 @@ def test_mixtral_recipe_is_the_plan_and_its_dry_run_matches(world, overrides):
     path = str(RECIPES / "mixtral-8x7b.yaml")
     resolved = validate_recipe(load_recipe(path, overrides).model_dump(), world, check_paths=False)
     p = resolved.recipe.parallel
-    layout = Layout(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, ep=p.ep, zero1=p.zero1, schedule=p.schedule,
+    layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, ep=p.ep, zero1=p.zero1, schedule=p.schedule,
                     activation_checkpointing=resolved.recipe.train.activation_checkpointing, kv_replication=1)
     config = load_plan_inputs(path, [])[1]
     options = SearchOptions(max_tp=1, activation_checkpointing=("full",), all_kv_replications=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from plait.models.llama.config import LlamaConfig
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.search import (
     PlanError,
     SearchOptions,
@@ -89,7 +89,7 @@ def test_llama3_degrees_stay_within_a_node():
     layouts = enumerate_layouts(c, 64, devices_per_node=8, seq_len=8192)
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}
     assert all(lay.pp <= 32 for lay in layouts)
-    assert Layout(tp=8, pp=1, dp=8, sequence_parallel=True, zero1=True, schedule="1f1b") in layouts
+    assert ParallelDegrees(tp=8, pp=1, dp=8, sequence_parallel=True, zero1=True, schedule="1f1b") in layouts
 
 
 @pytest.mark.parametrize("method,cost", [("balanced", "flops"), ("balanced", "params"), ("even", "flops")])
@@ -158,10 +158,10 @@ def test_unknown_device_lists_the_valid_names():
 # ------------------------------------------------------------------------------ dry run
 @pytest.mark.parametrize("cfg_kw", [{}, {"tie_word_embeddings": True}, {"vocab_size": 255}])
 @pytest.mark.parametrize("layout", [
-    Layout(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True),
-    Layout(tp=4, pp=2, dp=1, vpp=2, kv_replication=2, sequence_parallel=True, schedule="interleaved-1f1b"),
-    Layout(tp=8, pp=1, dp=1, kv_replication=2, sequence_parallel=True),
-    Layout(tp=1, pp=4, dp=2, schedule="1f1b", activation_checkpointing="full"),
+    ParallelDegrees(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True),
+    ParallelDegrees(tp=4, pp=2, dp=1, vpp=2, kv_replication=2, sequence_parallel=True, schedule="interleaved-1f1b"),
+    ParallelDegrees(tp=8, pp=1, dp=1, kv_replication=2, sequence_parallel=True),
+    ParallelDegrees(tp=1, pp=4, dp=2, schedule="1f1b", activation_checkpointing="full"),
 ])
 def test_dry_run_parameter_bytes_equal_the_estimate(layout, cfg_kw):
     from plait.plan.dry_run import dry_run
@@ -186,7 +186,7 @@ def test_dry_run_covers_the_whole_model_once():
     from plait.plan.dry_run import dry_run
 
     c = tiny(num_hidden_layers=6)
-    layout = Layout(tp=1, pp=4, dp=2)
+    layout = ParallelDegrees(tp=1, pp=4, dp=2)
     total = sum(dry_run(c, layout, 8, r, seq_len=64, microbatches=4).param_count for r in (0, 2, 4, 6))
     assert total == c.num_parameters()
 
@@ -195,16 +195,16 @@ def test_dry_run_rejects_bad_input():
     from plait.plan.dry_run import dry_run
 
     with pytest.raises(PlanError, match="not the world 16"):
-        dry_run(tiny(), Layout(tp=2, pp=2, dp=2), 16, 0, seq_len=64)
+        dry_run(tiny(), ParallelDegrees(tp=2, pp=2, dp=2), 16, 0, seq_len=64)
     with pytest.raises(PlanError, match="rank=8 is outside"):
-        dry_run(tiny(), Layout(tp=2, pp=2, dp=2), 8, 8, seq_len=64)
+        dry_run(tiny(), ParallelDegrees(tp=2, pp=2, dp=2), 8, 8, seq_len=64)
 
 
 def test_dry_run_llama3_8b_world_64_is_fast():
     from plait.plan.dry_run import dry_run
 
     c = recipe_config("llama3-8b.yaml")
-    layout = Layout(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero1=True, schedule="interleaved-1f1b")
+    layout = ParallelDegrees(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero1=True, schedule="interleaved-1f1b")
     start = time.perf_counter()
     reports = [dry_run(c, layout, 64, r, precision="autocast", seq_len=8192, microbatches=8) for r in (0, 63)]
     elapsed = time.perf_counter() - start

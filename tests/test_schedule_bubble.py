@@ -9,7 +9,7 @@ from plait.devices import get_device
 from plait.models.llama import LlamaConfig
 from plait.pipeline.schedules import ScheduleError
 from plait.pipeline.simulate import schedule_bubble, simulate, theoretical_bubble
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.timing import estimate_step_time
 
 
@@ -30,8 +30,8 @@ def test_step_time_prices_zb_h1_bubble():
                          num_attention_heads=4, num_key_value_heads=2)
     # one layer per stage, given: the default split would trace the model (a second of start-up)
     kw = dict(micro_batch_size=1, seq_len=32, microbatches=8, peak=1e9, stage_layers=[[0], [1], [2], [3]])
-    one_f_one_b = estimate_step_time(config, Layout(pp=4), get_device("cpu"), **kw)
-    zb = estimate_step_time(config, Layout(pp=4, schedule="zb-h1"), get_device("cpu"), **kw)
+    one_f_one_b = estimate_step_time(config, ParallelDegrees(pp=4), get_device("cpu"), **kw)
+    zb = estimate_step_time(config, ParallelDegrees(pp=4, schedule="zb-h1"), get_device("cpu"), **kw)
     assert one_f_one_b.bubble_share == pytest.approx(3 / 11)
     assert zb.bubble_share == pytest.approx(3 / 27)
     assert zb.compute_s == one_f_one_b.compute_s and zb.total_s < one_f_one_b.total_s

@@ -26,7 +26,7 @@ import torch
 from plait.config.problems import Problem, Verbatim
 from plait.config.resolve import ResolvedRecipe
 from plait.pipeline.layout import plan_partition
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import PRECISIONS, estimate_memory
 
 GiB = 1024**3
@@ -67,7 +67,7 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
     r, p = resolved.recipe, resolved.recipe.parallel
     precision = r.precision.preset if r.precision.preset in PRECISIONS else "bf16-pure"
     checkpointing = r.train.activation_checkpointing
-    layout = Layout(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
+    layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
                     sequence_parallel=p.sequence_parallel, zero1=p.zero1,
                     activation_checkpointing="none" if checkpointing == "off" else checkpointing,
                     schedule=p.schedule, cp=p.cp)

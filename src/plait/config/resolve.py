@@ -169,7 +169,7 @@ def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | 
 
 # ---------------------------------------------------------------------- the default recipe's layout
 @dataclass(frozen=True)
-class DefaultLayout:
+class DefaultDegrees:
     """The parallel layout given to the built-in default recipe for an explicit process count."""
 
     nproc: int
@@ -192,7 +192,7 @@ class DefaultLayout:
 DEFAULT_TP_CHOICES = (2, 1)
 
 
-def choose_default_layout(nproc: int, tp_choices: tuple[int, ...] = DEFAULT_TP_CHOICES) -> DefaultLayout:
+def choose_default_layout(nproc: int, tp_choices: tuple[int, ...] = DEFAULT_TP_CHOICES) -> DefaultDegrees:
     """The layout of the built-in default recipe on ``nproc`` processes: the largest tensor-parallel
     degree of ``tp_choices`` that divides ``nproc``, data parallelism over the rest, and sequence
     parallelism only where there is a TP group to split over.
@@ -203,7 +203,7 @@ def choose_default_layout(nproc: int, tp_choices: tuple[int, ...] = DEFAULT_TP_C
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc={nproc!r} must be a positive integer")
     tp = next(t for t in (*sorted(tp_choices, reverse=True), 1) if nproc % t == 0)
-    return DefaultLayout(nproc=nproc, tp=tp, dp=nproc // tp, sequence_parallel=tp > 1)
+    return DefaultDegrees(nproc=nproc, tp=tp, dp=nproc // tp, sequence_parallel=tp > 1)
 
 
 def sets_parallel(overrides: list[str]) -> bool:
@@ -211,7 +211,7 @@ def sets_parallel(overrides: list[str]) -> bool:
     return any(item.split("=", 1)[0].split(".", 1)[0].strip() == "parallel" for item in overrides)
 
 
-def default_layout_for(recipe_path: str | None, overrides: list[str], nproc: int | None) -> DefaultLayout | None:
+def default_layout_for(recipe_path: str | None, overrides: list[str], nproc: int | None) -> DefaultDegrees | None:
     """The layout to give the built-in default recipe (no recipe file, an explicit ``nproc`` and no
     ``parallel.*`` override); ``None`` when the recipe's own layout stands."""
     if recipe_path is not None or nproc is None or sets_parallel(overrides):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from plait.materialize import build_model, build_stages
 from plait.mesh import ParallelMesh
 from plait.parallel_state import shard_specs
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import estimate_memory
 from plait.plan.pipeline_split import plan_partition
 from plait.plan.search import PlanError
@@ -51,7 +51,7 @@ class ParamRecord:
 class DryRunReport:
     """What :func:`dry_run` built for one rank and how it compares with the memory model."""
 
-    layout: Layout
+    layout: ParallelDegrees
     world: int
     rank: int
     coords: dict[str, int]
@@ -166,7 +166,7 @@ def _records(modules: list[torch.nn.Module]) -> list[ParamRecord]:
     return out
 
 
-def dry_run(config, layout: Layout, world: int, rank: int, *, precision: str = "autocast",
+def dry_run(config, layout: ParallelDegrees, world: int, rank: int, *, precision: str = "autocast",
             micro_batch_size: int = 1, seq_len: int, microbatches: int = 1, partition: str = "balanced",
             partition_cost: str = "flops", pipeline_cuts: list[str] | None = None,
             kv_placement: str = "interleaved", stage_layers: list[list[int]] | None = None) -> DryRunReport:

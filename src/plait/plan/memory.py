@@ -1,6 +1,6 @@
 """Per-rank memory model of a training step: model states, saved activations, buffers.
 
-:func:`estimate_memory` prices one pipeline rank (or the worst one) of a :class:`Layout` in
+:func:`estimate_memory` prices one pipeline rank (or the worst one) of a :class:`ParallelDegrees` in
 bytes, component by component, following what plait's code allocates (checked against the
 tensors a real forward leaves alive in ``tests/test_plan_memory.py`` and against measured peak
 RSS in ``docs/plan_memory.md``).
@@ -60,7 +60,7 @@ parallelism one). The other activation-phase fields, at that same peak:
   weight gradient (autograd's, in the parameter dtype ``p``) before the post-accumulate hook adds
   it into the flat buffer and frees it (:func:`chunk_cost`).
 
-Context parallelism (``Layout.cp``): every activation term is priced at the rank's local sequence
+Context parallelism (``ParallelDegrees.cp``): every activation term is priced at the rank's local sequence
 ``S / cp`` (the ring computes attention without an ``S x S`` matrix, as flash SDPA); ZeRO-1 shards
 over the ``dp * cp`` ranks that average gradients; ``comm_buffers`` adds the ring's blocks in flight
 during one layer's attention backward (the K/V block at hand and the one arriving, the dK/dV
@@ -74,7 +74,7 @@ layer's MLP half). Measured within 5% at cp=2/4 (docs/context_parallel.md). The 
 priced as the vocab-parallel one (:class:`plait.context_parallel.output.ContextParallelOutput` runs
 it at any TP degree).
 
-Mixture-of-Experts families (:mod:`plait.plan.moe`; ``Layout.ep``, ``E`` experts of width ``w``
+Mixture-of-Experts families (:mod:`plait.plan.moe`; ``ParallelDegrees.ep``, ``E`` experts of width ``w``
 per sparse layer, top-``k``): a sparse layer holds its router (and shared expert) whole on every
 rank and ``E / ep`` whole experts (not split over TP: plait repeats the expert work on the TP
 ranks), a dense layer of the family Llama's TP-split MLP; the routed experts
@@ -137,7 +137,7 @@ from plait.pipeline.layout import plan_partition
 from plait.pipeline.schedules import compute_order
 from plait.pipeline.tasks import Forward, WeightGrad
 from plait.plan.block import llama_block
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.moe import (
     MoEShape,
     attention_extra_parameters,
@@ -193,7 +193,7 @@ def precision_bytes(precision: str) -> PrecisionBytes:
 
 
 # ------------------------------------------------------------------------------ local shapes
-def local_shapes(config: DecoderConfig, layout: Layout) -> LocalShapes:
+def local_shapes(config: DecoderConfig, layout: ParallelDegrees) -> LocalShapes:
     """Local sizes exactly as the family's ``parallelize`` builds them: its ``local_shapes``
     (:class:`~plait.models.family.ModelFamily`; Llama's plan, which Qwen3, Mistral and the MoE
     families reuse, :func:`plait.models.llama.parallelize.local_shapes`) at ``layout.tp`` and
@@ -269,7 +269,7 @@ class Chunk:
     last: bool
 
 
-def rank_chunks(config: DecoderConfig, layout: Layout, seq_len: int, pp_rank: int, *,
+def rank_chunks(config: DecoderConfig, layout: ParallelDegrees, seq_len: int, pp_rank: int, *,
                 stage_layers: list[list[int]] | None = None) -> list[Chunk]:
     """The chunks pipeline rank ``pp_rank`` holds: global stages ``pp_rank, pp_rank + pp, ...``.
 
@@ -330,7 +330,7 @@ def chunk_expert_parameter_count(config: DecoderConfig, sh: LocalShapes, chunk: 
     return sum(1 for layer in chunk.layers if moe.is_sparse(layer)) * expert_parameter_count(moe, sh.hidden, sh.ep)
 
 
-def rank_parameter_count(config: DecoderConfig, layout: Layout, seq_len: int, pp_rank: int = 0) -> int:
+def rank_parameter_count(config: DecoderConfig, layout: ParallelDegrees, seq_len: int, pp_rank: int = 0) -> int:
     """Exact local parameter count of one rank (every TP rank of a stage holds the same count)."""
     sh = local_shapes(config, layout)
     return sum(chunk_parameter_count(config, sh, ch) for ch in rank_chunks(config, layout, seq_len, pp_rank))
@@ -375,7 +375,7 @@ def _largest_segment(largest_weight: int, shards: int, grad_bytes: int) -> int:
 
 
 # ------------------------------------------------------------------------------ activations
-def layer_activation_bytes(config: DecoderConfig, layout: Layout, precision: str, micro_batch_size: int,
+def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, precision: str, micro_batch_size: int,
                            seq_len: int, layer: int | None = None) -> int:
     """Bytes one decoder layer saves for backward per micro-batch (per TP rank).
 
@@ -447,7 +447,7 @@ def layer_activation_bytes(config: DecoderConfig, layout: Layout, precision: str
     return norms + matmul_in + attn + mlp
 
 
-def _replicated_seq(layout: Layout, seq_len: int) -> int:
+def _replicated_seq(layout: ParallelDegrees, seq_len: int) -> int:
     """Sequence length of the tensors outside the TP-sharded blocks (``S / T`` under SP)."""
     if layout.sequence_parallel and layout.tp > 1:
         return -(-seq_len // layout.tp)
@@ -467,7 +467,7 @@ class ChunkCost:
     backward_end_transient: int  # at the end of a backward (the embedding's new gradient)
 
 
-def chunk_cost(config: DecoderConfig, layout: Layout, precision: str, chunk: Chunk, micro_batch_size: int,
+def chunk_cost(config: DecoderConfig, layout: ParallelDegrees, precision: str, chunk: Chunk, micro_batch_size: int,
                seq_len: int) -> ChunkCost:
     """Activation-phase costs of one chunk (module doc; ``N = B * S`` tokens, ``V'`` local vocab).
 
@@ -560,8 +560,8 @@ def chunk_cost(config: DecoderConfig, layout: Layout, precision: str, chunk: Chu
     return ChunkCost(act, copies, logits, grads, fwd, bwd, end)
 
 
-def _moe_chunk_copies(config: DecoderConfig, moe: MoEShape, sh: LocalShapes, pb: PrecisionBytes, layout: Layout,
-                      chunk: Chunk) -> int:
+def _moe_chunk_copies(config: DecoderConfig, moe: MoEShape, sh: LocalShapes, pb: PrecisionBytes,
+                      layout: ParallelDegrees, chunk: Chunk) -> int:
     """Weight copies an MoE family's chunk keeps per in-flight micro-batch: autocast's bf16 copies
     of the attention (and dense MLP) weights, and each sparse layer's stacked expert weights and
     upcast router (:func:`plait.plan.moe.moe_weight_copies`); none under full checkpointing."""
@@ -611,8 +611,8 @@ def _compute_order(schedule: str, pp_rank: int, pp: int, microbatches: int, vpp:
                  for t in compute_order(schedule, pp_rank, pp, microbatches, vpp) if not isinstance(t, WeightGrad))
 
 
-def schedule_peak(layout: Layout, microbatches: int, pp_rank: int, costs: list[ChunkCost], chunks: list[Chunk], *,
-                  act_bytes: int, extra_layer: int = 0) -> SchedulePeak:
+def schedule_peak(layout: ParallelDegrees, microbatches: int, pp_rank: int, costs: list[ChunkCost],
+                  chunks: list[Chunk], *, act_bytes: int, extra_layer: int = 0) -> SchedulePeak:
     """Walk the rank's compute order and return the largest activation-phase footprint.
 
     The order is the schedule's (:func:`plait.pipeline.schedules.compute_order`; without pipeline
@@ -684,7 +684,7 @@ class MemoryBreakdown:
     new gradient before it is added into the buffer).
     """
 
-    layout: Layout
+    layout: ParallelDegrees
     precision: str
     pp_rank: int
     parameter_count: int
@@ -759,7 +759,7 @@ class MemoryBreakdown:
         return "| " + " | ".join(cells) + " |"
 
 
-def estimate_memory(config: DecoderConfig, layout: Layout, *, precision: str = "fp32", micro_batch_size: int,
+def estimate_memory(config: DecoderConfig, layout: ParallelDegrees, *, precision: str = "fp32", micro_batch_size: int,
                     seq_len: int, microbatches: int, stage: int | None = None,
                     stage_layers: list[list[int]] | None = None) -> MemoryBreakdown:
     """Peak bytes on one rank of ``layout`` for a training step (see the module doc for every term).
@@ -839,7 +839,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     )
 
 
-def _moe_recomputed_layer(config: DecoderConfig, layout: Layout, pb: PrecisionBytes, B: int, S: int,
+def _moe_recomputed_layer(config: DecoderConfig, layout: ParallelDegrees, pb: PrecisionBytes, B: int, S: int,
                           chunks: list[Chunk]) -> int:
     """Full checkpointing, MoE family: the largest of the rank's layers while it is recomputed
     (its activations without checkpointing and its weight copies)."""

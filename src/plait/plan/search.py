@@ -5,7 +5,7 @@ step time among those that fit in device memory.
 memory model (:func:`plait.plan.memory.estimate_memory`) and the time model
 (:func:`plait.plan.timing.estimate_step_time`) and recommends the fastest that fits.
 
-Rules of the enumeration (one :class:`~plait.plan.layout.Layout` per combination):
+Rules of the enumeration (one :class:`~plait.plan.degrees.ParallelDegrees` per combination):
 
 * ``tp`` divides ``devices_per_node`` (a TP group stays inside one node, on the fast links) and
   the world; the heads must place over it (:meth:`HeadLayout.plan`, padding allowed) and it must
@@ -53,7 +53,7 @@ from plait.models.decoder.config import DecoderConfig
 from plait.models.registry import family_of
 from plait.pipeline.partition import partition_model, unit_costs
 from plait.pipeline.schedules import INTERLEAVED_SCHEDULES, ScheduleError, validate_schedule
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import MemoryBreakdown, estimate_memory, precision_bytes
 from plait.plan.moe import MoEShape, moe_shape
 from plait.plan.timing import TimeBreakdown, estimate_step_time
@@ -123,7 +123,7 @@ def default_global_batch(seq_len: int) -> int:
     return max(1, min(DEFAULT_TOKENS_PER_STEP // seq_len, DEFAULT_MAX_SEQUENCES))
 
 
-def layout_microbatches(layout: Layout, *, micro_batch_size: int, microbatches: int | None = None,
+def layout_microbatches(layout: ParallelDegrees, *, micro_batch_size: int, microbatches: int | None = None,
                         global_batch_size: int | None = None, seq_len: int | None = None) -> int | None:
     """Micro-batches per step of ``layout`` under the rule of the module docstring (``None``: the
     global batch does not split into whole micro-batches over this layout's DP ranks)."""
@@ -184,9 +184,9 @@ def _head_check(config: DecoderConfig, tp: int, placement: str) -> tuple[list[in
 
 def _enumerate(config: DecoderConfig, world: int, *, devices_per_node: int, micro_batch_size: int, seq_len: int,
                microbatches: int | None, global_batch_size: int | None,
-               options: SearchOptions) -> tuple[list[tuple[Layout, int]], _Reasons]:
+               options: SearchOptions) -> tuple[list[tuple[ParallelDegrees, int]], _Reasons]:
     reasons = _Reasons()
-    out: list[tuple[Layout, int]] = []
+    out: list[tuple[ParallelDegrees, int]] = []
     layers = config.num_hidden_layers
     tps = [t for t in _divisors(devices_per_node) if world % t == 0
            and (options.max_tp is None or t <= options.max_tp)]
@@ -222,7 +222,7 @@ def _enumerate(config: DecoderConfig, world: int, *, devices_per_node: int, micr
                 reasons.add(f"tp={tp} pp={pp} cp={cp} gives dp={dp}, which parallel.ep={options.expert_parallel} does "
                             f"not divide (expert parallelism folds over data parallelism; not with cp > 1)")
                 continue
-            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
+            probe = ParallelDegrees(tp=tp, pp=pp, dp=dp, cp=cp)
             m = layout_microbatches(probe, micro_batch_size=micro_batch_size, microbatches=microbatches,
                                     global_batch_size=global_batch_size, seq_len=seq_len)
             if m is None:
@@ -251,7 +251,7 @@ def _enumerate(config: DecoderConfig, world: int, *, devices_per_node: int, micr
                     for ep, sp in ((e, s) for e in eps for s in sps):
                         for zero1 in ((False, True) if dp * cp > 1 and options.try_zero1 else (False,)):
                             for ckpt in options.activation_checkpointing:
-                                out.append((Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
+                                out.append((ParallelDegrees(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
                                                    sequence_parallel=sp, zero1=zero1, activation_checkpointing=ckpt,
                                                    schedule=schedule, cp=cp, ep=ep), m))
     return out, reasons
@@ -289,7 +289,7 @@ def _describe_model(config: DecoderConfig) -> str:
 
 def enumerate_layouts(config: DecoderConfig, world: int, *, devices_per_node: int = 8, micro_batch_size: int = 1,
                       seq_len: int, microbatches: int | None = None, global_batch_size: int | None = None,
-                      options: SearchOptions | None = None) -> list[Layout]:
+                      options: SearchOptions | None = None) -> list[ParallelDegrees]:
     """Every valid layout of ``config`` (a family's config) on ``world`` devices (module rules).
 
     Raises :class:`PlanError` naming the world and why, when there is none.
@@ -302,7 +302,7 @@ def enumerate_layouts(config: DecoderConfig, world: int, *, devices_per_node: in
 
 def _enumerate_checked(config: DecoderConfig, world: int, *, devices_per_node: int, micro_batch_size: int,
                        seq_len: int, microbatches: int | None, global_batch_size: int | None,
-                       options: SearchOptions) -> list[tuple[Layout, int]]:
+                       options: SearchOptions) -> list[tuple[ParallelDegrees, int]]:
     _check_positive(world=world, devices_per_node=devices_per_node, micro_batch_size=micro_batch_size,
                     seq_len=seq_len, microbatches=microbatches, global_batch_size=global_batch_size)
     if microbatches is not None and global_batch_size is not None:
@@ -326,7 +326,7 @@ def _enumerate_checked(config: DecoderConfig, world: int, *, devices_per_node: i
 class Candidate:
     """One priced layout."""
 
-    layout: Layout
+    layout: ParallelDegrees
     microbatches: int
     global_batch_size: int
     memory: MemoryBreakdown  # the peak over pipeline ranks

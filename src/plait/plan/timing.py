@@ -52,7 +52,7 @@ NeuronLink), across nodes ``inter_node_bw`` (per device, one direction). Latency
   for ``zb-h1`` ``(pp - 1) / (3m + pp - 1)`` (:func:`plait.pipeline.simulate.schedule_bubble`);
   it stretches the per-rank compute and TP time.
 
-* CP (``Layout.cp``; ``S_l = S / cp``, the rank's tokens): compute, TP and PP volumes are those of
+* CP (``ParallelDegrees.cp``; ``S_l = S / cp``, the rank's tokens): compute, TP and PP volumes are those of
   ``S_l`` tokens, except attention, whose queries see the whole sequence (``12 * q * S`` per local
   token, zigzag-balanced). The ring moves per layer per micro-batch ``cp - 1`` K/V blocks
   (``2 * B * S_l * k * c`` each) forward, and in backward ``cp - 1`` blocks plus ``cp`` fp32
@@ -92,7 +92,7 @@ from plait.devices import DeviceSpec, peak_flops
 from plait.models.decoder.config import DecoderConfig
 from plait.models.flops import model_flops_per_token
 from plait.pipeline.simulate import schedule_bubble
-from plait.plan.layout import Layout
+from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import (
     chunk_expert_parameter_count,
     chunk_parameter_count,
@@ -173,7 +173,7 @@ def _bandwidth(device: DeviceSpec, intra: bool, what: str) -> float:
     return bw
 
 
-def rank_flops(config: DecoderConfig, layout: Layout, seq_len: int, micro_batch_size: int, microbatches: int,
+def rank_flops(config: DecoderConfig, layout: ParallelDegrees, seq_len: int, micro_batch_size: int, microbatches: int,
                pp_rank: int, stage_layers: list[list[int]] | None = None) -> float:
     """Executed FLOPs of one rank for a step (module doc: compute), recomputation included."""
     sh = local_shapes(config, layout)
@@ -191,7 +191,7 @@ def rank_flops(config: DecoderConfig, layout: Layout, seq_len: int, micro_batch_
     return total * tokens
 
 
-def _moe_rank_flops(config: DecoderConfig, layout: Layout, seq_len: int, tokens: int, pp_rank: int,
+def _moe_rank_flops(config: DecoderConfig, layout: ParallelDegrees, seq_len: int, tokens: int, pp_rank: int,
                     stage_layers: list[list[int]] | None) -> float:
     """:func:`rank_flops` of an MoE family: per token, a sparse layer's router, ``k`` experts and
     shared expert (whole on every TP rank, which all repeat them; under sequence parallelism each
@@ -214,8 +214,8 @@ def _moe_rank_flops(config: DecoderConfig, layout: Layout, seq_len: int, tokens:
     return total * tokens
 
 
-def estimate_step_time(config: DecoderConfig, layout: Layout, device: DeviceSpec, *, precision: str = "autocast",
-                       micro_batch_size: int, seq_len: int, microbatches: int,
+def estimate_step_time(config: DecoderConfig, layout: ParallelDegrees, device: DeviceSpec, *,
+                       precision: str = "autocast", micro_batch_size: int, seq_len: int, microbatches: int,
                        nodes_of: Callable[[int], int] | None = None, devices_per_node: int | None = None,
                        efficiency: float = DEFAULT_EFFICIENCY, dp_overlap: float = DEFAULT_DP_OVERLAP,
                        peak: float | None = None, stage_layers: list[list[int]] | None = None) -> TimeBreakdown:

@@ -1,4 +1,4 @@
-"""A parallel layout as the planner sees it: degrees and the memory-relevant switches."""
+"""The parallel degrees of a run as the planner sees them, with the memory-relevant switches."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelDegrees:
     """One candidate way to run a model on ``world = tp * pp * dp * cp`` devices (``ep`` folds over
     ``dp``: it divides it and adds no devices)."""
 
