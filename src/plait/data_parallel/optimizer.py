@@ -124,11 +124,6 @@ class DistributedOptimizer:
         if self.prefetch_params:
             self._register_prefetch_hooks(modules)
 
-    @property
-    def layout(self) -> BucketPlan:
-        """The old name of :attr:`bucket_plan`, kept only until ``plait/train/`` reads the new one."""
-        return self.bucket_plan
-
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
     def _build_weights(self, device: torch.device) -> None:

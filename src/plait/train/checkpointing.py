@@ -91,7 +91,7 @@ def restore(state: RunState, directory: str | Path) -> int:
         if with_state:
             opt_step = int(reader.manifest.get("optimizer_step", step))
             by_name = {name: (p, spec) for _, name, p, spec in params}
-            for entry in opt.layout.entries:
+            for entry in opt.bucket_plan.entries:
                 p, spec = by_name[entry.name]
                 moments = {}
                 for kind in ("exp_avg", "exp_avg_sq", "master"):
