@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
+from plait.models.decoder.config import DecoderConfig
 from plait.models.family import config_of
 from plait.models.registry import family_of, read_hf_config_file
 from plait.outputs.whole import written_whole
@@ -61,7 +62,7 @@ class CheckpointMismatchError(ValueError):
 
 
 # ---------------------------------------------------------------------------------- config
-def load_hf_config(path: PathLike) -> Any:
+def load_hf_config(path: PathLike) -> DecoderConfig:
     """The config of a Hugging Face model directory (its ``config.json``), of the family its
     ``model_type`` names (a :class:`~plait.models.llama.LlamaConfig` for Llama and Qwen2)."""
     return read_hf_config_file(path)

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
 from plait.models.family import ModelFamily
 from plait.models.llama.family import FAMILY as LLAMA
@@ -51,7 +52,7 @@ def get_family(name: str) -> ModelFamily:
                                f"{', '.join(map(repr, FAMILIES))}") from None
 
 
-def family_of(config: Any) -> ModelFamily:
+def family_of(config: DecoderConfig) -> ModelFamily:
     """The family of a model config object (its class's ``family`` name)."""
     return get_family(type(config).family)
 
@@ -74,7 +75,7 @@ def config_from_hf_dict(d: dict[str, Any]) -> Any:
     return family_for_model_type(d.get("model_type")).config_cls.from_hf_dict(d)
 
 
-def read_hf_config_file(path: str | os.PathLike[str]) -> Any:
+def read_hf_config_file(path: str | os.PathLike[str]) -> DecoderConfig:
     """The config in a Hugging Face directory's ``config.json``; errors name the file."""
     file = Path(path) / "config.json"
     if not file.is_file():
