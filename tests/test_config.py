@@ -143,8 +143,8 @@ def test_validate_accepts_raw_data():
 
 def test_parameter_count_and_flops():
     resolved = validate_recipe(Recipe(), 1)
-    config = resolved.llama_config(1000)
-    assert config == Recipe().model.to_llama_config(1000) and config.vocab_size == 1000
+    config = resolved.model_config(1000)
+    assert config == Recipe().model.to_model_config(1000) and config.vocab_size == 1000
     assert resolved.num_parameters(1000) == config.num_parameters()
     h, layers, heads, d, seq = 256, 4, 8, 32, 128
     embed = 1000 * h
@@ -173,7 +173,7 @@ def test_hf_path_architecture_comes_from_config_json(tmp_path):
     d = _hf_dir(tmp_path)
     resolved = check_recipe(None, [f"model.hf_path={d}", f"data.tokenizer={d / 'tokenizer.json'}",
                                    "data.seq_len=256", "parallel.tp=2"])
-    config = resolved.llama_config()
+    config = resolved.model_config()
     assert (config.hidden_size, config.vocab_size, config.num_attention_heads) == (96, 500, 6)
     assert resolved.kv_replication == 1 and resolved.num_parameters() == config.num_parameters()
     assert resolved.as_recipe().model.hidden_size == 96
@@ -372,7 +372,7 @@ def test_cli_show(capsys):
         assert needle in out
     shown = load_recipe_text(out)  # the output is itself a recipe (derived values as comments)
     assert shown.parallel.tp == 2 and shown.parallel.dp == 2
-    params = load_recipe(DEFAULT_RECIPE, []).model.to_llama_config(2048).num_parameters()
+    params = load_recipe(DEFAULT_RECIPE, []).model.to_model_config(2048).num_parameters()
     assert f"#   parameters: {params} " in out
     code, _, err = _run_cli(["config", "show", "parallel.tp=3", "--nproc", "4"], capsys)
     assert code == 2 and "parallel.tp: 3" in err

@@ -291,7 +291,7 @@ def test_recipe_family_builds_that_familys_config():
     assert isinstance(config, Qwen3Config) and config.head_dim == 48 and resolved.family == "qwen3"
     assert config.num_parameters() == resolved.num_parameters(300)
     resolved = check_recipe(None, ["model.family=mistral", "model.sliding_window=32"], 1)
-    config = resolved.llama_config(300)  # the first name keeps working
+    config = resolved.model_config(300)
     assert isinstance(config, MistralConfig) and config.sliding_window == 32
     assert config.attention_span(resolved.recipe.data.seq_len) == 32
 

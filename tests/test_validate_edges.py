@@ -124,7 +124,7 @@ def test_rope_scaling_of_a_config_json_is_checked_too(tmp_path, form):
 def test_a_valid_llama3_rope_scaling_is_accepted():
     scaling = "{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, " \
               "original_max_position_embeddings: 64}"
-    assert check_recipe(None, [f"model.rope_scaling={scaling}"]).llama_config().rope_type == "llama3"
+    assert check_recipe(None, [f"model.rope_scaling={scaling}"]).model_config().rope_type == "llama3"
 
 
 # ---------------------------------------------------------------------- 8: checked before launch

@@ -132,7 +132,7 @@ def load_plan_inputs(recipe_path: str, overrides: list[str]):
     data["data"]["global_batch_size"] = None
     data["precision"] = {}  # --precision may plan another preset than the recipe's
     resolved = validate_recipe(data, 1, check_paths=False)
-    return recipe, resolved.llama_config()
+    return recipe, resolved.model_config()
 
 
 def activation_phase(mem) -> int:

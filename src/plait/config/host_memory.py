@@ -25,9 +25,9 @@ import torch
 
 from plait.config.problems import Problem, Verbatim
 from plait.config.resolve import ResolvedRecipe
-from plait.pipeline.layout import plan_partition
 from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import PRECISIONS, estimate_memory
+from plait.plan.pipeline_split import plan_partition
 
 GiB = 1024**3
 
@@ -71,7 +71,7 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
                     sequence_parallel=p.sequence_parallel, zero1=p.zero1,
                     activation_checkpointing="none" if checkpointing == "off" else checkpointing,
                     schedule=p.schedule, cp=p.cp)
-    config = resolved.llama_config()
+    config = resolved.model_config()
     seq = r.data.seq_len
     split = None
     if p.pp * p.vpp > 1:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.config.schema import ARCH_FIELDS, Recipe
+from plait.models.decoder.config import DecoderConfig
 from plait.models.flops import model_flops_per_token
-from plait.models.llama.config import LlamaConfig
 from plait.tensor_parallel.heads import HeadLayout
 
 
@@ -39,7 +39,7 @@ class ResolvedRecipe:
     checkpoint_dir: str
     save_dir: str = ""
     #: the architecture read from ``model.hf_path`` (``None`` without one)
-    hf_config: LlamaConfig | None = None
+    hf_config: DecoderConfig | None = None
     warnings: tuple[str, ...] = field(default=())
 
     # ------------------------------------------------------------------ shortcuts
@@ -71,7 +71,7 @@ class ResolvedRecipe:
             return self.recipe.model.vocab_size, "model.vocab_size"
         return self.recipe.data.vocab_size, "data.vocab_size"
 
-    def model_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
+    def model_config(self, vocab_size: int | None = None, **extra: Any) -> DecoderConfig:
         """The model's config, of its family (``model.family``, or ``model.hf_path``'s model_type),
         for a tokenizer of ``vocab_size`` tokens (``None``: :meth:`vocab_size_hint`)."""
         if self.hf_config is not None:
@@ -80,10 +80,6 @@ class ResolvedRecipe:
                 setattr(config, key, value)
             return config
         return self.recipe.model.to_model_config(vocab_size or self.vocab_size_hint()[0], **extra)
-
-    def llama_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
-        """:meth:`model_config` under its first name (every family's config derives from :class:`LlamaConfig`)."""
-        return self.model_config(vocab_size, **extra)
 
     @property
     def family(self) -> str:
@@ -149,7 +145,7 @@ def derive_world_and_dp(tp: int, pp: int, dp: int | None, world_size: int | None
     return world_size, dp if dp is not None else world_size // (tp * pp * cp)
 
 
-def resolve(recipe: Recipe, world_size: int | None, *, hf_config: LlamaConfig | None = None,
+def resolve(recipe: Recipe, world_size: int | None, *, hf_config: DecoderConfig | None = None,
             warnings: list[str] | tuple[str, ...] = ()) -> ResolvedRecipe:
     """Derive the values of a recipe that :func:`~plait.config.rules.collect_problems` accepted."""
     r, p = recipe, recipe.parallel

@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from plait.config.applicability import CONDITIONS, applies_when, field_condition
+from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
-from plait.models.llama.config import LlamaConfig
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
 from plait.moe.section import MoeSection
 from plait.precision import KNOBS
@@ -113,12 +113,8 @@ class ModelSection(Section):
         """The config class of ``model.family``."""
         return get_family(self.family).config_cls
 
-    def to_llama_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
-        """The model config this section describes (:meth:`to_model_config`; kept under its first name)."""
-        return self.to_model_config(vocab_size, **extra)
-
-    def to_model_config(self, vocab_size: int | None = None, **extra: Any) -> LlamaConfig:
-        """The config of ``model.family`` this section describes (a :class:`LlamaConfig` or a subclass).
+    def to_model_config(self, vocab_size: int | None = None, **extra: Any) -> DecoderConfig:
+        """The config of ``model.family`` this section describes (its family's :class:`DecoderConfig`).
 
         ``vocab_size`` is the tokenizer's size; ``model.vocab_size``, when set, takes precedence
         (it may be larger, e.g. padded). With ``hf_path`` the architecture is read from its
@@ -153,7 +149,7 @@ class ModelSection(Section):
         return cls(vocab_size=vocab, initializer_range=self.initializer_range, **fields, **extra)
 
 
-def read_hf_config(hf_path: str) -> LlamaConfig:
+def read_hf_config(hf_path: str) -> DecoderConfig:
     """The config of a Hugging Face model directory (``config.json``), of the family its
     ``model_type`` names (:mod:`plait.models.registry`)."""
     path = Path(hf_path) / "config.json"

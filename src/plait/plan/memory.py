@@ -133,7 +133,6 @@ from plait.models.decoder.config import DecoderConfig
 from plait.models.decoder.shapes import LocalShapes
 from plait.models.llama.config import LlamaConfig
 from plait.models.registry import family_of
-from plait.pipeline.layout import plan_partition
 from plait.pipeline.schedules import compute_order
 from plait.pipeline.tasks import Forward, WeightGrad
 from plait.plan.block import llama_block
@@ -150,6 +149,7 @@ from plait.plan.moe import (
     moe_weight_copies,
     shared_parameter_count,
 )
+from plait.plan.pipeline_split import plan_partition
 from plait.tensor_parallel.cross_entropy import default_chunk_rows
 
 MiB = 1024**2
@@ -273,7 +273,7 @@ def rank_chunks(config: DecoderConfig, layout: ParallelDegrees, seq_len: int, pp
                 stage_layers: list[list[int]] | None = None) -> list[Chunk]:
     """The chunks pipeline rank ``pp_rank`` holds: global stages ``pp_rank, pp_rank + pp, ...``.
 
-    The split is :func:`plait.pipeline.layout.plan_partition` (balanced, FLOP cost), as the
+    The split is :func:`plait.plan.pipeline_split.plan_partition` (balanced, FLOP cost), as the
     trainer's default recipe uses, unless ``stage_layers`` is given. ``pp * vpp == 1``: one chunk
     with every layer, first and last.
     """
@@ -286,7 +286,7 @@ def rank_chunks(config: DecoderConfig, layout: ParallelDegrees, seq_len: int, pp
 
 
 def default_stage_layers(config: DecoderConfig, num_stages: int, seq_len: int) -> list[list[int]]:
-    """:func:`plait.pipeline.layout.plan_partition`'s balanced FLOP split (the trainer's default),
+    """:func:`plait.plan.pipeline_split.plan_partition`'s balanced FLOP split (the trainer's default),
     cached per (config, stages, sequence length): a layout search prices many layouts."""
     return [list(s) for s in _cached_split(repr(config), config, num_stages, seq_len)]
 
@@ -766,7 +766,7 @@ def estimate_memory(config: DecoderConfig, layout: ParallelDegrees, *, precision
 
     ``stage``: the pipeline rank (``0 .. pp - 1``) to price; ``None`` prices every pipeline rank
     and returns the one with the largest ``total``. ``stage_layers`` overrides the pipeline split
-    (default: :func:`plait.pipeline.layout.plan_partition`, balanced by FLOPs).
+    (default: :func:`plait.plan.pipeline_split.plan_partition`, balanced by FLOPs).
     """
     pb = precision_bytes(precision)
     for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len), ("microbatches", microbatches)):

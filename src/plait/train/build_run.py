@@ -59,9 +59,9 @@ from plait.devices import detect_device, peak_flops
 from plait.lora import LoraSettings, apply_lora, load_peft_adapter
 from plait.materialize import build_stages, rng_tracker_of
 from plait.mesh import ParallelMesh
+from plait.models.decoder.config import DecoderConfig
 from plait.models.family import config_of
 from plait.models.flops import model_flops_per_token
-from plait.models.llama.config import LlamaConfig
 from plait.moe import configure_moe, is_moe_config
 from plait.moe.expert_parallel import expert_parameter_names
 from plait.moe.load_map import MOE_LOAD_FILE
@@ -96,7 +96,7 @@ def build_mesh(resolved: ResolvedRecipe, rank: int, world: int) -> ParallelMesh:
                         kv_replication=resolved.kv_replication, kv_placement=p.kv_placement)
 
 
-def stage_layers(resolved: ResolvedRecipe, config: LlamaConfig, vocab_size: int) -> list[list[int]]:
+def stage_layers(resolved: ResolvedRecipe, config: DecoderConfig, vocab_size: int) -> list[list[int]]:
     """Decoder layers of each global stage: all of them in one stage without pipeline parallelism."""
     partition = partition_for(resolved, vocab_size)
     if partition is None:
@@ -107,7 +107,7 @@ def stage_layers(resolved: ResolvedRecipe, config: LlamaConfig, vocab_size: int)
     return partition.stage_layers()
 
 
-def build_stages_for(resolved: ResolvedRecipe, mesh: ParallelMesh, config: LlamaConfig, vocab_size: int,
+def build_stages_for(resolved: ResolvedRecipe, mesh: ParallelMesh, config: DecoderConfig, vocab_size: int,
                      device: torch.device) -> list[nn.Module]:
     """This rank's stages, materialized from the initialisation or from ``model.hf_path`` (each stage
     reading only its own tensors, under every layout)."""
@@ -217,7 +217,7 @@ def objective_for(recipe: Recipe, head: PreferenceHead | None, validation: Valid
     return NextTokenObjective(recipe.train.objective, validation, prepared_dir if text else None, vocab_size)
 
 
-def plugins_for(resolved: ResolvedRecipe, stages: list[nn.Module], mesh: ParallelMesh, config: LlamaConfig,
+def plugins_for(resolved: ResolvedRecipe, stages: list[nn.Module], mesh: ParallelMesh, config: DecoderConfig,
                 control: dist.ProcessGroup | None, agreement: RankAgreement, rank: int, world: int) -> list[StepPlugin]:
     """The recipe's stateful features, in the order the loop calls them."""
     r = resolved.recipe

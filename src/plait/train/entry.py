@@ -45,7 +45,7 @@ def prepare_data(recipe: Recipe, progress: bool = False) -> Path:
     data = verify_prepared(path)
     check_samples(data, d.seq_len)
     # the trainer builds the model from the same call, so this is the vocabulary it will have
-    check_model_vocab(data, recipe.model.to_llama_config(data.vocab_size).vocab_size)
+    check_model_vocab(data, recipe.model.to_model_config(data.vocab_size).vocab_size)
     return path
 
 
@@ -74,7 +74,7 @@ def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
     if rows.seq_len != d.seq_len:
         raise DataError(f"data.source {d.source!r} holds rows of {rows.seq_len} tokens, not data.seq_len="
                         f"{d.seq_len}; prepare it again with this seq_len or set data.seq_len={rows.seq_len}")
-    model_vocab = recipe.model.to_llama_config(rows.vocab_size).vocab_size
+    model_vocab = recipe.model.to_model_config(rows.vocab_size).vocab_size
     if rows.vocab_size > model_vocab:
         raise DataError(f"data.tokenizer has {rows.vocab_size} tokens but the model's vocabulary is {model_vocab}; "
                         f"use the model's own tokenizer")

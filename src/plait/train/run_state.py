@@ -21,7 +21,7 @@ from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer
 from plait.mesh import ParallelMesh
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.config import DecoderConfig
 from plait.pipeline.runtime import PipelineRuntime
 from plait.precision import PrecisionPolicy
 from plait.train.plugins import Objective, StepPlugin
@@ -40,7 +40,7 @@ class RunState:
     device: torch.device
     mesh: ParallelMesh
     policy: PrecisionPolicy
-    config: LlamaConfig
+    config: DecoderConfig
     stages: list[nn.Module]
     runtime: PipelineRuntime
     optimizer: DistributedOptimizer

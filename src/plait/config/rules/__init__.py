@@ -27,7 +27,7 @@ from plait.config.rules.precision import check_zero_and_precision
 from plait.config.rules.preference import check_preference
 from plait.config.rules.training import check_activation_checkpointing, check_paths, check_schedule
 from plait.config.schema import Recipe
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.config import DecoderConfig
 
 #: every recipe rule, in the order it runs (the first two set ``Checker.dp`` and ``Checker.arch``)
 RULES: tuple[Rule, ...] = (
@@ -54,7 +54,7 @@ RULES: tuple[Rule, ...] = (
 
 
 def collect_problems(recipe: Recipe, world_size: int | None, broken: set[str] | None = None, *,
-                     check_paths: bool = True) -> tuple[list[Problem], list[str], LlamaConfig | None]:
+                     check_paths: bool = True) -> tuple[list[Problem], list[str], DecoderConfig | None]:
     """``(problems, warnings, architecture)`` of the rules between fields, skipping rules that
     involve a field in ``broken`` (those already reported as type errors). ``check_paths=False``
     skips the checks of the files ``data.source`` and ``data.tokenizer`` name (a recipe meant for

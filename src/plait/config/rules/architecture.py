@@ -8,8 +8,9 @@ import re
 from plait.config.problems import Verbatim, divisors, format_value
 from plait.config.rules.checker import Checker
 from plait.config.schema import ARCH_FIELDS, read_hf_config
+from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
-from plait.models.llama.config import LlamaConfig, rope_scaling_problems
+from plait.models.llama.config import rope_scaling_problems
 
 ARCH_DEPS = tuple(f"model.{f}" for f in ARCH_FIELDS) + ("model.hf_path", "model.family")
 
@@ -19,7 +20,7 @@ def check_architecture(c: Checker) -> None:
     c.arch = _architecture(c)
 
 
-def _architecture(c: Checker) -> LlamaConfig | None:
+def _architecture(c: Checker) -> DecoderConfig | None:
     """The model's architecture (read from ``hf_path`` or built from the recipe); ``None`` when invalid."""
     m = c.r.model
     if not c.ok(*ARCH_DEPS):

@@ -15,7 +15,7 @@ from typing import Any
 
 from plait.config.problems import Problem
 from plait.config.schema import Recipe
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.config import DecoderConfig
 
 
 class Checker:
@@ -31,7 +31,7 @@ class Checker:
         #: the data-parallel degree, set by the layout rule (``None``: it cannot be derived)
         self.dp: int | None = None
         #: the model's architecture, set by the architecture rule (``None``: it is invalid)
-        self.arch: LlamaConfig | None = None
+        self.arch: DecoderConfig | None = None
 
     def ok(self, *fields: str) -> bool:
         """True when none of ``fields`` (dotted paths; a section name covers its fields) is broken."""

@@ -13,7 +13,7 @@ from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
 from plait.data.sft_prepare import rows_directory
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.config import DecoderConfig
 
 #: the objective each data format trains with (preference: one of several)
 FORMAT_OBJECTIVES: dict[str, tuple[str, ...]] = {"text": ("lm",), "sft": ("sft",), "preference": PREFERENCE_OBJECTIVES}
@@ -136,7 +136,7 @@ def _check_tokenizer_file(c: Checker) -> int | None:
     return tokenizer_vocab_size(tokenizer)
 
 
-def _check_vocab_fits(c: Checker, arch: LlamaConfig | None, tokens: int) -> None:
+def _check_vocab_fits(c: Checker, arch: DecoderConfig | None, tokens: int) -> None:
     """The embedding must have a row for every id the tokenizer file can produce."""
     d, m = c.r.data, c.r.model
     if m.hf_path is not None:

@@ -17,7 +17,7 @@ def check_moe(c: Checker) -> None:
     if not c.ok("moe", "parallel.tp", "parallel.ep"):
         return
     moe, parallel, dp = c.r.moe, c.r.parallel, c.dp
-    arch: Any = c.arch  # an MoE family's config adds the expert fields to LlamaConfig's
+    arch: Any = c.arch  # an MoE family's config adds the expert fields to its base's
     family = type(arch).family if arch else c.r.model.family
     tp, ep = parallel.tp, parallel.ep
     if ep > 1 and dp is not None and dp % ep:
