@@ -74,14 +74,16 @@ def make_config(args: argparse.Namespace) -> LlamaConfig:
                        rope_theta=10000.0, tie_word_embeddings=False)
 
 
-def hf_twin(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-    """transformers' ``LlamaForCausalLM`` with ``config`` (SDPA attention, no KV cache) and these weights."""
+def hf_twin(config: LlamaConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> nn.Module:
+    """transformers' ``LlamaForCausalLM`` with ``config`` (SDPA attention, no KV cache) and these
+    weights, built on ``device``."""
     import transformers
 
     hf_config = transformers.LlamaConfig(**config.to_hf_dict())
     hf_config.use_cache = False
     hf_config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(hf_config)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_config)
     model.load_state_dict(state_dict, strict=True)
     return model.train()
 
@@ -100,6 +102,10 @@ class Result:
     #: CPU seconds per step (all threads / all ranks): less sensitive to other load than wall time
     cpu_s_per_step: list[float] = field(default_factory=list)
     first_loss: float | None = None
+    #: the loss of one more step after the timed rounds (same trajectory on every side)
+    last_loss: float | None = None
+    #: seconds of compilation in the warm-up (compiled contestants only)
+    compile_s: float | None = None
 
     def add(self, tokens: int, steps: int, wall_s: float, cpu_s: float) -> None:
         self.tokens_per_s.append(tokens / wall_s)
@@ -118,12 +124,26 @@ class Result:
         return f"{min(self.tokens_per_s):,.0f}-{max(self.tokens_per_s):,.0f}"
 
 
-def time_steps(step: Callable[[], object], steps: int) -> tuple[float, float]:
-    """``(wall seconds, CPU seconds of this process)`` for ``steps`` consecutive calls of ``step``."""
+def time_steps(step: Callable[[], object], steps: int,
+               sync: Callable[[], object] | None = None) -> tuple[float, float]:
+    """``(wall seconds, CPU seconds of this process)`` for ``steps`` consecutive calls of ``step``.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the clocks start and before they are read,
+    so that on an asynchronous device the time covers the steps' kernels, not only their launches."""
+    if sync is not None:
+        sync()
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
+    if sync is not None:
+        sync()
     return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def device_sync(device: str | torch.device) -> Callable[[], object] | None:
+    """``torch.cuda.synchronize`` of ``device`` when it is a CUDA device, else ``None`` (CPU work is synchronous)."""
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def adamw(param_groups: list[list[torch.nn.Parameter]], foreach: bool) -> torch.optim.Optimizer:

@@ -12,6 +12,11 @@ Run on a machine with one CUDA GPU (from the repository root, ``PYTHONPATH=src``
    ChatML BPE, then DPO with the ``frozen`` reference: they must run and learn (loss falls).
 
 Prints one line per check and a table; writes the runs' metrics under ``--out``.
+
+``--smoke`` (an end-to-end check of this script, on the CPU when there is no GPU): check 1 on the
+available device, one 3-step ``plait train`` of a tiny model, and the other runs' recipes only
+validated (:func:`plait.config.validate_recipe`), not trained. ``--json FILE`` also writes the
+results as JSON (``bench/device_check.py`` reads it).
 """
 
 from __future__ import annotations
@@ -32,16 +37,16 @@ from plait.mesh import single_process_mesh
 from plait.models.llama.config import LlamaConfig
 
 
-def packed_equivalence() -> dict[str, float]:
+def packed_equivalence(device: str = "cuda") -> dict[str, float]:
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = build_model(config, single_process_mesh(), seed=3, device="cuda")
+    model = build_model(config, single_process_mesh(), seed=3, device=device)
     gen = torch.Generator().manual_seed(1)
     lengths = [5, 9, 7]
-    samples = [torch.randint(1, 97, (n,), generator=gen) for n in lengths]
-    ids = torch.cat(samples)[None].cuda()
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
-    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
+    samples = [torch.randint(1, 97, (n,), generator=gen).to(device) for n in lengths]
+    ids = torch.cat(samples)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
     worst_logits, worst_grad = 0.0, 0.0
     at = 0
     for s in samples:
@@ -54,10 +59,10 @@ def packed_equivalence() -> dict[str, float]:
         with torch.no_grad():
             packed_logits = model(ids, position_ids=positions, segment_ids=segments)[0, at:at + len(s)]
         model.zero_grad()
-        alone = model(s[None].cuda(), s[None].cuda(), loss_normalizer=1.0)
+        alone = model(s[None], s[None], loss_normalizer=1.0)
         alone.backward()
         with torch.no_grad():
-            alone_logits = model(s[None].cuda())[0]
+            alone_logits = model(s[None])[0]
         worst_logits = max(worst_logits, float((packed_logits - alone_logits).abs().max()))
         worst_grad = max(worst_grad, max(float((packed_grads[n] - p.grad).abs().max())
                                          for n, p in model.named_parameters()))
@@ -97,21 +102,50 @@ def chat_tokenizer(path: Path, text: str) -> None:
     tok.save(str(path))
 
 
+#: ``--smoke``: a tiny model and 3 steps (the last of these overrides win over the runs' own)
+SMOKE_ITEMS = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.intermediate_size=64",
+               "model.num_attention_heads=2", "model.num_key_value_heads=1", "data.micro_batch_size=2",
+               "data.seq_len=32", "train.steps=3", "train.eval_every=3", "train.log_every=1",
+               "train.sample_tokens=2", "scheduler.warmup_steps=0"]
+
+
+def validate_only(name: str, items: list[str]) -> dict:
+    """``--smoke``: the run's recipe checked as ``plait train`` checks it (one process), not trained."""
+    from plait.config import recipe_data, validate_recipe
+    from plait.config.load import DEFAULT_RECIPE
+
+    try:
+        validate_recipe(recipe_data(DEFAULT_RECIPE, items), 1)
+        return {"name": name, "validated": True}
+    except (ValueError, FileNotFoundError) as e:  # RecipeError is a ValueError
+        return {"name": name, "validated": False, "error": " ".join(str(e).split())[:300]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="a prepared text directory (plait data prepare)")
     parser.add_argument("--out", required=True, help="where the runs and logs go")
+    parser.add_argument("--smoke", action="store_true",
+                        help="end-to-end check: tiny sizes, CPU without a GPU, one run trained, the others validated")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PLAIT_CACHE", str(out / "cache"))
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
-    print("packed rows on CUDA (fp32):", packed_equivalence(), flush=True)
+    device = "cuda" if not args.smoke or torch.cuda.is_available() else "cpu"
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}", flush=True)
+    packed = packed_equivalence(device)
+    print(f"packed rows on {'CUDA' if device == 'cuda' else 'the CPU'} (fp32):", packed, flush=True)
     base = [f"data.source={args.data}", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=200",
             "train.eval_every=200", "train.log_every=20", "data.micro_batch_size=32", "data.seq_len=256",
             "train.sample_tokens=16"]
-    results = [plait_train("default-fp32", out, base + ["precision.preset=fp32"], 300),
-               plait_train("default-bf16-mixed", out, base + ["precision.preset=bf16-mixed"], 300)]
+    smoke = SMOKE_ITEMS if args.smoke else []
+    results = [plait_train("default-fp32", out, base + ["precision.preset=fp32"] + smoke, 300)]
+    validated = []
+    if args.smoke:
+        validated.append(validate_only("default-bf16-mixed", base + ["precision.preset=bf16-mixed"] + smoke))
+    else:
+        results.append(plait_train("default-bf16-mixed", out, base + ["precision.preset=bf16-mixed"], 300))
     task = write_task_files(out / "task", seed=0, train=2000, heldout=50)
     chat_tokenizer(out / "task" / "tokenizer.json", task["sft_train"].read_text())
     tiny = ["model.hidden_size=256", "model.num_hidden_layers=4", "model.num_attention_heads=8",
@@ -119,14 +153,23 @@ def main() -> None:
             "parallel.tp=1", "parallel.sequence_parallel=false", f"data.tokenizer={out / 'task' / 'tokenizer.json'}",
             "data.seq_len=512", "data.micro_batch_size=16", "train.steps=150", "train.eval_every=150",
             "train.log_every=10", "precision.preset=bf16-mixed", "train.sample_tokens=0", "scheduler.warmup_steps=10"]
-    results.append(plait_train("sft-packed-lora", out, tiny + [
-        f"data.source={task['sft_train']}", "data.format=sft", "train.objective=sft", "lora.rank=16",
-        "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "optimizer.lr=3e-3"], 300))
-    results.append(plait_train("dpo-frozen", out, tiny + [
-        f"data.source={task['preference_train']}", "data.format=preference", "train.objective=dpo",
-        "preference.reference=frozen", "optimizer.lr=1e-4", "train.steps=60", "train.eval_every=60"], 300))
-    for r in results:
+    fine_tuning = {
+        "sft-packed-lora": tiny + [
+            f"data.source={task['sft_train']}", "data.format=sft", "train.objective=sft", "lora.rank=16",
+            "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "optimizer.lr=3e-3"],
+        "dpo-frozen": tiny + [
+            f"data.source={task['preference_train']}", "data.format=preference", "train.objective=dpo",
+            "preference.reference=frozen", "optimizer.lr=1e-4", "train.steps=60", "train.eval_every=60"]}
+    for name, items in fine_tuning.items():
+        if args.smoke:
+            validated.append(validate_only(name, items))
+        else:
+            results.append(plait_train(name, out, items, 300))
+    for r in results + validated:
         print(json.dumps(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "packed": packed, "runs": results,
+                                               "validated": validated}, indent=1))
 
 
 if __name__ == "__main__":
