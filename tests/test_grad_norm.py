@@ -65,7 +65,7 @@ def test_clip_matches_torch():
 
 
 def test_lr_schedule_shapes():
-    from plait.train.schedules import lr_factor
+    from plait.train.lr_schedules import lr_factor
 
     kw = dict(warmup_steps=10, total_steps=110, min_ratio=0.1)
     assert lr_factor(0, name="cosine", **kw) == pytest.approx(0.1)

@@ -5,7 +5,7 @@ pipeline split (like activation checkpointing), it touches no parameter and chan
   (:class:`plait.nn.attention.AttentionCore`) through its ``context_parallel`` hook, the
   tensor-parallel core (:class:`plait.tensor_parallel.attention.ParallelAttentionCore`) through its
   ``attention_fn`` (the local heads of a TP rank, so cp composes with TP, SP and KV replication);
-* the last stage's output module becomes :class:`~plait.context_parallel.output.ContextParallelOutput`
+* the last stage's output module becomes :class:`~plait.context_parallel.sequence_loss.ContextParallelOutput`
   (pre-shifted labels, loss summed over cp; without labels it returns the logits as before).
 
 Generation (whole prompts on every rank) runs inside :func:`whole_sequences`.
@@ -24,11 +24,11 @@ from torch import nn
 
 from plait.comm.primitives import GroupInfo
 from plait.context_parallel.attention import ContextParallel, ContextParallelAttention
-from plait.context_parallel.output import ContextParallelOutput
+from plait.context_parallel.sequence_loss import ContextParallelOutput
 from plait.nn.attention import AttentionCore, causal_attention
-from plait.nn.output import CausalLMOutput
+from plait.nn.lm_output import CausalLMOutput
 from plait.tensor_parallel.attention import ParallelAttentionCore
-from plait.tensor_parallel.output import VocabParallelCausalLMOutput
+from plait.tensor_parallel.vocab_parallel_output import VocabParallelCausalLMOutput
 
 
 def _plain_causal(fn) -> bool:

@@ -3,7 +3,7 @@ rank's two chunks of each row (:class:`~plait.context_parallel.split.SequenceSpl
 
 * ``labels`` become the *targets* before the cut (shifted by one on the whole row, ``-100`` after
   the last token), since a chunk's last token is scored against the first token of the next chunk,
-  which another rank holds; :class:`~plait.context_parallel.output.ContextParallelOutput` takes them
+  which another rank holds; :class:`~plait.context_parallel.sequence_loss.ContextParallelOutput` takes them
   as they are.
 * ``position_ids`` are always set: the global index of each kept token for plain rows, or the
   packed row's own positions (restarting in each document); rotary follows them.

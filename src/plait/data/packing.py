@@ -31,7 +31,7 @@ import numpy as np
 from plait.data.errors import DataError
 from plait.data.sft_tokenize import PreferencePair, Sample
 
-IGNORE_INDEX = -100  # the loss's ignore_index (plait.nn.output)
+IGNORE_INDEX = -100  # the loss's ignore_index (plait.nn.lm_output)
 PAD_SEGMENT = -1
 
 

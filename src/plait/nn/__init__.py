@@ -5,9 +5,9 @@ Model families compose these (:mod:`plait.models`), and the tensor-parallel laye
 """
 
 from plait.nn.attention import AttentionCore, causal_attention
+from plait.nn.lm_output import CausalLMOutput
 from plait.nn.mlp import GatedMLP, SwiGLU
 from plait.nn.norm import HeadRMSNorm, RMSNorm, rms_norm
-from plait.nn.output import CausalLMOutput
 from plait.nn.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half
 
 __all__ = ["AttentionCore", "CausalLMOutput", "GatedMLP", "HeadRMSNorm", "RMSNorm", "RotaryEmbedding",

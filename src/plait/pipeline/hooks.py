@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from plait.data.batch import TokenBatch
-from plait.nn.output import SequenceLoss
+from plait.nn.lm_output import SequenceLoss
 
 if TYPE_CHECKING:  # the runtime passes itself to the reference pass
     from plait.pipeline.runtime import PipelineRuntime

@@ -71,7 +71,7 @@ the diagonal mask (:func:`plait.context_parallel.plan.attention_workspace_bytes`
 ``backward_transient`` less what the micro-batch has released before the last layer's attention
 backward (the loss's saved logits, the final norm and head input, and without checkpointing the last
 layer's MLP half). Measured within 5% at cp=2/4 (docs/context_parallel.md). The loss under cp is
-priced as the vocab-parallel one (:class:`plait.context_parallel.output.ContextParallelOutput` runs
+priced as the vocab-parallel one (:class:`plait.context_parallel.sequence_loss.ContextParallelOutput` runs
 it at any TP degree).
 
 Mixture-of-Experts families (:mod:`plait.plan.moe`; ``ParallelDegrees.ep``, ``E`` experts of width ``w``

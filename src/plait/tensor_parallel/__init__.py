@@ -8,9 +8,9 @@ from plait.tensor_parallel.heads import HeadLayout, HeadLayoutError
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from plait.tensor_parallel.mlp import ParallelGatedMLP
 from plait.tensor_parallel.norm import ParallelHeadRMSNorm, SequenceParallelRMSNorm
-from plait.tensor_parallel.output import VocabParallelCausalLMOutput
 from plait.tensor_parallel.random import TensorParallelRNG, TrackedDropout
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
+from plait.tensor_parallel.vocab_parallel_output import VocabParallelCausalLMOutput
 
 __all__ = [
     "ColumnParallelLinear", "HeadLayout", "HeadLayoutError", "ParallelGatedMLP", "ParallelHeadRMSNorm",

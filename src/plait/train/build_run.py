@@ -78,6 +78,7 @@ from plait.train.compile_timing import CompileTiming
 from plait.train.final_export import AdapterExport, FullModelExport, run_model_use_files
 from plait.train.host_syncs import HostSyncDetector
 from plait.train.loggers import JsonlSink, MetricsSink, MultiSink, ProgressSink, TensorBoardSink, keep_metrics_through
+from plait.train.lr_schedules import build_scheduler
 from plait.train.moe_statistics import MoeStatistics
 from plait.train.objectives import NextTokenObjective, PreferenceObjective, Validation
 from plait.train.plugins import FinalExport, Objective, StepPlugin
@@ -86,7 +87,6 @@ from plait.train.reference_precompute import attach_precomputed_reference
 from plait.train.run import Run
 from plait.train.run_state import Dataset, RunState
 from plait.train.running_metrics import RunningMetrics
-from plait.train.schedules import build_scheduler
 from plait.train.watchdog import Watchdog
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from plait.models.decoder.config import DecoderConfig
-from plait.nn.output import CausalLMOutput
+from plait.nn.lm_output import CausalLMOutput
 
 if TYPE_CHECKING:  # the attributes the tensor-parallel plan sets; the model itself has no distributed code
     from plait.comm.primitives import GroupInfo

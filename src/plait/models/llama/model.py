@@ -33,9 +33,9 @@ from plait.models.decoder.config import DecoderConfig
 from plait.models.decoder.model import DecoderForCausalLM, DecoderModel
 from plait.models.llama.config import LlamaConfig
 from plait.nn.attention import AttentionCore, causal_attention, document_causal_mask
+from plait.nn.lm_output import CausalLMOutput
 from plait.nn.mlp import GatedMLP, SwiGLU
 from plait.nn.norm import RMSNorm, rms_norm
-from plait.nn.output import CausalLMOutput
 from plait.nn.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half
 
 # The generic blocks moved to :mod:`plait.nn`; their names stay importable from here.

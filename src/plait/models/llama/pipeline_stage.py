@@ -15,7 +15,7 @@ from torch import nn
 
 from plait.models.llama.model import LlamaForCausalLM
 from plait.nn.attention import document_causal_mask
-from plait.nn.output import SequenceLoss
+from plait.nn.lm_output import SequenceLoss
 
 
 class StageModel(nn.Module):
@@ -73,7 +73,7 @@ class LlamaStage(nn.Module):
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
                 loss_normalizer: float | None = None, sequence_loss: SequenceLoss | None = None) -> torch.Tensor:
         """``x``: token ids on the first stage, hidden states otherwise. The last stage returns the
-        loss when ``labels`` are given (see :class:`~plait.nn.output.CausalLMOutput` for
+        loss when ``labels`` are given (see :class:`~plait.nn.lm_output.CausalLMOutput` for
         ``loss_normalizer``; ``sequence_loss``, when given, computes it from the logits instead,
         e.g. a preference objective), else the logits; other stages return hidden states.
         ``position_ids``/``segment_ids`` (``[batch, seq]``, every stage gets them from the batch)

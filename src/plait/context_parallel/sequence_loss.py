@@ -50,7 +50,7 @@ class ContextParallelOutput(nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_normalizer: float | None = None) -> torch.Tensor:
         """``labels``: this rank's *targets* (shifted before the split). Returns the micro-batch's loss
-        (as :class:`plait.nn.output.CausalLMOutput`), or without labels this rank's logits."""
+        (as :class:`plait.nn.lm_output.CausalLMOutput`), or without labels this rank's logits."""
         if labels is None:
             full = C.gather_from_tp(logits, -1, self.tp.group) if self.tp.size > 1 else logits
             return full[..., : self.vocab_size]

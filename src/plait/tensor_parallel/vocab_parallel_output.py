@@ -23,7 +23,7 @@ class VocabParallelCausalLMOutput(nn.Module):
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_normalizer: float | None = None) -> torch.Tensor:
-        """As :class:`plait.nn.output.CausalLMOutput` (mean over target tokens, or their sum
+        """As :class:`plait.nn.lm_output.CausalLMOutput` (mean over target tokens, or their sum
         divided by ``loss_normalizer``), with the vocabulary sharded over TP."""
         if labels is None:
             return C.gather_from_tp(logits, -1, self.tp.group)[..., : self.vocab_size]
