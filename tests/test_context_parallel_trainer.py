@@ -73,7 +73,7 @@ def _cp_worker(rank, world, recipe_yaml, prepared, steps):
                            ContextParallelAttention) for m in cores]
     runtime = trainer.state.runtime
     return {**trained, "switched": switched,
-            "split": runtime.split_batch is not None, "local_seq": runtime.act_shape[1]}
+            "split": runtime.hooks.split_batch is not None, "local_seq": runtime.act_shape[1]}
 
 
 def _run(corpus, out_dir, items, world):

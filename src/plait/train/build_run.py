@@ -352,9 +352,9 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     loader = BatchLoader(train_data, sampler, dp_rank=state.dp.rank, dp=state.dp.size, microbatches=p.microbatches,
                          prefetch=r.data.prefetch, start_step=state.start_step)
     fpt = model_flops_per_token(config, r.data.seq_len, weight_gradients=lo.rank is None)  # a frozen base: 4N
+    peak = measure_peak_once(r, rank, world, device)  # before the sinks start their threads
     return Run(state=state, loader=loader, checkpoints=checkpoints, export=final_export_for(state, checkpoints),
-               watchdog=watchdog, agreement=agreement, signals=StopSignals(agreement),
-               metrics=RunningMetrics(device), sinks=metric_sinks(r, out, state.start_step) if rank == 0 else None,
+               watchdog=watchdog, signals=StopSignals(agreement), metrics=RunningMetrics(device),
+               sinks=metric_sinks(r, out, state.start_step) if rank == 0 else None,
                host_syncs=HostSyncDetector(device, steps=3 if t.detect_host_syncs else 0),
-               peak_flops=measure_peak_once(r, rank, world, device), flops_per_token=fpt, out=out,
-               prepared_dir=prepared_dir)
+               peak_flops=peak, flops_per_token=fpt, out=out)

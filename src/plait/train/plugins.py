@@ -11,6 +11,9 @@ default, so a plugin writes only the hooks it needs.
 Collective hooks (``interval_metrics``, ``untimed_seconds``, ``evaluate``, ``export``) are called
 on every rank at the same point, so they may communicate; ``write_outputs`` and
 ``summary_lines`` run on the writing rank (global rank 0) only, after training, and must not.
+Because the hooks are collective, every rank holds the same plug-ins in the same order: a
+feature is made a plug-in on every rank, also where this rank's stages hold none of its layers
+(the MoE statistics of a dense pipeline stage take part in the all-gather with nothing to add).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import torch
 
 class StepPlugin:
     """A stateful feature's hooks into the loop (see the module doc for who calls them where)."""
+
+    def start_run(self) -> None:
+        """When training starts, after the run is built, resumed and any precomputation is done."""
 
     def start_step(self) -> None:
         """Before the step's first forward."""

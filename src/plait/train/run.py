@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.data.loader import BatchLoader
-from plait.train.agreement import RankAgreement, StopSignals
+from plait.train.agreement import StopSignals
 from plait.train.checkpointing import RunCheckpoints
 from plait.train.host_syncs import HostSyncDetector
 from plait.train.loggers import MultiSink
@@ -30,7 +30,7 @@ class Run:
     export: FinalExport
     #: dumps every rank's stacks and names the collective when a phase stalls
     watchdog: Watchdog
-    agreement: RankAgreement
+    #: SIGTERM/SIGINT of any rank, agreed by all
     signals: StopSignals
     metrics: RunningMetrics
     sinks: MultiSink | None
@@ -41,8 +41,6 @@ class Run:
     flops_per_token: float
     #: where rank 0 writes the run's outputs
     out: Path
-    #: the prepared data directory the run reads
-    prepared_dir: Path
 
     @property
     def is_writer(self) -> bool:

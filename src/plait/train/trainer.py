@@ -101,6 +101,8 @@ class Trainer:
         run.signals.stopped_by = 0
         self.steps_trained = 0
         run.signals.install()
+        for plugin in [st.objective, *st.plugins]:
+            plugin.start_run()
         detector = run.host_syncs
         try:
             for step in range(st.start_step, steps):
