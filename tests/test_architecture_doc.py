@@ -55,7 +55,8 @@ def test_the_plugin_tables_name_real_plugins():
     assert issubclass(NextTokenObjective, plugins.Objective) and issubclass(PreferenceObjective, plugins.Objective)
     assert issubclass(MoeStatistics, plugins.StepPlugin)
     assert issubclass(FullModelExport, plugins.FinalExport) and issubclass(AdapterExport, plugins.FinalExport)
-    hooks = {"start_run", "start_step", "end_step", "untimed_seconds", "interval_metrics", "write_outputs", "summary_lines"}
+    hooks = {"start_run", "start_step", "end_step", "untimed_seconds", "interval_metrics", "write_outputs",
+             "summary_lines"}
     assert hooks <= set(vars(plugins.StepPlugin)) and all(f"`{h}(" in DOC for h in hooks)
 
 
