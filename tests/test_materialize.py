@@ -73,6 +73,11 @@ def _peak_build_memory(rank, world):
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=256)
     mesh = ParallelMesh(world, rank, tp=2, pp=2)
     layers = stage_layer_lists(cfg, 2, 256)
+    # a tiny build first: what the first build imports and compiles (on a fresh checkout, the
+    # bytecode of every module it touches) is not the shard's memory
+    tiny = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    build_llama_stages(tiny, mesh, stage_layer_lists(tiny, 2, 16), seed=0)
     baseline = _rss_bytes()
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stages = build_llama_stages(cfg, mesh, layers, seed=0)
