@@ -22,6 +22,8 @@ import traceback
 import pytest
 import torch
 
+from grouped_mm_calls import count_grouped_mm
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(),
@@ -197,14 +199,7 @@ def test_grouped_expert_matmul_on_cuda_matches_the_expert_loop(monkeypatch):
         y.backward(g)
         return y.detach().float(), xi.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()}
 
-    calls = []
-    real = torch._grouped_mm
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    calls = count_grouped_mm(monkeypatch)
     y, dx, grads = run()
     assert len(calls) == 2 + 4, f"grouped path not taken on {torch.cuda.get_device_name()}: {len(calls)} calls"
     monkeypatch.setattr(experts_module, "grouped_mm_usable", lambda *a, **k: False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from grouped_mm_calls import count_grouped_mm
 from plait.nn.moe import MoELayer, SoftmaxTopKRouter
 from plait.nn.moe.grouped import grouped_linear
 
@@ -33,14 +34,7 @@ def test_grouped_experts_launch_two_calls_forward_and_keep_gradient_slices(monke
     layer = MoELayer(16, 4, 8, SoftmaxTopKRouter(16, 4, 2))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    calls = []
-    real = torch._grouped_mm
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    calls = count_grouped_mm(monkeypatch)
     y = layer(torch.randn(2, 5, 16, requires_grad=True))
     assert len(calls) == 2, "gate and up in one grouped call, down in another"
     assert calls[0][-1] == 16 and calls[1][-1] == 8
