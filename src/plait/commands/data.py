@@ -36,9 +36,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     prep.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N documents")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     task = sub.add_parser(
-        "task", help="write the built-in arithmetic fine-tuning task (SFT and preference JSONL, train and held out)",
-        description="Write sft_train.jsonl, sft_heldout.jsonl, preference_train.jsonl and preference_heldout.jsonl "
-                    "of the arithmetic task (docs/post_training.md) into DIR; deterministic for a seed.")
+        "task", help="write the built-in arithmetic fine-tuning task (SFT, preference and prompt JSONL, train and "
+                     "held out)",
+        description="Write sft_train.jsonl, sft_heldout.jsonl, preference_train.jsonl, preference_heldout.jsonl, "
+                    "prompts_train.jsonl and prompts_heldout.jsonl of the arithmetic task (docs/post_training.md) "
+                    "into DIR; deterministic for a seed.")
     task.add_argument("directory", metavar="DIR", help="output directory (created; existing task files are refused)")
     task.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the generated problems")
     task.add_argument("--train", type=int, default=2000, metavar="N",

@@ -4,11 +4,16 @@ Nothing can be fetched at run time, so the post-training recipes train and score
 generated here, deterministically from a seed: questions such as ``What is 48 + 17? Answer with
 the number only.`` whose answer is exact and checkable (``65``). The SFT file holds conversations;
 the preference file pairs the right answer (chosen) with a near miss (rejected: off by a small
-amount, or the right number in a chatty, wrong format). The held-out file uses operand pairs the
-training file never contains, so a gain on it is generalisation, not recall.
+amount, or the right number in a chatty, wrong format). The prompt file holds the same
+questions without the reply, with the answer beside them (``answer``), for online training
+with a verifiable reward (GRPO: the policy writes the reply, a reward checks it). The held-out
+files use operand pairs the training files never contain, so a gain on them is generalisation,
+not recall; every split holds the same problems in its SFT, preference and prompt files, so
+scores on them are comparable.
 
 ``write_task_files(directory, seed)`` writes ``sft_train.jsonl``, ``sft_heldout.jsonl``,
-``preference_train.jsonl`` and ``preference_heldout.jsonl``.
+``preference_train.jsonl``, ``preference_heldout.jsonl``, ``prompts_train.jsonl`` and
+``prompts_heldout.jsonl``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 OPERATORS = ("+", "-", "*")
 #: operand ranges (inclusive): ``a`` in LOW..HIGH, ``b`` in LOW..HIGH, or LOW..TIMES_HIGH for ``*``
 LOW, HIGH, TIMES_HIGH = 2, 99, 12
-TASK_FILES = ("sft_train.jsonl", "sft_heldout.jsonl", "preference_train.jsonl", "preference_heldout.jsonl")
+TASK_FILES = ("sft_train.jsonl", "sft_heldout.jsonl", "preference_train.jsonl", "preference_heldout.jsonl",
+              "prompts_train.jsonl", "prompts_heldout.jsonl")
 SYSTEM = "You are a careful calculator. Reply with the number only."
 
 
@@ -94,8 +100,14 @@ def preference_row(rng: random.Random, p: Problem) -> dict:
             "chosen": p.answer, "rejected": _near_miss(rng, p)}
 
 
+def prompt_row(p: Problem) -> dict:
+    """The question without the reply, and the answer a reward checks the policy's reply against."""
+    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p.question}],
+            "answer": p.answer}
+
+
 def write_task_files(directory: str | Path, seed: int = 0, *, train: int = 2000, heldout: int = 200) -> dict[str, Path]:
-    """Write the four JSONL files (see the module doc); returns their paths by name.
+    """Write the six JSONL files (see the module doc); returns their paths by name.
 
     The counts are checked (:func:`check_counts`) and the problems drawn before anything is written;
     if writing fails, the files it created and the directories it made are removed again.
@@ -109,6 +121,9 @@ def write_task_files(directory: str | Path, seed: int = 0, *, train: int = 2000,
         "sft_heldout": [sft_row(p) for p in heldout_problems],
         "preference_train": [preference_row(rng, p) for p in train_problems],
         "preference_heldout": [preference_row(rng, p) for p in heldout_problems],
+        # prompt rows draw nothing from rng, so the other files of a seed do not depend on them
+        "prompts_train": [prompt_row(p) for p in train_problems],
+        "prompts_heldout": [prompt_row(p) for p in heldout_problems],
     }
     created = [d for d in (out, *out.parents) if not d.exists()]
     paths = {name: out / f"{name}.jsonl" for name in files}
