@@ -32,7 +32,7 @@ PROMPT = torch.tensor([[3, 14, 15, 9, 26]])
 
 # ------------------------------------------------------------------------------------ filters
 def test_top_p_keeps_smallest_set_reaching_p():
-    from plait.generate import top_p_filter
+    from plait.inference import top_p_filter
 
     probs = torch.tensor([0.125, 0.5, 0.0625, 0.25, 0.0625])  # sorted: 0.5, 0.25, 0.125, 0.0625, 0.0625
     logits = probs.log()
@@ -52,7 +52,7 @@ def test_top_p_keeps_smallest_set_reaching_p():
 
 
 def test_top_k_filter():
-    from plait.generate import top_k_filter
+    from plait.inference import top_k_filter
 
     logits = torch.tensor([0.1, 2.0, -1.0, 1.5, 0.3])
     assert torch.isfinite(top_k_filter(logits, 2)).tolist() == [False, True, False, True, False]
@@ -60,22 +60,38 @@ def test_top_k_filter():
     assert torch.equal(top_k_filter(logits, 10), logits)
 
 
-def test_sample_next_follows_the_distribution():
-    from plait.generate import sample_next
+def test_next_tokens_follow_the_distribution():
+    from plait.inference import Sampling, next_tokens
+    from plait.inference.sampling import row_generators
 
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.tensor([0.0, math.log(3.0), -math.inf])  # p = 1/4, 3/4, 0
-    draws = [sample_next(logits, gen) for _ in range(4000)]
+    gens = row_generators([0])
+    logits = torch.tensor([[0.0, math.log(3.0), -math.inf]])  # p = 1/4, 3/4, 0
+    draws = [int(next_tokens(logits, Sampling(), gens)[0]) for _ in range(4000)]
     assert 2 not in draws
     assert draws.count(1) / len(draws) == pytest.approx(0.75, abs=0.03)
     # temperature -> 0 concentrates on the argmax
-    cold = [sample_next(logits, gen, temperature=0.05) for _ in range(200)]
+    cold = [int(next_tokens(logits, Sampling(temperature=0.05), gens)[0]) for _ in range(200)]
     assert set(cold) == {1}
+    # a temperature whose scaled logits overflow is the argmax
+    assert int(next_tokens(torch.tensor([[0.0, 1.0, 0.5]]), Sampling(temperature=1e-310), gens)[0]) == 1
+
+
+def test_a_rows_draws_do_not_depend_on_its_batch():
+    """Each row has its own generator: the same seed gives the same token alone or in a batch."""
+    from plait.inference import Sampling, next_tokens
+    from plait.inference.sampling import row_generators
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    s = Sampling(temperature=1.2, top_p=0.9)
+    together = [next_tokens(logits, s, row_generators([10, 11, 12, 13])).tolist() for _ in range(1)][0]
+    alone = [int(next_tokens(logits[r:r + 1], s, row_generators([10 + r]))[0]) for r in range(4)]
+    assert together == alone
 
 
 # ------------------------------------------------------------------------------------ generate
 def test_greedy_is_deterministic_and_equals_stepwise_argmax():
-    from plait.generate import generate
+    from plait.inference import generate
 
     model = _model()
     out = generate(model, PROMPT, 12, greedy=True)
@@ -91,7 +107,7 @@ def test_greedy_is_deterministic_and_equals_stepwise_argmax():
 
 
 def test_top_k_one_equals_greedy_and_seeds_reproduce():
-    from plait.generate import generate
+    from plait.inference import generate
 
     model = _model()
     greedy = generate(model, PROMPT, 10, greedy=True)
@@ -103,23 +119,23 @@ def test_top_k_one_equals_greedy_and_seeds_reproduce():
     assert any(not torch.equal(a, o) for o in others)
 
 
-def test_eos_stops_and_context_is_truncated():
-    from plait.generate import generate
+def test_eos_stops_and_the_context_limit_is_refused():
+    from plait.inference import generate
 
-    model = _model(max_position_embeddings=8)
-    out = generate(model, PROMPT, 20, greedy=True)  # 25 tokens through an 8-position model
+    model = _model(max_position_embeddings=25)
+    out = generate(model, PROMPT, 20, greedy=True)  # exactly the 25 positions of the model
     assert out.shape == (1, 25)
-    with torch.no_grad():  # the last token was predicted from the last 8 positions only
-        assert int(model(out[:, -9:-1])[0, -1].argmax()) == int(out[0, -1])
     eos = int(out[0, 8])
     first = next(i for i in range(5, 25) if int(out[0, i]) == eos)
     stopped = generate(model, PROMPT, 20, greedy=True, eos_id=[eos, 10_000])
     assert torch.equal(stopped, out[:, : first + 1])
     assert generate(model, PROMPT, 0).shape == (1, 5)
+    with pytest.raises(ValueError, match=r"max_position_embeddings=25\); ask for at most 20 new tokens"):
+        generate(model, PROMPT, 21, greedy=True)
 
 
 def test_generate_rejects_bad_arguments():
-    from plait.generate import generate
+    from plait.inference import generate
 
     model = _model()
     with pytest.raises(ValueError, match=r"\[1, n\]"):
@@ -134,7 +150,7 @@ def test_generate_rejects_bad_arguments():
 
 def _tp_generate(rank, world, seed):
     from builders import build_llama
-    from plait.generate import generate
+    from plait.inference import generate
     from plait.mesh import ParallelMesh
 
     mesh = ParallelMesh(world, rank, tp=world)
@@ -143,7 +159,7 @@ def _tp_generate(rank, world, seed):
 
 
 def test_tp_ranks_draw_the_same_tokens():
-    from plait.generate import generate
+    from plait.inference import generate
 
     outs = run_distributed(_tp_generate, 2, 3)
     assert torch.equal(outs[0], outs[1])

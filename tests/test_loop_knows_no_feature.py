@@ -16,7 +16,7 @@ FEATURE_FIELDS = (".lora", ".moe", ".preference", ".train.objective", ".data.for
                   ".sequence_parallel", ".zero1")
 #: packages of features the loop must not import
 FEATURE_PACKAGES = ("plait.moe", "plait.lora", "plait.post_training", "plait.context_parallel",
-                    "plait.checkpoint", "plait.generate", "plait.data.baseline")
+                    "plait.checkpoint", "plait.inference", "plait.data.baseline")
 
 
 def _loop_source() -> ast.Module:

@@ -131,7 +131,7 @@ def test_generate_from_a_lora_adapter_applies_it_to_its_base(setup, capsys):
     from tokenizers import Tokenizer
 
     from plait.cli import main
-    from plait.generate import generate
+    from plait.inference import generate
 
     root, _, adapted = setup
     assert main(["generate", "--hf", str(root / "adapter"), "--prompt", "What is", "--max-new-tokens", "6",

@@ -32,7 +32,7 @@ from plait.data.errors import DataError
 from plait.data.sft_rows import PreferenceRow, SFTRow, read_preference_rows, read_sft_rows
 from plait.data.sft_tokenize import plain_tokenizer, preference_pair
 from plait.data.tokenizer import load_tokenizer_file
-from plait.generate import generate
+from plait.inference import generate
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
 from plait.lora.peft_io import BASE_SUBDIR
 from plait.materialize import load_from_hf

@@ -281,7 +281,7 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
     import torch
     from tokenizers import Tokenizer
 
-    from plait.generate import generate
+    from plait.inference import generate
     from plait.heldout import load_scoring_model
     from plait.materialize import build_model
     from plait.mesh import single_process_mesh

@@ -101,15 +101,22 @@ class AttentionCore(nn.Module):
     #: set by :func:`plait.context_parallel.apply.apply_context_parallel`: attention over the cp group
     #: (same signature as :func:`causal_attention`); ``None``: this rank holds the whole sequence
     context_parallel: Callable[..., torch.Tensor] | None
+    #: set while a decoding engine generates (:mod:`plait.inference`): ``fn(q, k, v, cos, sin)`` attends
+    #: the new positions over the cached ones; ``None``: attention over the given sequence
+    kv_cache: Callable[..., torch.Tensor] | None
 
     def __init__(self, dropout: float = 0.0, window: int | None = None) -> None:
         super().__init__()
         self.dropout = dropout
         self.window = window
         self.context_parallel = None
+        self.kv_cache = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kv_cache is not None:
+            assert mask is None, "a cached forward builds its own mask (packed rows are not generated)"
+            return self.kv_cache(q, k, v, cos, sin)
         if self.context_parallel is not None:
             return self.context_parallel(q, k, v, cos, sin, mask=mask)
         return causal_attention(q, k, v, cos, sin, dropout_p=self.dropout if self.training else 0.0,

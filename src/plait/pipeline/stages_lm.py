@@ -1,9 +1,11 @@
 """A rank's pipeline stages seen as one causal LM, ``forward(ids) -> logits`` on every rank.
 
-Generation (:func:`plait.generate.generate`) needs nothing from a model but ``model(ids)`` returning
-the same full-vocabulary logits on every rank. With one stage (no pipeline parallelism) that is the
-stage itself. With several, the hidden states of the prompt go through the global stages in order
-(point-to-point over the pipeline group; each rank runs the chunks it holds), and the last stage's
+Generation (:mod:`plait.inference`) needs nothing from a model but ``model(ids, position_ids=,
+logits_to_keep=)`` returning the same full-vocabulary logits on every rank. With one stage (no
+pipeline parallelism) that is the stage itself. With several, the hidden states of the new
+positions go through the global stages in order at every decoding step (point-to-point over the
+pipeline group; each rank runs the chunks it holds, and each chunk's attention reads its own
+layers' cache), and the last stage's
 logits are broadcast over the pipeline group, so every rank samples the same token with its
 identically seeded generator and no further communication.
 
@@ -56,10 +58,14 @@ class StagesCausalLM(nn.Module):
     def _owner(self, stage: int) -> int:
         return self.mesh.my_group_ranks("pp")[stage % self.pp]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits ``[batch, n or logits_to_keep, vocab]`` on every rank; ``position_ids``
+        (``[batch, n]``) go to every stage (a decoding step's positions continue the cached ones)."""
         n = input_ids.shape[1]
+        kw = {"position_ids": position_ids, "logits_to_keep": logits_to_keep}
         if self.num_stages == 1:
-            return self.chunks[0](input_ids, n)
+            return self.chunks[0](input_ids, n, **kw)
         param = next(self.chunks[0].parameters())
         group = self.mesh.group("pp")
         sp = getattr(self, "sequence_parallel", False)
@@ -75,15 +81,16 @@ class StagesCausalLM(nn.Module):
             else:
                 x = torch.empty(shape, dtype=param.dtype, device=param.device)
                 dist.recv(x, src=self._owner(stage - 1), group=group)
-            h = chunk(x, n)
+            h = chunk(x, n, **kw)
             if stage < self.num_stages - 1:
                 dist.send(h.contiguous(), dst=self._owner(stage + 1), group=group)
         last = self._owner(self.num_stages - 1)
+        kept = logits_to_keep if 0 < logits_to_keep < n else n
         if self.mesh.rank == last:
             assert h is not None, "the rank holding the last stage ran it"
             logits = h.contiguous()
         else:
-            logits = torch.empty((input_ids.shape[0], n, self.config.vocab_size), dtype=param.dtype,
+            logits = torch.empty((input_ids.shape[0], kept, self.config.vocab_size), dtype=param.dtype,
                                  device=param.device)
         dist.broadcast(logits, src=last, group=group)
         return logits

@@ -45,8 +45,13 @@ class ParallelAttentionCore(nn.Module):
     """Calls ``attention_fn`` on the local heads, with attention dropout drawn from the per-rank stream.
 
     Dropout is requested only in training mode with ``dropout > 0``; otherwise ``attention_fn`` is
-    called without ``dropout_p``, so functions that do not take it keep working.
+    called without ``dropout_p``, so functions that do not take it keep working. While a decoding
+    engine generates (:mod:`plait.inference`), ``kv_cache`` attends the local heads' new positions
+    over their cached keys instead.
     """
+
+    #: ``fn(q, k, v, cos, sin)`` over the local heads' cached keys while generating, else ``None``
+    kv_cache: Callable[..., torch.Tensor] | None
 
     def __init__(self, attention_fn: AttentionFn, dropout: float = 0.0, rng: TensorParallelRNG | None = None) -> None:
         super().__init__()
@@ -54,9 +59,13 @@ class ParallelAttentionCore(nn.Module):
             raise ValueError(f"attention_dropout={dropout} needs an rng (a TensorParallelRNG): each TP rank holds "
                              f"different heads and must draw its own dropout mask")
         self.attention_fn, self.dropout, self.rng = attention_fn, dropout, rng
+        self.kv_cache = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kv_cache is not None:
+            assert mask is None, "a cached forward builds its own mask (packed rows are not generated)"
+            return self.kv_cache(q, k, v, cos, sin)
         kw = {} if mask is None else {"mask": mask}  # functions that know no packed batches keep working
         if not (self.training and self.dropout > 0):
             return self.attention_fn(q, k, v, cos, sin, **kw)

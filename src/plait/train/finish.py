@@ -17,7 +17,7 @@ import torch
 
 from plait.context_parallel.apply import whole_sequences
 from plait.data.tokenizer_files import copy_model_use_files
-from plait.generate import generate
+from plait.inference import generate
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.final_export import model_use_sources
 from plait.train.report import plot_run, summary_table

@@ -107,10 +107,15 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-                loss_normalizer: float | None = None) -> torch.Tensor:
+                loss_normalizer: float | None = None, logits_to_keep: int = 0) -> torch.Tensor:
         """Logits, or with ``labels`` the loss (mean over the target tokens, or their sum divided by
-        ``loss_normalizer``); ``position_ids``/``segment_ids`` for a packed batch."""
+        ``loss_normalizer``); ``position_ids``/``segment_ids`` for a packed batch.
+        ``logits_to_keep > 0`` (no labels): the logits of the last that many positions only, the
+        ones generation reads (the head over a whole prompt would be the largest tensor of it)."""
         h = self.model(input_ids, position_ids, segment_ids)
+        if logits_to_keep > 0 and labels is None:
+            assert not getattr(self, "sequence_parallel", False), "a sequence shard has no 'last positions'"
+            h = h[:, -logits_to_keep:]
         output: torch.Tensor = self.output(self.lm_head(h), labels, loss_normalizer)
         return output
 

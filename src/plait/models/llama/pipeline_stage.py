@@ -71,13 +71,15 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_len: int, labels: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-                loss_normalizer: float | None = None, sequence_loss: SequenceLoss | None = None) -> torch.Tensor:
+                loss_normalizer: float | None = None, sequence_loss: SequenceLoss | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
         """``x``: token ids on the first stage, hidden states otherwise. The last stage returns the
         loss when ``labels`` are given (see :class:`~plait.nn.lm_output.CausalLMOutput` for
         ``loss_normalizer``; ``sequence_loss``, when given, computes it from the logits instead,
         e.g. a preference objective), else the logits; other stages return hidden states.
         ``position_ids``/``segment_ids`` (``[batch, seq]``, every stage gets them from the batch)
-        describe a packed batch."""
+        describe a packed batch. ``logits_to_keep > 0`` (no labels): the last stage returns the
+        logits of the last that many positions only (what generation reads)."""
         h = self.model.embed_tokens(x) if self.first else x
         cos, sin = self.model.rotary_emb(h, seq_len, position_ids)
         mask = None if segment_ids is None else document_causal_mask(segment_ids)
@@ -85,6 +87,9 @@ class LlamaStage(nn.Module):
             h = layer(h, cos, sin, mask)
         if not self.last:
             return h
+        if logits_to_keep > 0 and labels is None:
+            assert not getattr(self, "sequence_parallel", False), "a sequence shard has no 'last positions'"
+            h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.model.norm(h))
         if sequence_loss is not None and labels is not None:
             return sequence_loss(logits, labels)

@@ -1,0 +1,121 @@
+"""A preallocated key/value cache: prefill once, then decode one token per forward.
+
+Without a cache every new token re-runs attention over the whole prefix. With one, each
+attention core keeps the rotated keys and the values of every position it has seen, in buffers
+of ``[batch, local_kv_heads, max_len, head_dim]`` allocated once, and a forward computes only the
+new positions: their queries attend to the cached keys plus their own.
+
+The cache plugs into the weight-free middle of attention. Every attention core
+(:class:`plait.nn.attention.AttentionCore`, and the tensor-parallel
+:class:`~plait.tensor_parallel.attention.ParallelAttentionCore`) has a ``kv_cache`` attribute;
+when it is set, the core hands its q/k/v projections and rotary tables to it instead of running
+causal attention on them. The core receives projections of *its* heads, so under tensor
+parallelism each rank caches only the K/V heads it holds (KV replicas cache the same head), and
+under pipeline parallelism each rank caches only its own stages' layers: the cache needs no
+communication and knows no model.
+
+Rows of a batch are left-padded to a common prompt length, so every row writes the same slot at
+each step. :class:`KVCache` (one per generation) holds what the layers share: the slots filled so
+far, each row's padding and the attention mask of the current forward, built once per forward
+for all layers. Query slot ``i`` of row ``b`` sees key slot ``j`` when ``pad[b] <= j <= i`` and,
+with a sliding window ``w``, ``i - j < w`` (positions within a row are consecutive slots, so the
+window counts what it counts without a cache). A padding query sees only itself: its output is
+never read, and a row of the mask is never empty.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from plait.nn.attention import rotated_heads
+
+
+class KVCache:
+    """The shared state of one generation's caches: ``batch`` rows of at most ``max_len`` slots.
+
+    ``pads`` (``[batch]``, int64): the left padding of each row. ``window``: the sliding window
+    (``None``: full causal attention). Call :meth:`layer` once per attention core, then for each
+    forward of ``n`` new positions :meth:`begin` before it and :meth:`advance` after it.
+    """
+
+    def __init__(self, batch: int, max_len: int, pads: torch.Tensor, *, window: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        if pads.shape != (batch,):
+            raise ValueError(f"pads must have shape [{batch}], got {list(pads.shape)}")
+        if window is not None and window < 1:
+            raise ValueError(f"window={window} must be a positive number of positions (or None)")
+        self.batch, self.max_len, self.window = batch, max_len, window
+        self.device = torch.device(device)
+        self.pads = pads.to(device=self.device, dtype=torch.long)
+        self.length = 0
+        self.mask: torch.Tensor | None = None
+        self.causal = False
+        self._padded = bool((self.pads > 0).any())
+
+    def layer(self) -> LayerKVCache:
+        """A new layer's cache, sharing this generation's slots and mask."""
+        return LayerKVCache(self)
+
+    def begin(self, n: int) -> None:
+        """Prepare the mask of a forward over the next ``n`` slots (all layers use it)."""
+        start = self.length
+        if start + n > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} positions; {start} are filled and {n} more do not fit")
+        end = start + n
+        windowed = self.window is not None and self.window < end
+        if not self._padded and not windowed:
+            # every key up to the query is visible: plain causal attention (prefill) or no mask at all
+            self.mask, self.causal = None, start == 0 and n > 1
+            return
+        i = torch.arange(start, end, device=self.device).view(1, n, 1)
+        j = torch.arange(end, device=self.device).view(1, 1, end)
+        visible = (j <= i) & (j >= self.pads.view(-1, 1, 1))
+        if windowed:
+            assert self.window is not None
+            visible &= (i - j) < self.window
+        visible |= j == i  # a padding query sees itself (never read; no empty row)
+        self.mask, self.causal = visible.unsqueeze(1), False
+
+    def advance(self, n: int) -> None:
+        """The ``n`` slots of the forward just run are now part of the cache."""
+        self.length += n
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Rotary positions ``[batch, n]`` of the next ``n`` slots (a row's first real token is
+        position 0; padding slots get 0 too)."""
+        slots = torch.arange(self.length, self.length + n, device=self.device).view(1, n)
+        return (slots - self.pads.view(-1, 1)).clamp_min(0)
+
+
+class LayerKVCache:
+    """One attention core's keys and values, allocated at the first forward (when the local head
+    count, ``head_dim`` and dtype are known)."""
+
+    def __init__(self, shared: KVCache) -> None:
+        self.shared = shared
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        """Attention of the new positions (``[batch, n, heads*head_dim]`` projections) over the
+        cached ones and themselves; returns ``[batch, n, q_heads*head_dim]``."""
+        s = self.shared
+        b, n, _ = q.shape
+        q, k, v = rotated_heads(q, k, v, cos, sin)
+        if self.keys is None or self.values is None:
+            shape = (b, k.shape[1], s.max_len, k.shape[3])
+            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+        start, end = s.length, s.length + n
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        gqa = q.shape[1] != keys.shape[1]
+        mask = None if s.mask is None else s.mask.to(q.device)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=s.causal, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(b, n, -1)
+
+
+__all__ = ["KVCache", "LayerKVCache"]
