@@ -1,5 +1,15 @@
-"""Post-training: preference objectives (DPO, IPO, ORPO, SimPO) and distributed sequence log-probabilities."""
+"""Post-training: preference objectives (DPO, IPO, ORPO, SimPO), distributed sequence log-probabilities and GRPO's
+policy loss."""
 
+from plait.post_training.grpo_loss import (
+    VARIANTS,
+    Variant,
+    entropy_from_logits,
+    group_advantages,
+    policy_loss,
+    token_means,
+    token_weights,
+)
 from plait.post_training.logprobs import (
     NO_SEGMENT,
     VocabParallelTokenLogprobs,
@@ -23,7 +33,9 @@ from plait.post_training.objectives import (
 )
 
 __all__ = [
-    "NO_SEGMENT", "OBJECTIVES", "REFERENCE_OBJECTIVES", "Objective", "PreferenceSettings", "PreferenceSettingsError",
-    "VocabParallelTokenLogprobs", "dpo_loss", "ipo_loss", "orpo_loss", "preference_loss", "segment_logprob_sums",
-    "shift_labels", "simpo_loss", "split_pairs", "target_segment_ids", "token_logprobs",
+    "NO_SEGMENT", "OBJECTIVES", "REFERENCE_OBJECTIVES", "VARIANTS", "Objective", "PreferenceSettings",
+    "PreferenceSettingsError", "Variant", "VocabParallelTokenLogprobs", "dpo_loss",
+    "entropy_from_logits", "group_advantages", "ipo_loss", "orpo_loss", "policy_loss",
+    "preference_loss", "segment_logprob_sums", "shift_labels", "simpo_loss",
+    "split_pairs", "target_segment_ids", "token_logprobs", "token_means", "token_weights",
 ]
