@@ -116,32 +116,40 @@ def test_generate_run_that_did_not_finish(tmp_path, capsys):
     assert "did it finish" in err and "no complete training checkpoint" in err and "save_final" not in err
 
 
-class _Terminal(io.StringIO):
-    """A stderr that says it is a terminal."""
+class _Pieces(io.StringIO):
+    """A stdout that records each write."""
 
-    def isatty(self) -> bool:
-        return True
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        return super().write(text)
 
 
-def test_generate_progress_bar_on_a_terminal_only(hf_dir, capsys, monkeypatch):
+def test_generate_streams_the_text_and_stops_at_a_stop_string(hf_dir, capsys, monkeypatch):
     from plait.cli import main
 
     argv = ["generate", "--hf", str(hf_dir), "--prompt", "to be", "--max-new-tokens", "24", "--greedy"]
-    assert main(argv + ["--no-progress"]) == 0
+    assert main(argv + ["--no-stream"]) == 0
     plain = capsys.readouterr()
     assert plain.err == "" and plain.out.startswith("to be")
-    assert main(argv) == 0  # stderr is captured, not a terminal: no bar
-    assert capsys.readouterr() == plain
-    terminal = _Terminal()
-    monkeypatch.setattr("sys.stderr", terminal)
+    out = _Pieces()
+    monkeypatch.setattr("sys.stdout", out)
     assert main(argv) == 0
-    assert capsys.readouterr().out == plain.out  # the text on stdout is unchanged
-    assert "generating" in terminal.getvalue() and "tok" in terminal.getvalue()
-    terminal.truncate(0)
-    assert main(argv + ["--no-progress"]) == 0
-    assert terminal.getvalue() == ""
-    assert main(argv[:-3] + ["--max-new-tokens", "4", "--greedy"]) == 0  # a few tokens: no bar
-    assert terminal.getvalue() == ""
+    assert out.getvalue() == plain.out  # streamed, the text is the same
+    assert len([p for p in out.pieces if p.strip()]) > 3  # and it came in pieces, as the tokens did
+    monkeypatch.undo()
+    text = plain.out[len("to be"):].rstrip("\n")
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert main(argv + ["--stop", stop]) == 0
+    cut = capsys.readouterr().out
+    assert cut == "to be" + text[:text.find(stop)] + "\n"
+    assert main(argv + ["--stop", stop, "--no-stream"]) == 0
+    assert capsys.readouterr().out == cut
+    assert main(argv + ["--stop", ""]) == 2
+    assert "--stop ''" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ plan

@@ -269,3 +269,23 @@ def test_generate_command_errors(run_dir, tmp_path, capsys):
     assert "--temperature" in error(["--run", str(run_dir), "--temperature", "0"])
     with pytest.raises(SystemExit):  # argparse: --run and --hf are exclusive, one is required
         _parse([])
+
+
+def test_text_stream_never_writes_what_it_must_take_back():
+    """A character split over tokens, whitespace around a chat answer and the start of a stop
+    string wait until they settle; what was streamed equals the final text."""
+    import io
+
+    from plait.inference.streaming import TextStream
+
+    pieces = ["  ", "caf", "\ufffd", "é", " x", "EN", "D", "!"]  # token i decodes to the join of pieces[:i+1]
+    decode = lambda ids: "".join(pieces[i] for i in ids).replace("\ufffdé", "é")  # noqa: E731
+    out = io.StringIO()
+    stream = TextStream(decode, out, strip=True, stop_strings=("END",))
+    seen = []
+    for token in range(7):
+        stream.add(token)
+        seen.append(out.getvalue())
+    assert seen == ["", "caf", "caf", "café", "café x", "café x", "café x"]
+    stream.close("café x")
+    assert out.getvalue() == "café x"

@@ -32,7 +32,7 @@ from plait.data.errors import DataError
 from plait.data.sft_rows import PreferenceRow, SFTRow, read_preference_rows, read_sft_rows
 from plait.data.sft_tokenize import plain_tokenizer, preference_pair
 from plait.data.tokenizer import load_tokenizer_file
-from plait.inference import generate
+from plait.inference import StopRules, generate_tokens
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
 from plait.lora.peft_io import BASE_SUBDIR
 from plait.materialize import load_from_hf
@@ -195,25 +195,43 @@ def _rows(kind: Literal["sft", "preference"], rows: str | os.PathLike | Sequence
     return list(rows)[:limit] if limit is not None else list(rows)
 
 
+#: prompts decoded together by :func:`exact_match` (one batch of the decoding engine)
+EVAL_BATCH = 32
+
+
 @torch.no_grad()
 def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathLike | Sequence[SFTRow], *,
-                limit: int | None = None, max_new_tokens: int = 16, examples: int = 3) -> ExactMatch:
+                limit: int | None = None, max_new_tokens: int = 16, examples: int = 3,
+                batch_size: int = EVAL_BATCH) -> ExactMatch:
     """Greedy answers to the SFT rows of ``rows_file`` (a path, or rows from :func:`scoring_rows`)
-    against their last assistant turn."""
+    against their last assistant turn.
+
+    The rows are decoded ``batch_size`` at a time by the KV-cache engine, in order of prompt
+    length (so a batch pads little); greedy tokens do not depend on the batch, so the score is
+    the one row-by-row decoding gives. Each answer is capped at ``max_new_tokens`` and at what
+    the model's context leaves after its prompt."""
     tokenizer = load_tokenizer_file(tokenizer_dir / "tokenizer.json")
     template = scoring_template(tokenizer_dir, tokenizer)
     rows: list[SFTRow] = _rows("sft", rows_file, limit)
     stop = _stop_ids(tokenizer, template)
     plain = plain_tokenizer(tokenizer)
     context = config_of(model).max_position_embeddings
+    rendered = [_prompt_and_answer(row, template) for row in rows]
+    prompts = [plain.encode(prompt, add_special_tokens=False).ids for prompt, _, _ in rendered]
+    answers: list[list[int]] = [[] for _ in rows]
+    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
+    rules = StopRules(eos_ids=frozenset(stop))
+    for start in range(0, len(order), batch_size):
+        batch = [i for i in order[start:start + batch_size] if context - len(prompts[i]) > 0]
+        if not batch:
+            continue
+        budgets = [min(max_new_tokens, context - len(prompts[i])) for i in batch]
+        for i, done in zip(batch, generate_tokens(model, [prompts[i] for i in batch], budgets, stop=rules),
+                           strict=True):
+            answers[i] = done.tokens
     correct, shown = 0, list[tuple[str, str, str]]()
-    for row in rows:
-        prompt, question, reference = _prompt_and_answer(row, template)
-        ids = torch.tensor([plain.encode(prompt, add_special_tokens=False).ids])
-        room = min(max_new_tokens, context - ids.shape[1])  # the model sees at most its context
-        out = generate(model, ids, room, greedy=True, eos_id=stop) if room > 0 else ids
-        new = [t for t in out[0, ids.shape[1]:].tolist() if t not in stop]
-        answer = plain.decode(new, skip_special_tokens=True).strip()
+    for (_, question, reference), tokens in zip(rendered, answers, strict=True):
+        answer = plain.decode([t for t in tokens if t not in stop], skip_special_tokens=True).strip()
         correct += answer == reference.strip()
         if len(shown) < examples:
             shown.append((question, reference, answer))

@@ -29,6 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N rows")
     p.add_argument("--max-new-tokens", type=int, default=ANSWER_TOKENS, metavar="N",
                    help=f"answer length cap (sft; default {ANSWER_TOKENS})")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N",
+                   help="sft: prompts decoded together (default 32; fewer uses less memory)")
     p.add_argument("--json", action="store_true", help="print the scores as one JSON line")
     return p
 
@@ -82,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--data {args.data}: no such file")
     if args.limit is not None and args.limit < 1:
         return _fail(f"--limit {args.limit} must be at least 1")
+    if args.batch_size < 1:
+        return _fail(f"--batch-size {args.batch_size} must be at least 1")
     if args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1 (the answer's length cap)")
     try:
@@ -95,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         if kind == "preference" and args.max_new_tokens != ANSWER_TOKENS:
             return _fail(f"--max-new-tokens {args.max_new_tokens} has no effect on preference rows ({data} is scored "
                          f"by the log-probability of its chosen and rejected answers, nothing is generated); drop it")
+        if kind == "preference" and args.batch_size != 32:
+            return _fail(f"--batch-size {args.batch_size} has no effect on preference rows ({data} is scored row by "
+                         f"row, nothing is generated); drop it")
         if kind == "sft":
             context = _context_of(base_dir or model_dir)
             if context is not None and args.max_new_tokens >= context:
@@ -103,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
                              f"included); give --max-new-tokens {context - 1} or less")
             sft_rows = scoring_rows("sft", data, args.limit)
             model, tokenizer_dir = load_scoring_model(args.model, args.base)
-            em = exact_match(model, tokenizer_dir, sft_rows, max_new_tokens=args.max_new_tokens)
+            em = exact_match(model, tokenizer_dir, sft_rows, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.batch_size)
             result = {"kind": kind, "rows": em.total, "exact_match": round(em.score, 4)}
             lines = [f"exact match {em.correct}/{em.total} = {em.score:.1%}"]
             lines += [f"  Q: {q!r}  reference {r!r}  answer {a!r}" for q, r, a in em.examples]

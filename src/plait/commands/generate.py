@@ -7,15 +7,14 @@ directory holds ``config.json``, ``*.safetensors`` and ``tokenizer.json``. Probl
 reported on one line with exit status 2, before the model is built where they can be: so is a
 prompt plus ``--max-new-tokens`` longer than the model's context (``max_position_embeddings``),
 which the model could not attend over (without the option, the default shrinks to what fits).
-The text goes to stdout; a progress bar, when there is one, to stderr.
+The text streams to stdout as the tokens come (the KV-cache engine, :mod:`plait.inference`);
+``--no-stream`` prints it once at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -23,8 +22,6 @@ from typing import Protocol, runtime_checkable
 EOS_TOKEN = "<|endoftext|>"
 #: new tokens when --max-new-tokens is not given (fewer when the model's context has less room)
 DEFAULT_NEW_TOKENS = 100
-#: generations of more tokens than this show a progress bar on a terminal
-PROGRESS_MIN_TOKENS = 16
 
 
 @runtime_checkable
@@ -63,9 +60,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sample among the smallest set of tokens with probability >= P (1 = all)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="softmax temperature (default 1)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before the first occurrence of TEXT (repeat for several)")
     p.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
-    p.add_argument("--no-progress", action="store_true", dest="no_progress",
-                   help=f"no progress bar (shown on stderr at a terminal for more than {PROGRESS_MIN_TOKENS} tokens)")
+    p.add_argument("--no-stream", "--no-progress", action="store_true", dest="no_stream",
+                   help="print the text once at the end instead of as the tokens come")
     p.set_defaults(func=run)
     return p
 
@@ -87,6 +86,9 @@ def _check_args(args: argparse.Namespace) -> None:
         if ignored:
             raise _UsageError(f"{', '.join(ignored)} has no effect with --greedy (the most likely token is always "
                               f"taken); drop --greedy to sample, or drop {ignored[0].split('=')[0]}")
+    empty = [i for i, text in enumerate(args.stop) if not text]
+    if empty:
+        raise _UsageError("--stop '' would end the text before it starts; give a non-empty TEXT")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise _UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.top_k < 0:
@@ -278,11 +280,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
-    import torch
     from tokenizers import Tokenizer
 
-    from plait.inference import generate
     from plait.heldout import load_scoring_model
+    from plait.inference import Sampling, StopRules, generate_tokens
+    from plait.inference.streaming import TextStream
     from plait.materialize import build_model
     from plait.mesh import single_process_mesh
     from plait.models.decoder.config import DecoderConfig
@@ -328,14 +330,22 @@ def _generate(args: argparse.Namespace, model_dir: Path, tok_file: Path) -> int:
         raise _UsageError(f"cannot load {model_dir}: {e}") from None
     except SafetensorError as e:  # a file the directory's index names, damaged (the others were checked)
         raise _UsageError(f"cannot load {model_dir}: a weights file is truncated or corrupt ({e})") from None
-    prompt = torch.tensor([ids], dtype=torch.long)
-    with _progress(args, sys.stderr) as bar:
-        out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, greedy=args.greedy, seed=args.seed, eos_id=stop,
-                       on_token=None if bar is None else (lambda _token: bar.update(1)))
-    new_ids = out[0, len(ids):].tolist()
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    sys.stdout.write(shown + text.strip() * bool(args.chat) + text * (not args.chat) + "\n")
+    def decode(tokens: list[int]) -> str:
+        return tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
+
+    sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    rules = StopRules(eos_ids=frozenset(stop), stop_strings=tuple(args.stop), decode=decode)
+    sys.stdout.write(shown)
+    stream = None if args.no_stream else TextStream(decode, sys.stdout, strip=args.chat, stop_strings=args.stop)
+    done = generate_tokens(model, [ids], args.max_new_tokens, sampling=sampling, seeds=[args.seed], stop=rules,
+                           on_token=None if stream is None else (lambda _row, token: stream.add(token)))[0]
+    text = done.text if done.text is not None else decode(done.tokens)
+    text = text.strip() if args.chat else text
+    if stream is None:
+        sys.stdout.write(text)
+    else:
+        stream.close(text)
+    sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
 
@@ -391,30 +401,5 @@ def _chat_prompt(args: argparse.Namespace, tok_file: Path, tokenizer) -> tuple[s
     return text, {i for i in ends if i is not None}
 
 
-def show_progress(args: argparse.Namespace, stream) -> bool:
-    """A bar only helps a person watching: a terminal, a generation long enough to wait for, and
-    no ``--no-progress``. Redirected or piped stderr gets none, so logs stay clean."""
-    if args.no_progress or (args.max_new_tokens or 0) <= PROGRESS_MIN_TOKENS:
-        return False
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
-
-
-@contextmanager
-def _progress(args: argparse.Namespace, stream) -> Iterator:
-    """A tqdm bar over the new tokens on ``stream`` (stderr), or ``None`` when :func:`show_progress`
-    says no; closed on exit, so the text printed afterwards starts on a clean line."""
-    if not show_progress(args, stream):
-        yield None
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(total=args.max_new_tokens, unit="tok", desc="generating", file=stream, leave=False)
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-__all__ = ["DEFAULT_NEW_TOKENS", "PROGRESS_MIN_TOKENS", "RunCheckpoints", "add_parser", "new_token_count",
-           "resolve_paths", "run", "run_checkpoints", "show_progress", "start_and_stop_ids"]
+__all__ = ["DEFAULT_NEW_TOKENS", "RunCheckpoints", "add_parser", "new_token_count", "resolve_paths", "run",
+           "run_checkpoints", "start_and_stop_ids"]

@@ -17,7 +17,7 @@ import torch
 
 from plait.context_parallel.apply import whole_sequences
 from plait.data.tokenizer_files import copy_model_use_files
-from plait.inference import generate
+from plait.inference import generate, model_context
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.final_export import model_use_sources
 from plait.train.report import plot_run, summary_table
@@ -42,12 +42,21 @@ def stopped_before(run: Run, what: str, step: int) -> bool:
 
 def sample_text(run: Run, should_stop: Callable[[], bool] | None = None) -> str:
     """``train.sample_tokens`` tokens generated after ``train.sample_prompt`` (every rank takes
-    part; ``should_stop``, a collective, may end it early)."""
+    part; ``should_stop``, a collective, may end it early). A sample that would run past the
+    model's context is shortened to fit it, and the run says so."""
     st, t = run.state, run.state.recipe.train
     tokenizer = st.train_data.tokenizer()
     prompt = tokenizer.encode(t.sample_prompt).ids or [st.train_data.eos_id]
+    model = StagesCausalLM(st.stages, st.mesh)
+    tokens = t.sample_tokens
+    context = model_context(model)
+    if context is not None and len(prompt) + tokens > context:
+        tokens = max(context - len(prompt), 0)
+        if run.is_writer:
+            print(f"train.sample_tokens={t.sample_tokens}: the prompt is {len(prompt)} tokens and the model's context "
+                  f"max_position_embeddings={context}, so the sample has {tokens} tokens", flush=True)
     with whole_sequences(st.stages):  # every cp rank generates from the whole prompt (no-op at cp=1)
-        ids = generate(StagesCausalLM(st.stages, st.mesh), torch.tensor([prompt]), t.sample_tokens,
+        ids = generate(model, torch.tensor([prompt[-context:] if context else prompt]), tokens,
                        top_k=40, top_p=0.95, temperature=0.8, seed=st.recipe.run.seed, eos_id=st.train_data.eos_id,
                        should_stop=should_stop)
     return tokenizer.decode(ids[0].tolist())
