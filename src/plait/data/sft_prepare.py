@@ -103,7 +103,7 @@ def _key(source: Path, tokenizer: Path, settings: RowsSettings, template: ChatTe
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _split_rows(rows: list, val_fraction: float, seed: int) -> tuple[list, list]:
+def split_rows(rows: list, val_fraction: float, seed: int) -> tuple[list, list]:
     """Rows shuffled once by ``seed`` then cut: the validation rows are whole conversations."""
     if len(rows) < 2:
         raise DataError(f"{len(rows)} usable row(s): at least 2 are needed (one for training, one held out)")
@@ -145,8 +145,9 @@ def _read_rows(source: Path, settings: RowsSettings) -> tuple[list[SFTRow] | lis
     return read_preference_rows(source, skip_bad_rows=settings.skip_bad_rows)
 
 
-def rows_index(directory: Path) -> dict | None:
-    """The ``index.json`` of a prepared fine-tuning directory, else None (absent, unreadable, another kind)."""
+def read_index(directory: Path, data_format: str | None = None) -> dict | None:
+    """The ``index.json`` of ``directory`` when its ``format`` is ``data_format`` (``None``: any),
+    else None (absent, unreadable, another kind of prepared directory)."""
     index = directory / INDEX_FILE
     if not index.is_file():
         return None
@@ -154,7 +155,14 @@ def rows_index(directory: Path) -> dict | None:
         found = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return found if isinstance(found, dict) and found.get("format") == ROWS_FORMAT else None
+    if not isinstance(found, dict):
+        return None
+    return found if data_format is None or found.get("format") == data_format else None
+
+
+def rows_index(directory: Path) -> dict | None:
+    """The ``index.json`` of a prepared fine-tuning directory, else None (absent, unreadable, another kind)."""
+    return read_index(directory, ROWS_FORMAT)
 
 
 def _existing(out: Path, key: str) -> dict | None:
@@ -195,7 +203,7 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
     tok = load_tokenizer_file(tok_path)
     template = load_chat_template(tok_path, tok)
     rows, skipped = _read_rows(src, settings)
-    train_rows, val_rows = _split_rows(list(rows), settings.val_fraction, settings.seed)
+    train_rows, val_rows = split_rows(list(rows), settings.val_fraction, settings.seed)
     pad_id = 0
     counts: Counter[str] = Counter()
     packed: dict[str, PackedRows] = {}
@@ -256,14 +264,14 @@ class TokenizerMismatchError(DataError):
 
 
 def check_rows_tokenizer(directory: str | os.PathLike, tokenizer: str | os.PathLike | None) -> None:
-    """Refuse rows of ``directory`` that are not made with ``tokenizer`` (a ``tokenizer.json`` or a
+    """Refuse rows (or prompts) of ``directory`` that are not made with ``tokenizer`` (a ``tokenizer.json`` or a
     directory holding one; ``None`` or ``"bpe"``: the rows' own tokenizer is used, nothing to compare).
 
     The identity is the sha256 of ``tokenizer.json``, so another tokenizer of the same vocabulary
     size is told apart; the directory's own ``tokenizer.json`` must still be the one its index
     records (directories prepared before the identity was recorded are compared by their file)."""
     d = Path(directory)
-    index = rows_index(d) or {}
+    index = read_index(d) or {}  # prepared rows or prompts: both record their tokenizer's identity
     own = d / TOKENIZER_FILE
     if not own.is_file():
         raise TokenizerMismatchError(f"{own}: missing; prepared rows keep the tokenizer they were made with; "

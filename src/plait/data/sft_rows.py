@@ -207,8 +207,7 @@ def parse_preference_row(record: object, where: str) -> PreferenceRow:
         raise _fail(where, "rejected", "equals 'chosen'", "give two different answers, or remove the row",
                     "chosen_equals_rejected")
     if "messages" in record:
-        conversation = _messages(record["messages"], "messages", where)
-        _check_turns(conversation, "messages", where, last="user")
+        conversation = parse_conversation_before_reply(record["messages"], "messages", where)
         return PreferenceRow(where, chosen, rejected, conversation=conversation)
     prompt = _string(record, "prompt", where)
     if chosen_listed or rejected_listed:
@@ -216,7 +215,16 @@ def parse_preference_row(record: object, where: str) -> PreferenceRow:
     return PreferenceRow(where, chosen, rejected, prompt=prompt)
 
 
-def _json_lines(path: Path) -> Iterator[tuple[str, object]]:
+def parse_conversation_before_reply(value: object, field: str, where: str) -> tuple[Message, ...]:
+    """The conversation before a reply (preference and prompt rows): messages with an optional
+    system turn first, then user and assistant alternating, ending with the user's turn;
+    :class:`RowError` naming ``where`` and ``field`` when it is malformed."""
+    conversation = _messages(value, field, where)
+    _check_turns(conversation, field, where, last="user")
+    return conversation
+
+
+def json_lines(path: Path) -> Iterator[tuple[str, object]]:
     """``(file:line, JSON value)`` per non-blank line; RowError for bytes or text that do not parse."""
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
@@ -246,7 +254,7 @@ def _read(path: str | os.PathLike, parse: Callable[[object, str], Row],
         raise DataError(f"{source}: no such file; give a .jsonl file of rows")
     rows: list[Row] = []
     skipped: Counter[str] = Counter()
-    for where, value in _json_lines(source):
+    for where, value in json_lines(source):
         try:
             if isinstance(value, RowError):
                 raise value
