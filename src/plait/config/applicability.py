@@ -22,14 +22,19 @@ from pydantic import BaseModel
 from pydantic.config import JsonDict
 
 from plait.config.problems import Problem
-from plait.data.sft_prepare import rows_directory, rows_index
+from plait.data.prompt_prepare import prepared_directory
+from plait.data.sft_prepare import read_index
 
 #: a condition: ``None`` when it holds for the recipe, else why it does not (the recipe's own values)
 Condition = Callable[[Any], str | None]
 
 
 def _rows(r) -> str | None:
-    return None if r.data.format != "text" else "data.format is 'text' (plain text has no rows to shape)"
+    if r.data.format in ("sft", "preference"):
+        return None
+    if r.data.format == "prompts":
+        return "data.format is 'prompts' (prompt rows are neither packed nor truncated, and a bad row stops)"
+    return "data.format is 'text' (plain text has no rows to shape)"
 
 
 def _sft(r) -> str | None:
@@ -110,11 +115,12 @@ def _changed(section: BaseModel) -> list[str]:
 
 def inapplicable_fields(recipe: BaseModel) -> list[Problem]:
     """Every field set to a non-default value whose condition does not hold for ``recipe``; and,
-    when ``data.source`` is an already prepared rows directory, every row-shaping field set to
-    another value than the rows were made with."""
+    when ``data.source`` is an already prepared rows (or prompts) directory, every row-shaping
+    field set to another value than the rows were made with."""
     problems = []
-    prepared = rows_directory(recipe.data.source) if recipe.data.format != "text" else None  # type: ignore[attr-defined]
-    index = rows_index(prepared) if prepared is not None else None
+    data = recipe.data  # type: ignore[attr-defined]
+    prepared = prepared_directory(data.format, data.source) if data.format != "text" else None
+    index = read_index(prepared) if prepared is not None else None
     for section_name in type(recipe).model_fields:
         section = getattr(recipe, section_name)
         if not isinstance(section, BaseModel):

@@ -275,12 +275,14 @@ class DataSection(Section):
     prefetch: Int = Field(default=2, ge=0, description="Batches loaded ahead by a background thread; 0 = none")
     cache_dir: str | None = Field(default=None, description="Where prepared data is cached; null "
                                                             "= $PLAIT_CACHE or ~/.cache/plait")
-    format: Literal["text", "sft", "preference"] = Field(
+    format: Literal["text", "sft", "preference", "prompts"] = Field(
         default="text", description="'text': plain documents, every token a target; 'sft': a .jsonl of "
                                     "conversations ('messages') or prompt/completion rows, rendered with the "
                                     "tokenizer's chat template, loss on the assistant tokens only; "
                                     "'preference': a .jsonl of prompt/chosen/rejected rows, each pair kept "
-                                    "in one row (train.objective dpo, ipo, orpo or simpo)")
+                                    "in one row (train.objective dpo, ipo, orpo or simpo); 'prompts': a .jsonl "
+                                    "of prompt rows with an answer, completed by the policy and scored by a "
+                                    "reward (train.objective grpo, see the grpo section)")
     packing: Bool = Field(default=True, description="sft: pack several samples into each row (attention and "
                                                     "positions stay within a sample); false = one sample per row",
                                                     json_schema_extra=applies_when("rows", shapes_rows=True))
@@ -297,11 +299,13 @@ class DataSection(Section):
 
 class TrainSection(Section):
     steps: Int = Field(default=300, ge=1, description="Optimizer steps")
-    objective: Literal["lm", "sft", "dpo", "ipo", "orpo", "simpo"] = Field(
+    objective: Literal["lm", "sft", "dpo", "ipo", "orpo", "simpo", "grpo"] = Field(
         default="lm", description="'lm': next-token loss on every token (data.format text); 'sft': on the target "
                                   "tokens of data.format sft rows, averaged over the global batch's targets; "
                                   "'dpo', 'ipo', 'orpo', 'simpo': a preference loss on data.format preference "
-                                  "rows, averaged over the global batch's pairs (see the preference section)")
+                                  "rows, averaged over the global batch's pairs (see the preference section); "
+                                  "'grpo': online reinforcement learning on data.format prompts rows, the policy's "
+                                  "completions scored by a verifiable reward (see the grpo section)")
     eval_every: Int = Field(default=100, ge=1, description="Evaluate on the validation split "
                                                            "every this many steps (and at the end)")
     eval_batches: Int = Field(default=8, ge=1, description="Validation global batches per evaluation: the first "
@@ -409,6 +413,56 @@ class PreferenceSection(Section):
         return "adapters_off" if lora_rank is not None else "frozen"
 
 
+class GrpoSection(Section):
+    group_size: Int = Field(default=8, ge=2, description="Completions sampled per prompt (one group); the global "
+                                                         "batch is prompts x group_size sequences, and "
+                                                         "data.micro_batch_size must be a multiple of it")
+    max_new_tokens: Int = Field(default=32, ge=1, description="Longest completion in tokens; every prompt plus this "
+                                                              "must fit in data.seq_len")
+    temperature: Float = Field(default=1.0, gt=0, description="Sampling temperature of the rollouts")
+    top_k: Int = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 = all")
+    top_p: Float = Field(default=1.0, gt=0, le=1, description="Sample from the smallest set of tokens whose "
+                                                              "probability reaches top_p; 1 = all")
+    epochs: Int = Field(default=1, ge=1, description="Optimizer steps on each rollout batch (a new rollout every "
+                                                     "this many train.steps)")
+    # the variants of plait.post_training.grpo_loss.VARIANTS (a test keeps them equal)
+    loss: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        default="grpo", description="Loss variant: 'grpo' (advantages scaled by the group's std, per-completion "
+                                    "token mean), 'dr_grpo' (unscaled advantages, token sum over a constant) or "
+                                    "'dapo' (equal-reward groups dropped, token mean over the batch)")
+    epsilon_low: Float = Field(default=0.2, ge=0, lt=1, description="Clip range below 1 of the importance ratio "
+                                                                    "(1 - epsilon_low)")
+    epsilon_high: Float = Field(default=0.2, ge=0, description="Clip range above 1 of the importance ratio "
+                                                               "(1 + epsilon_high; dapo's clip-higher uses e.g. 0.28)")
+    kl_coef: Float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the reference model "
+                                                          "(k3 estimator); 0 = none, and no reference is kept")
+    reference: Literal["adapters_off", "frozen"] | None = Field(
+        default=None, description="The KL reference (only with kl_coef > 0): 'adapters_off' (the policy with its "
+                                  "LoRA adapters disabled; needs lora.rank) or 'frozen' (a frozen copy of the "
+                                  "initial model); null = adapters_off with lora.rank, else frozen")
+    reward: str = Field(default="exact_match", min_length=1,
+                        description="'exact_match' (the stripped completion equals the row's answer), 'regex' (a "
+                                    "full match of grpo.reward_pattern) or path/to/file.py:function, a function "
+                                    "(completion, row) -> float, loaded and checked before launch")
+    reward_pattern: str | None = Field(default=None, description="reward regex only: the regular expression the "
+                                                                 "stripped completion must match; {answer} stands "
+                                                                 "for the row's answer")
+    eval_source: str | None = Field(default=None, description="Held-out prompt rows (.jsonl) scored by exact match "
+                                                              "at each evaluation; null = the validation split of "
+                                                              "data.source (data.val_fraction of its rows)")
+    eval_rows: Int = Field(default=100, ge=1, description="Held-out prompts scored at each evaluation (the first "
+                                                          "eval_rows of the validation split)")
+
+    def reference_mode(self, lora_rank: int | None) -> str | None:
+        """The KL reference model: ``None`` without a KL term (``kl_coef == 0``), else the recipe's
+        choice or its default (the policy without adapters with LoRA, a frozen copy otherwise)."""
+        if self.kl_coef == 0:
+            return None
+        if self.reference is not None:
+            return self.reference
+        return "adapters_off" if lora_rank is not None else "frozen"
+
+
 class LoggingSection(Section):
     jsonl: Bool = Field(default=True, description="Write metrics.jsonl in the output directory")
     tensorboard: Bool = Field(default=True, description="Write TensorBoard event files")
@@ -443,6 +497,8 @@ class Recipe(Section):
     lora: LoraSection = Field(default_factory=LoraSection, description="Low-rank adapters (off unless rank is set)")
     preference: PreferenceSection = Field(default_factory=PreferenceSection,
                                           description="Preference objectives (data.format preference)")
+    grpo: GrpoSection = Field(default_factory=GrpoSection, description="Online reinforcement learning with verifiable "
+                                                                       "rewards (train.objective grpo)")
     moe: MoeSection = Field(default_factory=MoeSection, description="Mixture-of-Experts training (MoE families)")
     launch: LaunchSection = Field(default_factory=LaunchSection,
                                   description="Multi-host networking and rendezvous (plait train, plait launch)")

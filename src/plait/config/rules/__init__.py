@@ -1,6 +1,6 @@
 """The rules between a recipe's fields, one file per feature: the layout against the world size,
 the architecture, heads against TP, batch, pipeline, precision, activation checkpointing, paths,
-data and tokenizer, preference, LoRA, context parallelism, MoE, compile, and keys that cannot
+data and tokenizer, preference, GRPO, LoRA, context parallelism, MoE, compile, and keys that cannot
 take effect.
 
 Every rule is a function ``rule(c: Checker) -> None`` (:mod:`plait.config.rules.checker`), and
@@ -19,6 +19,7 @@ from plait.config.rules.checker import Checker, Rule
 from plait.config.rules.compile import check_compile
 from plait.config.rules.context_parallel import check_context_parallel
 from plait.config.rules.data import check_data, check_fine_tuning
+from plait.config.rules.grpo import check_grpo
 from plait.config.rules.layout import check_batch, check_heads, check_layout, check_sequence
 from plait.config.rules.lora import check_lora, check_lora_targets
 from plait.config.rules.moe import check_moe
@@ -43,6 +44,7 @@ RULES: tuple[Rule, ...] = (
     check_paths,
     check_fine_tuning,
     check_preference,
+    check_grpo,
     check_data,
     check_lora,
     check_lora_targets,

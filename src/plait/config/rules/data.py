@@ -10,19 +10,20 @@ from plait.config.rules.checker import Checker
 from plait.config.schema import PREFERENCE_OBJECTIVES
 from plait.data.corpora import CORPORA
 from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
-from plait.data.sft_prepare import rows_directory
+from plait.data.prompt_prepare import prepared_directory
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import find_eos, load_tokenizer_file, tokenizer_vocab_size
 from plait.models.decoder.config import DecoderConfig
 
 #: the objective each data format trains with (preference: one of several)
-FORMAT_OBJECTIVES: dict[str, tuple[str, ...]] = {"text": ("lm",), "sft": ("sft",), "preference": PREFERENCE_OBJECTIVES}
+FORMAT_OBJECTIVES: dict[str, tuple[str, ...]] = {"text": ("lm",), "sft": ("sft",), "preference": PREFERENCE_OBJECTIVES,
+                                                  "prompts": ("grpo",)}
 
 
 def check_fine_tuning(c: Checker) -> None:
-    """``data.format`` and ``train.objective`` go together; ``sft`` and ``preference`` rows come
-    from one .jsonl file (or a prepared rows directory) rendered with the model's own tokenizer
-    and chat template."""
+    """``data.format`` and ``train.objective`` go together; ``sft``, ``preference`` and ``prompts``
+    rows come from one .jsonl file (or a directory prepared from one) rendered with the model's
+    own tokenizer and chat template."""
     d, t, check_paths = c.r.data, c.r.train, c.check_paths
     if not c.ok("data.format", "train.objective"):
         return
@@ -36,10 +37,10 @@ def check_fine_tuning(c: Checker) -> None:
                                               f"(or data.format={owner} for objective {t.objective!r})")
     if d.format == "text":
         return
-    if c.ok("data.tokenizer") and d.tokenizer == "bpe" and not (check_paths and rows_directory(d.source)):
+    if c.ok("data.tokenizer") and d.tokenizer == "bpe" and not (check_paths and prepared_directory(d.format, d.source)):
         c.add("data.tokenizer", "bpe", f"data.format {d.format!r} needs the model's tokenizer.json (its chat "
                                        f"template renders the rows), e.g. '<model.hf_path>/tokenizer.json'")
-    if check_paths and c.ok("data.source") and rows_directory(d.source) is None:
+    if check_paths and c.ok("data.source") and prepared_directory(d.format, d.source) is None:
         source = Path(d.source).expanduser()
         if not (source.is_file() and source.suffix.lower() == ".jsonl"):
             c.add("data.source", d.source, f"data.format {d.format!r} reads one .jsonl file of rows (or a "
