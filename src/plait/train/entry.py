@@ -15,6 +15,14 @@ from plait.config.schema import Recipe
 from plait.data.checks import check_model_vocab, check_samples, verify_prepared
 from plait.data.errors import DataError
 from plait.data.prepare import prepare_dataset
+from plait.data.prompt_prepare import (
+    PromptDataset,
+    check_prompts_fit,
+    describe_prompts,
+    prepare_prompts,
+    prompts_directory,
+    prompts_index,
+)
 from plait.data.sft_prepare import (
     RowDataset,
     RowFormat,
@@ -23,6 +31,7 @@ from plait.data.sft_prepare import (
     prepare_rows,
     rows_directory,
 )
+from plait.data.tokenizer_files import file_sha256
 from plait.launch import exit_worker_now, finish_worker, init_worker, local_world_size
 from plait.train.trainer import Trainer
 
@@ -38,6 +47,8 @@ def prepare_data(recipe: Recipe, progress: bool = False) -> Path:
     larger than ``model.hf_path``'s vocabulary), both ``ValueError``, naming the file and the numbers.
     """
     d = recipe.data
+    if d.format == "prompts":
+        return prepare_prompt_rows(recipe, report=progress)
     if d.format != "text":
         return prepare_fine_tuning_rows(recipe, report=progress)
     path = prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
@@ -79,6 +90,41 @@ def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
         raise DataError(f"data.tokenizer has {rows.vocab_size} tokens but the model's vocabulary is {model_vocab}; "
                         f"use the model's own tokenizer")
     return path
+
+
+def prepare_prompt_rows(recipe: Recipe, *, report: bool = False) -> Path:
+    """The prepared prompts of a ``data.format: prompts`` recipe (or the prepared directory it names),
+    checked against ``data.tokenizer`` (the prompts' tokenizer identity), ``grpo.eval_source``,
+    ``data.seq_len`` with ``grpo.max_new_tokens`` and the model's vocabulary; ``report`` prints
+    the splits."""
+    d, g = recipe.data, recipe.grpo
+    given = prompts_directory(d.source)
+    if given is not None:
+        path = given
+        index = prompts_index(path) or {}
+        if g.eval_source is not None and index.get("eval_source_sha256") != _sha256(g.eval_source):
+            raise DataError(f"data.source {d.source!r} holds prompts prepared with another validation split than "
+                            f"grpo.eval_source={g.eval_source!r}; remove grpo.eval_source, or prepare the prompts "
+                            f"again from their .jsonl file")
+    else:
+        path = prepare_prompts(d.source, d.tokenizer, seq_len=d.seq_len, max_new_tokens=g.max_new_tokens,
+                               val_fraction=d.val_fraction, seed=recipe.run.seed, eval_source=g.eval_source,
+                               cache_dir=d.cache_dir)
+    if report:
+        print(f"data: {describe_prompts(path)} -> {path}", flush=True)
+    check_rows_tokenizer(path, d.tokenizer)
+    check_prompts_fit(path, seq_len=d.seq_len, max_new_tokens=g.max_new_tokens)
+    prompts = PromptDataset(path, "train")
+    model_vocab = recipe.model.to_model_config(prompts.vocab_size).vocab_size
+    if prompts.vocab_size > model_vocab:
+        raise DataError(f"data.tokenizer has {prompts.vocab_size} tokens but the model's vocabulary is "
+                        f"{model_vocab}; use the model's own tokenizer")
+    return path
+
+
+def _sha256(path: str) -> str | None:
+    p = Path(path).expanduser()
+    return file_sha256(p) if p.is_file() else None
 
 
 #: errors a worker reports as one line (their messages name the file, field or step and the fix)
