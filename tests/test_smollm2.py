@@ -168,3 +168,28 @@ def test_hf_to_plait_train_then_back_to_hf_and_transformers_generates(smol, tmp_
     ids = tok("To be, or not to be", return_tensors="pt").input_ids
     text = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0])
     assert text.startswith("To be, or not to be") and len(text) > len("To be, or not to be")
+
+
+def test_kv_cache_greedy_equals_transformers_generate(smol):
+    """The decoding engine on real weights: four chat prompts of different lengths decoded together
+    (left padding) give, row for row, the tokens transformers' cached ``generate`` gives alone."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from plait.inference import generate_tokens
+
+    path, _ = smol
+    tok = AutoTokenizer.from_pretrained(path)
+    questions = ["What is 48 + 17?", "Name a prime number larger than ten and explain why it is prime.",
+                 "Say hello.", "Write one sentence about the sea."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in questions]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ours = generate_tokens(load_from_hf(path, single_process_mesh()), prompts, 24)
+    for prompt, completion in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                 use_cache=True, pad_token_id=0)
+        assert completion.tokens == theirs[0, len(prompt):].tolist()

@@ -151,7 +151,8 @@ def scoring_template(tokenizer_dir: Path, tokenizer: Tokenizer) -> ChatTemplate:
                         f"it, or remove it to use plait's default ChatML template") from None
 
 
-def _stop_ids(tokenizer: Tokenizer, template: ChatTemplate) -> list[int]:
+def answer_stop_ids(tokenizer: Tokenizer, template: ChatTemplate) -> list[int]:
+    """The ids that end an assistant answer under ``template`` (its end-of-turn and end-of-text tokens)."""
     ids = [tokenizer.token_to_id(t) for t in (template.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>")
            if t]
     return sorted({i for i in ids if i is not None})
@@ -213,7 +214,7 @@ def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathL
     tokenizer = load_tokenizer_file(tokenizer_dir / "tokenizer.json")
     template = scoring_template(tokenizer_dir, tokenizer)
     rows: list[SFTRow] = _rows("sft", rows_file, limit)
-    stop = _stop_ids(tokenizer, template)
+    stop = answer_stop_ids(tokenizer, template)
     plain = plain_tokenizer(tokenizer)
     context = config_of(model).max_position_embeddings
     rendered = [_prompt_and_answer(row, template) for row in rows]

@@ -85,7 +85,8 @@ def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (),
     blocks (default: the ``ModuleList``/``Sequential``/``ModuleDict`` holding the most parameters).
     ``concrete_args``: fx's argument of that name; default ``None`` for each of plait's optional
     forward inputs the forward takes (``labels``, the packed layout ``position_ids`` /
-    ``segment_ids``, ``loss_normalizer``): the traced path is the plain next-token one.
+    ``segment_ids``, ``loss_normalizer``) and ``logits_to_keep=0``: the traced path is the plain
+    next-token one.
 
     Raises :class:`TraceError` when tracing fails (naming the code and how to make it a leaf) or
     when the graph is not a chain through the blocks.
@@ -94,7 +95,7 @@ def trace_units(model: nn.Module, leaf_types: tuple[type, ...] = (),
     leaves = tuple(leaf_types)
     if concrete_args is None:
         params = inspect.signature(model.forward).parameters
-        concrete_args = {name: None for name in _OPTIONAL_INPUTS if name in params} or None
+        concrete_args = {name: value for name, value in _OPTIONAL_INPUTS.items() if name in params} or None
     tracer = _UnitTracer(leaves, blocks)
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
@@ -170,7 +171,9 @@ def find_block_list(model: nn.Module) -> str:
 
 # ------------------------------------------------------------------------------------- fx tracer
 #: optional inputs of plait's causal-LM forward, fixed to ``None`` when tracing
-_OPTIONAL_INPUTS = ("labels", "position_ids", "segment_ids", "loss_normalizer")
+#: plait's optional forward inputs and the value each is traced with (the plain next-token path)
+_OPTIONAL_INPUTS: dict[str, Any] = {"labels": None, "position_ids": None, "segment_ids": None,
+                                    "loss_normalizer": None, "logits_to_keep": 0}
 
 
 class _UnitTracer(torch.fx.Tracer):

@@ -51,6 +51,7 @@ from plait.context_parallel.attention import ContextParallel
 from plait.context_parallel.batch import split_token_batch
 from plait.data.batch import TokenBatch
 from plait.data.loader import BatchLoader
+from plait.data.prompt_prepare import PromptDataset
 from plait.data.sampler import GlobalBatchSampler
 from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
@@ -69,6 +70,7 @@ from plait.moe.step_load import attach_load_balancing
 from plait.pipeline.hooks import LossHead, ReferencePass, RuntimeHooks
 from plait.pipeline.runtime import PipelineRuntime
 from plait.plan.pipeline_split import partition_for
+from plait.post_training.grpo_head import GRPOHead
 from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy, policy_for
 from plait.train.agreement import RankAgreement, StopSignals
@@ -76,13 +78,14 @@ from plait.train.checkpointing import RunCheckpoints, restore
 from plait.train.compile import compile_stages, use_compile_cache
 from plait.train.compile_timing import CompileTiming
 from plait.train.final_export import AdapterExport, FullModelExport, run_model_use_files
+from plait.train.grpo import GRPOObjective, RolloutLoader, grpo_head, grpo_objective
 from plait.train.host_syncs import HostSyncDetector
 from plait.train.loggers import JsonlSink, MetricsSink, MultiSink, ProgressSink, TensorBoardSink, keep_metrics_through
 from plait.train.lr_schedules import build_scheduler
 from plait.train.moe_statistics import MoeStatistics
 from plait.train.objectives import NextTokenObjective, PreferenceObjective, Validation
 from plait.train.plugins import FinalExport, Objective, StepPlugin
-from plait.train.preference import freeze, preference_head, reference_pass_for
+from plait.train.preference import freeze, preference_head, reference_mode_of, reference_pass_for
 from plait.train.reference_precompute import attach_precomputed_reference
 from plait.train.run import Run
 from plait.train.run_state import Dataset, RunState
@@ -200,18 +203,22 @@ def scheduler_at(optimizer: torch.optim.Optimizer, recipe: Recipe, step: int) ->
 
 def open_datasets(recipe: Recipe, prepared_dir: str | Path) -> tuple[Dataset, Dataset]:
     """The train and validation splits: token streams cut into ``seq_len`` sequences (``text``), or
-    prepared fine-tuning rows (``sft``, ``preference``)."""
+    prepared fine-tuning rows (``sft``, ``preference``), or prepared prompts (``prompts``: GRPO's
+    training prompts and its evaluation prompts)."""
+    if recipe.data.format == "prompts":
+        return PromptDataset(prepared_dir, "train"), PromptDataset(prepared_dir, "val")
     if recipe.data.format == "text":
         return (TokenDataset(prepared_dir, "train", recipe.data.seq_len),
                 TokenDataset(prepared_dir, "val", recipe.data.seq_len))
     return RowDataset(prepared_dir, "train"), RowDataset(prepared_dir, "val")
 
 
-def objective_for(recipe: Recipe, head: PreferenceHead | None, validation: Validation,
+def objective_for(recipe: Recipe, head: PreferenceHead | GRPOHead | None, validation: Validation,
                   prepared_dir: Path, vocab_size: int) -> Objective:
     """``train.objective``'s plug-in: the preference objectives read their head; ``lm`` on plain
-    text compares with the unigram baseline of the prepared text."""
-    if head is not None:
+    text compares with the unigram baseline of the prepared text (GRPO's, which needs the built
+    run, is made by :func:`plait.train.grpo.grpo_objective`)."""
+    if isinstance(head, PreferenceHead):
         return PreferenceObjective(recipe.train.objective, head, validation)
     text = recipe.data.format == "text"
     return NextTokenObjective(recipe.train.objective, validation, prepared_dir if text else None, vocab_size)
@@ -312,11 +319,14 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
         compile_stages(stages, t.compile_mode)
     optimizer = build_optimizer(resolved, stages, mesh, policy)
     p = r.parallel
-    head = preference_head(resolved, mesh, config.vocab_size, device)
+    head: PreferenceHead | GRPOHead | None = preference_head(resolved, mesh, config.vocab_size, device)
+    if head is None:
+        head = grpo_head(resolved, mesh, config.vocab_size, device)
+    reference_mode = reference_mode_of(resolved)
     reference_pass = None
-    if head is not None:
+    if head is not None and reference_mode is not None:
         reference_stages = None
-        if r.preference.reference_mode(t.objective, lo.rank) == "frozen":  # the initial model, built the same way
+        if reference_mode == "frozen":  # the initial model, built the same way
             reference_stages = freeze(build_stages_for(resolved, mesh, config, train_data.vocab_size, device),
                                       policy.param_dtype)
         reference_pass = reference_pass_for(resolved, head, mesh, policy, config.hidden_size,
@@ -340,7 +350,10 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                      dropout_seed=seed, control=control,
                      objective=objective_for(r, head, validation, prepared_dir, train_data.vocab_size),
                      plugins=plugins_for(resolved, stages, mesh, config, control, agreement, rank, world))
-    if head is not None and r.preference.reference_mode(t.objective, lo.rank) == "precompute":
+    if isinstance(head, GRPOHead):  # its loader samples each step's batch from the policy
+        assert isinstance(train_data, PromptDataset) and isinstance(val_data, PromptDataset), "format prompts"
+        state.objective = grpo_objective(resolved, state, head, train_data, val_data)
+    if isinstance(head, PreferenceHead) and reference_mode == "precompute":
         attach_precomputed_reference(state, head, prepared_dir)  # scored by the initial model
     state.start_step = _resume(state)  # the checkpoint is restored into this state
     state.scheduler = scheduler_at(optimizer.inner, r, state.start_step)
@@ -348,9 +361,14 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     checkpoints = RunCheckpoints(state, CheckpointWriter(resolved.save_dir, rank=rank, world=world, keep=c.keep,
                                                          keep_every=c.keep_every),
                                  run_model_use_files(state), asynchronous=c.async_save)
-    sampler = GlobalBatchSampler(len(train_data), resolved.global_batch_size, r.run.seed)
-    loader = BatchLoader(train_data, sampler, dp_rank=state.dp.rank, dp=state.dp.size, microbatches=p.microbatches,
-                         prefetch=r.data.prefetch, start_step=state.start_step)
+    loader: BatchLoader | RolloutLoader
+    if isinstance(state.objective, GRPOObjective):
+        loader = state.objective.loader
+        loader.step = state.start_step
+    else:
+        sampler = GlobalBatchSampler(len(train_data), resolved.global_batch_size, r.run.seed)
+        loader = BatchLoader(train_data, sampler, dp_rank=state.dp.rank, dp=state.dp.size,
+                             microbatches=p.microbatches, prefetch=r.data.prefetch, start_step=state.start_step)
     fpt = model_flops_per_token(config, r.data.seq_len, weight_gradients=lo.rank is None)  # a frozen base: 4N
     peak = measure_peak_once(r, rank, world, device)  # before the sinks start their threads
     return Run(state=state, loader=loader, checkpoints=checkpoints, export=final_export_for(state, checkpoints),

@@ -16,6 +16,9 @@ batch and through the same pipeline:
 * ``precompute``: no pass in the step; the batches carry the initial model's sums, scored once
   and stored with the prepared data (:mod:`plait.train.reference_precompute`).
 
+GRPO's KL reference (``grpo.kl_coef > 0``) uses the same two passes with the GRPO head
+(:func:`reference_mode_of`).
+
 Both passes run in eval mode (no dropout), so the reference is deterministic and draws nothing
 from the generators the policy's dropout uses.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,7 +38,7 @@ from plait.config.schema import PREFERENCE_OBJECTIVES
 from plait.data.batch import TokenBatch
 from plait.lora import adapters_disabled
 from plait.mesh import ParallelMesh
-from plait.pipeline.hooks import ReferencePass, RuntimeHooks
+from plait.pipeline.hooks import LossHead, ReferencePass, RuntimeHooks
 from plait.pipeline.runtime import PipelineRuntime
 from plait.post_training.head import PreferenceHead
 from plait.post_training.objectives import PreferenceSettings
@@ -60,11 +64,18 @@ def eval_mode(stages: list[nn.Module]) -> Iterator[None]:
             module.training = mode
 
 
+class ReferenceCollector(LossHead, Protocol):
+    """A loss head that stores the reference model's log-probabilities of the micro-batches bound
+    inside :meth:`collecting_reference` (the preference head, the GRPO head)."""
+
+    def collecting_reference(self) -> AbstractContextManager[None]: ...
+
+
 class AdaptersOffPass:
     """``adapters_off``: the policy's own stages with every adapter disabled, forward only through
     the runtime that is about to run the step."""
 
-    def __init__(self, head: PreferenceHead) -> None:
+    def __init__(self, head: ReferenceCollector) -> None:
         self.head = head
 
     def __call__(self, runtime: PipelineRuntime, tokens: TokenBatch) -> None:
@@ -76,7 +87,7 @@ class AdaptersOffPass:
 class FrozenPass:
     """``frozen``: the reference copy's own forward-only runtime over the same layout."""
 
-    def __init__(self, reference: PipelineRuntime, head: PreferenceHead) -> None:
+    def __init__(self, reference: PipelineRuntime, head: ReferenceCollector) -> None:
         self.reference, self.head = reference, head
 
     def __call__(self, runtime: PipelineRuntime, tokens: TokenBatch) -> None:  # noqa: ARG002 - its own runtime
@@ -104,15 +115,26 @@ def preference_head(resolved: ResolvedRecipe, mesh: ParallelMesh, vocab_size: in
                           microbatches=r.parallel.microbatches, dp_size=mesh.info("dp").size, device=device)
 
 
-def reference_pass_for(resolved: ResolvedRecipe, head: PreferenceHead, mesh: ParallelMesh, policy: PrecisionPolicy,
-                       hidden_size: int, precision_context: Callable[[], AbstractContextManager[object]],
+def reference_mode_of(resolved: ResolvedRecipe) -> str | None:
+    """The reference model the objective trains against: a preference objective's
+    (``preference.reference``), GRPO's KL reference (``grpo.reference``, none without a KL term),
+    ``None`` for the others."""
+    r = resolved.recipe
+    if r.train.objective == "grpo":
+        return r.grpo.reference_mode(r.lora.rank)
+    return r.preference.reference_mode(r.train.objective, r.lora.rank)
+
+
+def reference_pass_for(resolved: ResolvedRecipe, head: ReferenceCollector, mesh: ParallelMesh,
+                       policy: PrecisionPolicy, hidden_size: int,
+                       precision_context: Callable[[], AbstractContextManager[object]],
                        reference_stages: list[nn.Module] | None) -> ReferencePass | None:
     """The reference model's pass before every schedule (see the module doc); ``None`` for
     ``precompute`` (the batches carry the table's sums) and the objectives without a reference.
     ``reference_stages``: the frozen copy, for ``reference: frozen``."""
     r = resolved.recipe
     p = r.parallel
-    mode = r.preference.reference_mode(r.train.objective, r.lora.rank)
+    mode = reference_mode_of(resolved)
     if mode == "adapters_off":
         return AdaptersOffPass(head)
     if mode == "frozen":

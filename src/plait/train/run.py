@@ -4,10 +4,14 @@ optimizer, data, objective and plug-ins), and what the loop drives it with."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from plait.data.loader import BatchLoader
+import torch
+
+from plait.data.batch import TokenBatch
 from plait.train.agreement import StopSignals
 from plait.train.checkpointing import RunCheckpoints
 from plait.train.host_syncs import HostSyncDetector
@@ -18,13 +22,28 @@ from plait.train.running_metrics import RunningMetrics
 from plait.train.watchdog import Watchdog
 
 
+class BatchSource(Protocol):
+    """Where the loop's batches come from: the prepared data's loader (:class:`plait.data.loader.
+    BatchLoader`) or GRPO's rollouts (:class:`plait.train.grpo.RolloutLoader`)."""
+
+    #: seconds the loop has waited for a batch so far
+    wait_seconds: float
+
+    def __iter__(self) -> Iterator[torch.Tensor | TokenBatch]: ...
+
+    def __next__(self) -> torch.Tensor | TokenBatch: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class Run:
     """One rank's run. ``sinks`` exist on the writing rank (global rank 0) only."""
 
     state: RunState
-    #: this rank's batches from ``state.start_step`` on, built ahead by a background thread
-    loader: BatchLoader
+    #: this rank's batches from ``state.start_step`` on (built ahead by a background thread, or
+    #: sampled from the policy by GRPO's rollouts)
+    loader: BatchSource
     checkpoints: RunCheckpoints
     #: the final model's writer (full Hugging Face model or LoRA adapter)
     export: FinalExport
