@@ -249,3 +249,22 @@ def test_prepare_data_prepares_and_accepts_a_prepared_directory(task, capsys):
         prepare_data(short)
     error = _problems(_grpo(task, f"data.source={out}", "data.seq_len=96", "data.val_fraction=0.3"))
     assert error.fields == ["data.val_fraction"] and "already prepared" in str(error)
+
+
+def test_the_shipped_grpo_recipe_validates_and_its_reward_ranks_near_misses(tmp_path, monkeypatch):
+    """recipes/smollm2-135m-grpo.yaml as its header says to run it: from a directory holding the
+    task files and the recipes (its reward file is a path relative to there)."""
+    from pathlib import Path
+
+    from plait.data.tasks import write_task_files
+    from plait.post_training.rewards import load_reward
+
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    write_task_files(tmp_path / "task")
+    (tmp_path / "recipes").symlink_to(recipes)
+    monkeypatch.chdir(tmp_path)
+    resolved = check_recipe("recipes/smollm2-135m-grpo.yaml", world_size=2)
+    assert resolved.recipe.train.objective == "grpo" and resolved.global_batch_size % resolved.recipe.grpo.group_size == 0
+    reward = load_reward(resolved.recipe.grpo.reward)
+    row = {"answer": "36", "messages": []}
+    assert [reward(text, row) for text in (" 36\n", "18 * 2 = 36.", "360", "7", "no idea")] == [1.0, 0.3, 0.1, 0.1, 0.0]

@@ -279,6 +279,17 @@ def test_plot_of_a_preference_run_has_a_reward_panel(tmp_path):
     tall = imread(plot_run(pref, tmp_path / "pref.png"))
     short = imread(plot_run(plain, tmp_path / "plain.png"))
     assert tall.shape[0] > short.shape[0] * 1.3, (tall.shape, short.shape)
+    grpo = tmp_path / "grpo" / "metrics.jsonl"  # a GRPO run gets the rollout rewards panel
+    grpo.parent.mkdir()
+    for i, rec in enumerate(lines):
+        for key in ("rewards/accuracy", "rewards/margin", "val_rewards/accuracy", "val_rewards/margin"):
+            rec.pop(key, None)
+        if "loss" in rec:
+            rec.update({"reward/mean": 0.1 * i, "accuracy": 0.05 * i})
+        if "val_loss" in rec:
+            rec["val_exact_match"] = 0.3
+    grpo.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    assert imread(plot_run(grpo, tmp_path / "grpo.png")).shape == tall.shape
 
 
 def test_summary_table_content(tmp_path):

@@ -59,19 +59,24 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 def plot_run(metrics_jsonl: PathLike, out_png: PathLike, *, title: str | None = None) -> Path:
     """Write a PNG: training / validation loss vs step, tokens/s vs step and, for a preference run,
     a middle panel with the reward accuracy (left axis) and reward margin (right axis), train and
-    validation."""
+    validation; for a GRPO run, a middle panel with the rollouts' reward mean and accuracy and the
+    held-out exact match."""
     # lazy: matplotlib takes about half a second to import and only this plot (logging.plot) needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     records = read_metrics(metrics_jsonl)
     preference = any("rewards/accuracy" in r or "val_rewards/accuracy" in r for r in records)
-    fig = Figure(figsize=(8, 9.0 if preference else 6.5), dpi=100)
+    rollouts = any("reward/mean" in r for r in records)
+    middle = preference or rollouts
+    fig = Figure(figsize=(8, 9.0 if middle else 6.5), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(3 if preference else 2, 1, sharex=True)
+    axes = fig.subplots(3 if middle else 2, 1, sharex=True)
     ax_loss, ax_tps = axes[0], axes[-1]
     if preference:
         _plot_rewards(axes[1], records)
+    elif rollouts:
+        _plot_rollout_rewards(axes[1], records)
 
     steps, loss = _series(records, "loss")
     if steps:
@@ -97,6 +102,19 @@ def plot_run(metrics_jsonl: PathLike, out_png: PathLike, *, title: str | None = 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
+
+
+def _plot_rollout_rewards(ax: Axes, records: list[dict[str, Any]]) -> None:
+    """A GRPO run's rollouts: reward mean and exact-match accuracy per interval, held-out exact match."""
+    for key, style, label in (("reward/mean", "-", "rollout reward (mean)"), ("accuracy", "--", "rollout accuracy"),
+                              ("val_exact_match", "o-", "held-out exact match")):
+        xs, ys = _series(records, key)
+        if xs:
+            ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1.0)
+    ax.set_ylabel("reward / accuracy")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize="small")
 
 
 def _plot_rewards(ax: Axes, records: list[dict[str, Any]]) -> None:
