@@ -86,6 +86,8 @@ REFUSED = {
     "grpo key with another objective": (["grpo.group_size=4"], "grpo.group_size"),
     "group splits a micro-batch": (["GRPO", "grpo.group_size=3"], "grpo.group_size"),
     "context parallel": (["GRPO", "parallel.cp=2"], "parallel.cp"),
+    "expert parallel": (["GRPO", "model.family=mixtral", "model.num_local_experts=4", "parallel.ep=2",
+                         "parallel.dp=2"], "parallel.ep"),
     "no room for the completion": (["GRPO", "grpo.max_new_tokens=128"], "grpo.max_new_tokens"),
     "unknown reward": (["GRPO", "grpo.reward=exact"], "grpo.reward"),
     "missing reward file": (["GRPO", "grpo.reward=no_such_file.py:score"], "grpo.reward"),

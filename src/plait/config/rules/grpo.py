@@ -60,6 +60,10 @@ def _check_sequences(c: Checker) -> None:
     if c.ok("parallel.cp") and p.cp > 1:
         c.add("parallel.cp", p.cp, "must be 1 with train.objective grpo: the rollouts are decoded whole, each "
                                    "sequence on one rank; set parallel.cp: 1")
+    if c.ok("parallel.ep") and p.ep > 1:
+        c.add("parallel.ep", p.ep, "must be 1 with train.objective grpo: each data-parallel rank decodes its own "
+                                   "prompts and stops when they end, while expert parallelism's all-to-all needs "
+                                   "every rank of the group in every decoding step; set parallel.ep: 1")
     if c.ok("grpo.max_new_tokens", "data.seq_len") and g.max_new_tokens >= d.seq_len:
         c.add("grpo.max_new_tokens", g.max_new_tokens, f"must be less than data.seq_len={d.seq_len} (a prompt and "
                                                        f"its completion share one sequence); lower it or raise "
