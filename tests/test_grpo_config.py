@@ -86,6 +86,8 @@ REFUSED = {
     "grpo key with another objective": (["grpo.group_size=4"], "grpo.group_size"),
     "group splits a micro-batch": (["GRPO", "grpo.group_size=3"], "grpo.group_size"),
     "context parallel": (["GRPO", "parallel.cp=2"], "parallel.cp"),
+    "eval batches are not grpo's": (["GRPO", "train.eval_batches=3"], "train.eval_batches"),
+    "nothing to prefetch": (["GRPO", "data.prefetch=4"], "data.prefetch"),
     "expert parallel": (["GRPO", "model.family=mixtral", "model.num_local_experts=4", "parallel.ep=2",
                          "parallel.dp=2"], "parallel.ep"),
     "no room for the completion": (["GRPO", "grpo.max_new_tokens=128"], "grpo.max_new_tokens"),

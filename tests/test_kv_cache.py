@@ -191,3 +191,30 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
             theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
                                  use_cache=True, pad_token_id=0)
         assert completion.tokens == theirs[0, len(prompt):].tolist()
+
+
+def test_a_forward_of_several_positions_into_a_filled_cache_is_causal():
+    """The engine feeds one token per step, but the cache serves any chunk: three positions after
+    a prefilled prompt see only themselves and earlier slots (the same logits as one at a time)."""
+    from plait.inference.attach import decoding
+    from plait.inference.kv_cache import KVCache
+
+    model = build_model(_config("llama"), single_process_mesh(), seed=1)
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5, 35]])
+    outs = []
+    for chunks in ([4, 3], [4, 1, 1, 1]):
+        cache = KVCache(1, 7, torch.zeros(1, dtype=torch.long))
+        pieces = []
+        with decoding(model, cache), torch.no_grad():
+            start = 0
+            for n in chunks:
+                cache.begin(n)
+                pieces.append(model(ids[:, start:start + n], position_ids=cache.positions(n)))
+                cache.advance(n)
+                start += n
+        outs.append(torch.cat(pieces, dim=1))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    model.eval()
+    with decoding(model, KVCache(1, 7, torch.zeros(1, dtype=torch.long))):
+        pass
+    assert not model.training  # a model in eval mode stays in eval mode

@@ -45,7 +45,7 @@ def decoding(model: nn.Module, cache: KVCache) -> Iterator[int]:
         saved.append((module, name, getattr(module, name)))
         setattr(module, name, value)
 
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's own mode comes back
     model.eval()
     try:
         for core in cores:
@@ -59,7 +59,8 @@ def decoding(model: nn.Module, cache: KVCache) -> Iterator[int]:
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
-        model.train(was_training)
+        for module, mode in modes:
+            module.training = mode
 
 
 __all__ = ["attention_cores", "decoding"]

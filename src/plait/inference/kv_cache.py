@@ -66,9 +66,9 @@ class KVCache:
             raise ValueError(f"the cache holds {self.max_len} positions; {start} are filled and {n} more do not fit")
         end = start + n
         windowed = self.window is not None and self.window < end
-        if not self._padded and not windowed:
+        if not self._padded and not windowed and (start == 0 or n == 1):
             # every key up to the query is visible: plain causal attention (prefill) or no mask at all
-            self.mask, self.causal = None, start == 0 and n > 1
+            self.mask, self.causal = None, n > 1
             return
         i = torch.arange(start, end, device=self.device).view(1, n, 1)
         j = torch.arange(end, device=self.device).view(1, 1, end)

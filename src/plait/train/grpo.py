@@ -19,13 +19,18 @@
   accuracy, completion length, dropped groups, rollout tokens/s, the share of the interval spent
   generating) each logging interval, and evaluates by held-out exact match of greedy answers.
 
-A resume in the middle of a rollout's epochs samples that rollout again from the resumed policy.
+Rewards are scored on every TP/PP rank of a replica and the first rank's are used by all, so a
+reward that is not deterministic cannot split one model's shards. A resume in the middle of a
+rollout's epochs samples that rollout again from the resumed policy (and takes its old
+log-probabilities from it), so such a run differs from an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +110,10 @@ class RolloutLoader:
     wait_seconds = 0.0  # rollouts are timed on their own (RolloutStats.seconds), not as data wait
 
     def __init__(self, stages: list[nn.Module], mesh: ParallelMesh, runtime: PipelineRuntime, head: GRPOHead,
-                 prompts: PromptDataset, settings: RolloutSettings, *, start_step: int = 0) -> None:
+                 prompts: PromptDataset, settings: RolloutSettings, *, start_step: int = 0,
+                 precision: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> None:
         self.stages, self.mesh, self.runtime, self.head = stages, mesh, runtime, head
+        self.precision = precision
         self.prompts, self.settings = prompts, settings
         self.step = start_step
         self.batch: TokenBatch | None = None
@@ -136,6 +143,33 @@ class RolloutLoader:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in self.stop], skip_special_tokens=True)
 
+    def sample(self, prompts: list[list[int]], seeds: list[int], sampling: Sampling, chunk: int) -> list[list[int]]:
+        """Completions of ``prompts``, decoded ``chunk`` rows at a time (a micro-batch: the KV cache
+        never holds more rows than training does); under the run's precision, every TP/PP rank of
+        the replica taking part. Seeds are per row, so the chunking changes nothing drawn."""
+        policy = StagesCausalLM(self.stages, self.mesh)
+        out: list[list[int]] = []
+        with self.precision():
+            for start in range(0, len(prompts), chunk):
+                done = generate_tokens(policy, prompts[start:start + chunk], self.settings.max_new_tokens,
+                                       sampling=sampling, seeds=seeds[start:start + chunk],
+                                       stop=StopRules(eos_ids=self.stop))
+                out.extend(c.tokens for c in done)
+        return out
+
+    def agreed(self, rewards: list[float]) -> list[float]:
+        """The rewards of the replica's first rank on every TP/PP rank of the replica: each rank scored
+        the same completions, and a reward that is not deterministic must not give the shards of one
+        model different advantages."""
+        values = torch.tensor(rewards, dtype=torch.float64)
+        for axis in ("tp", "pp"):
+            group = self.mesh.info(axis)
+            if group.size > 1:
+                buf = values.to(self.runtime.device)
+                dist.broadcast(buf, src=self.mesh.my_group_ranks(axis)[0], group=group.group)
+                values = buf.cpu()
+        return values.tolist()
+
     def rollout(self, index: int) -> TokenBatch:
         """Sample, score and lay out rollout ``index`` (collective over the replica's TP/PP ranks
         and, for the global counts, the data-parallel group)."""
@@ -148,18 +182,14 @@ class RolloutLoader:
         rows = [self.prompts.row(i) for i in mine]
         g = s.group_size
         seeds = [completion_seed(s.seed, index, first + p, g, m) for p in range(len(prompts)) for m in range(g)]
-        policy = StagesCausalLM(self.stages, self.mesh)
-        done = generate_tokens(policy, [p for p in prompts for _ in range(g)], s.max_new_tokens, sampling=s.sampling,
-                               seeds=seeds, stop=StopRules(eos_ids=self.stop))
-        completions = [c.tokens for c in done]
+        completions = self.sample([p for p in prompts for _ in range(g)], seeds, s.sampling, s.micro_batch_size)
         texts = [self.decode(c) for c in completions]
         expanded = [row for row in rows for _ in range(g)]
-        rewards = score_completions(s.reward, s.reward_name, texts, expanded)
+        rewards = self.agreed(score_completions(s.reward, s.reward_name, texts, expanded))
         batch = rollout_batch(prompts, completions, rewards, group_size=g, variant=s.variant,
                               microbatches=s.microbatches, micro_batch_size=s.micro_batch_size, seq_len=s.seq_len)
-        counts = torch.tensor([batch.kept_sequences, batch.kept_tokens], dtype=torch.float64)
-        if self.dp.size > 1:
-            dist.all_reduce(counts, group=self.dp.group)
+        counts = dp_sum(self.dp, self.runtime.device)(
+            torch.tensor([batch.kept_sequences, batch.kept_tokens], dtype=torch.float64))
         head.start_rollout(batch.targets, batch.advantages, num_sequences=int(counts[0]), num_tokens=int(counts[1]))
         tokens = TokenBatch(input_ids=batch.input_ids, labels=batch.labels)
         if s.epochs > 1:  # the sampling policy's log-probabilities, for the ratio of the later epochs
@@ -175,6 +205,10 @@ class RolloutLoader:
         st.groups_dropped += int((~batch.kept_groups).sum())
         st.seconds += time.perf_counter() - start
         return tokens
+
+
+#: evaluation prompts decoded together
+EVAL_CHUNK = 32
 
 
 class GRPOObjective(Objective):
@@ -218,11 +252,10 @@ class GRPOObjective(Objective):
         mine = list(range(self.dp.rank, rows, self.dp.size))
         counts = torch.zeros(2, dtype=torch.float64)
         if mine:
-            budget = loader.settings.max_new_tokens
-            done = generate_tokens(StagesCausalLM(loader.stages, loader.mesh), [self.eval_prompts.ids(i) for i in mine],
-                                   budget, stop=StopRules(eos_ids=loader.stop))
-            counts[0] = sum(exact_match(loader.decode(c.tokens), self.eval_prompts.row(i))
-                            for c, i in zip(done, mine, strict=True))
+            completions = loader.sample([self.eval_prompts.ids(i) for i in mine], [0] * len(mine),
+                                        Sampling(greedy=True), EVAL_CHUNK)
+            counts[0] = sum(exact_match(loader.decode(c), self.eval_prompts.row(i))
+                            for c, i in zip(completions, mine, strict=True))
             counts[1] = len(mine)
         counts = self._sum_dp(counts)
         self._interval_start += time.perf_counter() - began  # the evaluation counts in no interval's share
@@ -261,7 +294,7 @@ def grpo_objective(resolved: ResolvedRecipe, state: RunState, head: GRPOHead, tr
         microbatches=r.parallel.microbatches, micro_batch_size=r.data.micro_batch_size, seq_len=r.data.seq_len,
         seed=r.run.seed)
     loader = RolloutLoader(state.stages, state.mesh, state.runtime, head, train_prompts, settings,
-                           start_step=state.start_step)
+                           start_step=state.start_step, precision=lambda: state.policy.compute_context(state.device))
     dp = state.mesh.info("dp")
     return GRPOObjective(head, loader, eval_prompts, eval_rows=g.eval_rows, pp=state.mesh.info("pp"), dp=dp,
                          world_sum=dp_sum(dp, state.device))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from plait.config.problems import divisors
 from plait.config.rules.checker import Checker
-from plait.config.schema import DataSection
+from plait.config.schema import DataSection, TrainSection
 from plait.post_training.rewards import load_reward
 
 
@@ -28,6 +28,21 @@ def check_grpo(c: Checker) -> None:
     _check_reward(c)
     _check_reference(c)
     _check_eval_source(c)
+    _check_unused(c)
+
+
+def _check_unused(c: Checker) -> None:
+    """Keys of other objectives that GRPO would silently ignore: its evaluation decodes
+    ``grpo.eval_rows`` prompts (not ``train.eval_batches`` batches) and its batches are sampled by
+    the policy at each step (nothing is prefetched)."""
+    t, d = c.r.train, c.r.data
+    if c.ok("train.eval_batches") and t.eval_batches != TrainSection().eval_batches:
+        c.add("train.eval_batches", t.eval_batches, "has no effect with train.objective grpo (its evaluation "
+                                                    "scores the first grpo.eval_rows evaluation prompts); set "
+                                                    "grpo.eval_rows instead")
+    if c.ok("data.prefetch") and d.prefetch != DataSection().prefetch:
+        c.add("data.prefetch", d.prefetch, "has no effect with train.objective grpo (each step's batch is sampled "
+                                           "from the policy of that step, so nothing can be built ahead); remove it")
 
 
 def _refuse_set_fields(c: Checker) -> None:
