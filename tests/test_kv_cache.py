@@ -8,7 +8,8 @@ cache and compares every row with the same prompt decoded alone without a cache,
 * greedy and seeded sampling, for every family (Llama, Qwen3, Mistral with a window shorter than
   the generation, Mixtral, Qwen3-MoE);
 * under TP=2 with sequence parallelism on and KV replication (one K/V head on two ranks), under
-  PP=2 (hidden states passed per decode step) and under TP=2 x PP=2;
+  PP=2 (hidden states passed per decode step), and in the slow suite under TP=2 x PP=2 with a
+  window and TP=2 on Qwen3-MoE;
 * plait's greedy tokens equal transformers' ``generate`` (with its own cache) on random tiny
   models of each family.
 
@@ -148,9 +149,12 @@ LAYOUTS = {
     "tp2_pp2_window": ("mistral", 2, 2, True, {}),
     "tp2_moe": ("qwen3_moe", 2, 1, True, {}),
 }
+#: run by the slow suite only (4 ranks, and a second TP case)
+SLOW_LAYOUTS = ("tp2_pp2_window", "tp2_moe")
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
+                                  for n in LAYOUTS])
 def test_cached_under_tp_and_pp_equals_one_process(name):
     family, tp, pp, sp, changes = LAYOUTS[name]
     reference = _reference(build_model(_config(family, **changes), single_process_mesh(), seed=1))
