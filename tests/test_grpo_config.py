@@ -272,4 +272,4 @@ def test_the_shipped_grpo_recipe_validates_and_its_reward_ranks_near_misses(tmp_
     assert resolved.recipe.train.objective == "grpo" and resolved.global_batch_size % grpo.group_size == 0
     reward = load_reward(grpo.reward)
     row = {"answer": "36", "messages": []}
-    assert [reward(text, row) for text in (" 36\n", "18 * 2 = 36.", "360", "7", "no idea")] == [1.0, 0.3, 0.1, 0.1, 0.0]
+    assert [reward(text, row) for text in (" 36\n", "18 * 2 = 36.", "360", "7", "no idea")] == [1.0, 0.3, 0.0, 0.0, 0.0]

@@ -2,9 +2,11 @@
 
 Exact match alone gives an instruct model that explains its answers ("18 * 2 = 36, so...") no
 signal: every completion of a group scores 0, so every advantage is 0. This reward keeps exact
-match's top score for the asked answer (the number only) and ranks the near misses below it:
-the right number inside other words, then a bare number that is wrong (the asked format). A group
-that is partly right then has a gradient towards both the number and the format.
+match's top score for the asked answer (the right number alone) and gives part of it to the right
+number inside other words, so a group that is partly right has a gradient towards the number and
+then towards the format. A wrong number scores 0 however it is written: a reward for the bare
+format alone is learned in a few steps and leaves every completion of a group equal (measured:
+the policy collapsed onto bare wrong numbers, reward 0.1 everywhere, no gradient).
 """
 
 import re
@@ -19,6 +21,4 @@ def reward(completion: str, row: dict) -> float:
         return 1.0
     if answer in NUMBER.findall(text):
         return 0.3
-    if NUMBER.fullmatch(text):
-        return 0.1
     return 0.0
