@@ -54,6 +54,21 @@ def test_eval_scores_sft_and_preference_rows_of_a_model_and_an_adapter(setup):
     assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
+def test_eval_scores_grpo_prompt_rows_as_their_sft_twins(setup):
+    """The task's prompt rows are its SFT rows without the answer turn: the same prompts, so the
+    same greedy answers and score; `plait eval` recognises them by their 'answer'."""
+    from plait.heldout import exact_match, load_scoring_model, scoring_rows
+
+    root, paths, _ = setup
+    model, tokenizer_dir = load_scoring_model(root / "base")
+    sft = exact_match(model, tokenizer_dir, scoring_rows("sft", paths["sft_heldout"]), max_new_tokens=4)
+    prompts = exact_match(model, tokenizer_dir, scoring_rows("prompts", paths["prompts_heldout"]), max_new_tokens=4)
+    assert prompts.examples == sft.examples and (prompts.correct, prompts.total) == (sft.correct, sft.total)
+    out = plait("eval", str(root / "base"), "--data", str(paths["prompts_heldout"]), "--json", "--max-new-tokens", "4")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kind"] == "prompts"
+
+
 def test_merge_lora_equals_base_plus_adapter_and_refuses_mistakes(setup):
     root, _, adapted = setup
     out = plait("convert", str(root / "adapter"), str(root / "merged"), "--merge-lora")

@@ -185,3 +185,17 @@ def test_a_messages_row_is_named_by_its_last_user_message_and_a_missing_answer_i
     with pytest.raises(RewardError, match=r"on row 0 \(prompt 'What is 48 \+ 17\?'\) raised ValueError: the row "
                                           r"has no 'answer' field"):
         score_completions(exact_match, "exact_match", ["65"], [{"messages": ROW["messages"]}])
+
+
+def test_regex_typos_and_async_rewards_are_refused(tmp_path):
+    """An empty pattern (only an empty completion would match), a mistyped placeholder (matched as
+    literal text) and an async reward (its call returns a coroutine) fail when loaded."""
+    with pytest.raises(RewardError, match="the pattern is empty"):
+        regex_reward("")
+    with pytest.raises(RewardError, match=r"holds \{answr\}, which is no placeholder"):
+        regex_reward("{answr}")
+    assert regex_reward(r"\{x\}")("{x}", {"answer": "1"}) == 1.0  # escaped braces stay literal
+    file = tmp_path / "coro.py"
+    file.write_text("async def reward(completion, row):\n    return 1.0\n")
+    with pytest.raises(RewardError, match="async function"):
+        load_reward(f"{file}:reward")

@@ -29,6 +29,7 @@ from torch import nn
 
 from plait.data.chat_template import ChatTemplate, load_chat_template
 from plait.data.errors import DataError
+from plait.data.prompt_prepare import PromptRow, read_prompt_rows, render_prompt
 from plait.data.sft_rows import PreferenceRow, SFTRow, read_preference_rows, read_sft_rows
 from plait.data.sft_tokenize import plain_tokenizer, preference_pair
 from plait.data.tokenizer import load_tokenizer_file
@@ -48,6 +49,10 @@ class ExactMatch:
     total: int
     correct: int
     examples: list[tuple[str, str, str]]  # (question, reference, answer) of the first few rows
+    #: rows whose prompt fills the model's context (scored as wrong: no room for an answer)
+    too_long: int = 0
+    #: rows whose answer budget the context cut below ``max_new_tokens``
+    capped: int = 0
 
     @property
     def score(self) -> float:
@@ -158,8 +163,12 @@ def answer_stop_ids(tokenizer: Tokenizer, template: ChatTemplate) -> list[int]:
     return sorted({i for i in ids if i is not None})
 
 
-def _prompt_and_answer(row: SFTRow, template: ChatTemplate) -> tuple[str, str, str]:
-    """(rendered prompt, question text, reference answer) of an SFT row."""
+def _prompt_and_answer(row: SFTRow | PromptRow, template: ChatTemplate) -> tuple[str, str, str]:
+    """(rendered prompt, question text, reference answer) of an SFT row or a prompt row (GRPO's:
+    its ``answer`` is the reference)."""
+    if isinstance(row, PromptRow):
+        users = [m.content for m in row.conversation or () if m.role == "user"]
+        return render_prompt(row, template), users[-1] if users else row.prompt or "", row.answer
     if row.messages is not None:
         history, last = row.messages[:-1], row.messages[-1]
         prompt = template.render([m.as_dict() for m in history], add_generation_prompt=True, where=row.where)
@@ -178,15 +187,24 @@ def scoring_rows(kind: Literal["preference"], rows_file: str | os.PathLike,
                  limit: int | None = None) -> list[PreferenceRow]: ...
 
 
-def scoring_rows(kind: Literal["sft", "preference"], rows_file: str | os.PathLike,
-                 limit: int | None = None) -> list[SFTRow] | list[PreferenceRow]:
+@overload
+def scoring_rows(kind: Literal["prompts"], rows_file: str | os.PathLike,
+                 limit: int | None = None) -> list[PromptRow]: ...
+
+
+def scoring_rows(kind: Literal["sft", "preference", "prompts"], rows_file: str | os.PathLike,
+                 limit: int | None = None) -> list[SFTRow] | list[PreferenceRow] | list[PromptRow]:
     """The first ``limit`` rows of ``rows_file`` (all when ``None``), read and checked before any
-    model loads; a file without rows is a :class:`DataError` (a score of nothing means nothing)."""
-    rows: list[SFTRow] | list[PreferenceRow]
-    rows = read_sft_rows(rows_file)[0] if kind == "sft" else read_preference_rows(rows_file)[0]
+    model loads; a file without rows is a :class:`DataError` (a score of nothing means nothing).
+    ``prompts``: GRPO's prompt rows, scored against their ``answer``."""
+    rows: list[SFTRow] | list[PreferenceRow] | list[PromptRow]
+    if kind == "prompts":
+        rows = read_prompt_rows(rows_file)
+    else:
+        rows = read_sft_rows(rows_file)[0] if kind == "sft" else read_preference_rows(rows_file)[0]
     if not rows:
         raise DataError(f"{rows_file}: no rows to score (the file is empty or only blank lines); give a .jsonl of "
-                        f"held-out {'SFT' if kind == 'sft' else 'preference'} rows, e.g. from `plait data task`")
+                        f"held-out {'SFT' if kind == 'sft' else kind} rows, e.g. from `plait data task`")
     return rows[:limit] if limit is not None else rows
 
 
@@ -201,7 +219,7 @@ EVAL_BATCH = 32
 
 
 @torch.no_grad()
-def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathLike | Sequence[SFTRow], *,
+def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathLike | Sequence[SFTRow | PromptRow], *,
                 limit: int | None = None, max_new_tokens: int = 16, examples: int = 3,
                 batch_size: int = EVAL_BATCH) -> ExactMatch:
     """Greedy answers to the SFT rows of ``rows_file`` (a path, or rows from :func:`scoring_rows`)
@@ -213,7 +231,7 @@ def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathL
     the model's context leaves after its prompt."""
     tokenizer = load_tokenizer_file(tokenizer_dir / "tokenizer.json")
     template = scoring_template(tokenizer_dir, tokenizer)
-    rows: list[SFTRow] = _rows("sft", rows_file, limit)
+    rows: list[SFTRow | PromptRow] = _rows("sft", rows_file, limit)
     stop = answer_stop_ids(tokenizer, template)
     plain = plain_tokenizer(tokenizer)
     context = config_of(model).max_position_embeddings
@@ -222,6 +240,8 @@ def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathL
     answers: list[list[int]] = [[] for _ in rows]
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
     rules = StopRules(eos_ids=frozenset(stop))
+    too_long = sum(len(p) >= context for p in prompts)
+    capped = sum(0 < context - len(p) < max_new_tokens for p in prompts)
     for start in range(0, len(order), batch_size):
         batch = [i for i in order[start:start + batch_size] if context - len(prompts[i]) > 0]
         if not batch:
@@ -236,7 +256,7 @@ def exact_match(model: nn.Module, tokenizer_dir: Path, rows_file: str | os.PathL
         correct += answer == reference.strip()
         if len(shown) < examples:
             shown.append((question, reference, answer))
-    return ExactMatch(total=len(rows), correct=correct, examples=shown)
+    return ExactMatch(total=len(rows), correct=correct, examples=shown, too_long=too_long, capped=capped)
 
 
 def _response_logprob(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> float:

@@ -22,8 +22,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help="Hugging Face model directory, a packaged model's name "
                    "(smollm2-135m-instruct), or a PEFT adapter directory")
     p.add_argument("--data", required=True, metavar="FILE", help="held-out rows (.jsonl), e.g. from `plait data task`")
-    p.add_argument("--kind", choices=("auto", "sft", "preference"), default="auto",
-                   help="row kind (default: preference when the first row has 'chosen', else sft)")
+    p.add_argument("--kind", choices=("auto", "sft", "preference", "prompts"), default="auto",
+                   help="row kind (default: preference when the first row has 'chosen', prompts (GRPO's rows, "
+                        "scored against their 'answer') when it has 'answer', else sft)")
     p.add_argument("--base", default=None, metavar="DIR", help="base model of an adapter (default: the adapter's "
                                                                "base_model_name_or_path)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N rows")
@@ -36,7 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _kind(path: Path) -> str:
-    """``preference`` when the first non-blank line is an object with ``chosen``, else ``sft``;
+    """``preference`` when the first non-blank line is an object with ``chosen``, ``prompts`` when it
+    has ``answer``, else ``sft``;
     bytes that are not UTF-8 or JSON are left to the row reader, which names the line."""
     with path.open("rb") as f:
         for raw in f:
@@ -45,7 +47,9 @@ def _kind(path: Path) -> str:
                     row = json.loads(raw.decode("utf-8"))
                 except ValueError:  # not UTF-8, or not JSON
                     return "sft"
-                return "preference" if isinstance(row, dict) and "chosen" in row else "sft"
+                if isinstance(row, dict) and "chosen" in row:
+                    return "preference"
+                return "prompts" if isinstance(row, dict) and "answer" in row else "sft"
     return "sft"
 
 
@@ -102,18 +106,25 @@ def run(args: argparse.Namespace) -> int:
         if kind == "preference" and args.batch_size != 32:
             return _fail(f"--batch-size {args.batch_size} has no effect on preference rows ({data} is scored row by "
                          f"row, nothing is generated); drop it")
-        if kind == "sft":
+        if kind in ("sft", "prompts"):
             context = _context_of(base_dir or model_dir)
             if context is not None and args.max_new_tokens >= context:
                 return _fail(f"--max-new-tokens {args.max_new_tokens} does not fit the model's context "
                              f"(max_position_embeddings={context} in {(base_dir or model_dir) / 'config.json'}, prompt "
                              f"included); give --max-new-tokens {context - 1} or less")
-            sft_rows = scoring_rows("sft", data, args.limit)
+            sft_rows = scoring_rows("prompts", data, args.limit) if kind == "prompts" else \
+                scoring_rows("sft", data, args.limit)
             model, tokenizer_dir = load_scoring_model(args.model, args.base)
             em = exact_match(model, tokenizer_dir, sft_rows, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size)
-            result = {"kind": kind, "rows": em.total, "exact_match": round(em.score, 4)}
+            result = {"kind": kind, "rows": em.total, "exact_match": round(em.score, 4), "too_long": em.too_long,
+                      "capped": em.capped}
             lines = [f"exact match {em.correct}/{em.total} = {em.score:.1%}"]
+            if em.too_long:
+                lines.append(f"  {em.too_long} row(s) have a prompt that fills the model's context: scored as wrong")
+            if em.capped:
+                lines.append(f"  {em.capped} row(s) have less room than --max-new-tokens {args.max_new_tokens} left "
+                             f"in the model's context: their answers were cut to it")
             lines += [f"  Q: {q!r}  reference {r!r}  answer {a!r}" for q, r, a in em.examples]
         else:
             preference_rows = scoring_rows("preference", data, args.limit)

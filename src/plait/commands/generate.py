@@ -14,6 +14,7 @@ The text streams to stdout as the tokens come (the KV-cache engine, :mod:`plait.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise _UsageError(f"--top-k={args.top_k} must be >= 0 (0 disables top-k)")
     if not 0 < args.top_p <= 1:
         raise _UsageError(f"--top-p={args.top_p} must be in (0, 1]")
+    for option, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if not math.isfinite(value):
+            raise _UsageError(f"{option}={value} must be a finite number")
     if not args.greedy and not args.temperature > 0:
         raise _UsageError(f"--temperature={args.temperature} must be > 0 (use --greedy for argmax decoding)")
     _check_device(args.device)

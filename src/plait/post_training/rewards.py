@@ -64,6 +64,14 @@ def regex_reward(pattern: str) -> Reward:
     pattern is compiled here, with a sample answer in the placeholder: a bad pattern is a
     :class:`RewardError` naming it before any training starts.
     """
+    if not pattern:
+        raise RewardError("regex reward: the pattern is empty, which only an empty completion matches; give the "
+                          "regular expression a right completion matches, e.g. {answer}")
+    unknown = sorted(set(re.findall(r"\{([A-Za-z_]\w*)\}", pattern)) - {ANSWER[1:-1]})
+    if unknown:
+        raise RewardError(f"regex reward: pattern {pattern!r} holds {{{unknown[0]}}}, which is no placeholder (the "
+                          f"only one is {ANSWER}) and would match that text literally; write {ANSWER}, or "
+                          f"\\{{{unknown[0]}\\}} for literal braces")
     templated = ANSWER in pattern
     try:
         compiled = re.compile(pattern.replace(ANSWER, re.escape("0")) if templated else pattern)
@@ -133,6 +141,9 @@ def _load_user_reward(spec: str) -> Reward:
     if not callable(fn):
         raise RewardError(f"reward {spec!r}: {attr} in {path} is not callable (of type {type(fn).__name__}); give "
                           f"a function (completion, row) -> float")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise RewardError(f"reward {spec!r}: {attr} is an async function, whose call returns a coroutine, not a "
+                          f"number; make it a plain def")
     _check_signature(spec, attr, fn)
     return fn
 

@@ -15,13 +15,18 @@ from typing import Any
 
 import torch
 
+from plait.config.schema import TrainSection
 from plait.context_parallel.apply import whole_sequences
+from plait.data.prompt_prepare import PromptDataset
 from plait.data.tokenizer_files import copy_model_use_files
 from plait.inference import generate, model_context
 from plait.pipeline.stages_lm import StagesCausalLM
 from plait.train.final_export import model_use_sources
 from plait.train.report import plot_run, summary_table
 from plait.train.run import Run
+
+#: ``train.sample_prompt``'s default (a plain-text run's); a prompts run samples its own prompt instead
+DEFAULT_SAMPLE_PROMPT = TrainSection().sample_prompt
 
 
 def stopped_before(run: Run, what: str, step: int) -> bool:
@@ -47,6 +52,8 @@ def sample_text(run: Run, should_stop: Callable[[], bool] | None = None) -> str:
     st, t = run.state, run.state.recipe.train
     tokenizer = st.train_data.tokenizer()
     prompt = tokenizer.encode(t.sample_prompt).ids or [st.train_data.eos_id]
+    if isinstance(st.val_data, PromptDataset) and len(st.val_data) and t.sample_prompt == DEFAULT_SAMPLE_PROMPT:
+        prompt = st.val_data.ids(0)  # a prompts run answers its first evaluation prompt, in its chat template
     model = StagesCausalLM(st.stages, st.mesh)
     tokens = t.sample_tokens
     context = model_context(model)

@@ -262,10 +262,16 @@ class GRPOObjective(Objective):
         return {"val_exact_match": float(counts[0] / max(float(counts[1]), 1.0))}
 
     def summary_lines(self, final: dict[str, Any]) -> list[str]:
-        if "val_exact_match" not in final:
-            return []
-        return [f"held-out exact match {final['val_exact_match']:.1%} (greedy, first {self.eval_rows} evaluation "
-                f"prompts)"]
+        lines = []
+        if "reward/mean" in final:
+            lines.append(f"rollout reward {final['reward/mean']:.4f} (mean of the last interval), rollout accuracy "
+                         f"{final.get('accuracy', 0.0):.1%}, completion length {final.get('completion_tokens', 0):.1f} "
+                         f"tokens (the loss is ~0 by construction: advantages are centred)")
+        if "val_exact_match" in final:
+            rows = min(self.eval_rows, len(self.eval_prompts))
+            lines.append(f"held-out exact match {final['val_exact_match']:.1%} (greedy, first {rows} evaluation "
+                         f"prompts)")
+        return lines
 
 
 def grpo_head(resolved: ResolvedRecipe, mesh: ParallelMesh, vocab_size: int, device: torch.device) -> GRPOHead | None:
