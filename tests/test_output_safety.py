@@ -59,7 +59,7 @@ def run_dir(tmp_path_factory) -> Path:
     hf = _hf_model(tmp_path_factory.mktemp("src") / "hf")
     hf_to_plait(hf, run / "checkpoints", progress=False)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    (run / "recipe.yaml").write_text("run: {}\n")
+    (run / "recipe.yaml").write_text("# resolved recipe of this run\nrun: {}\n")
     return run
 
 
@@ -409,3 +409,15 @@ def test_a_data_error_met_by_a_worker_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "token id 5000" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "rank 0 (exit status 2)" in proc.stderr or "rank 1 (exit status 2)" in proc.stderr
+
+
+def test_a_folder_of_a_users_own_run_files_is_not_a_run(tmp_path):
+    """Only names a run writes, but no recipe plait wrote: the user's metrics.jsonl is not replaced."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.jsonl").write_text('{"my": "metrics"}\n')
+    assert classify(mine, "run") == "foreign"
+    (mine / "recipe.yaml").write_text("run: {}\n")  # a recipe of the user's own, without plait's header
+    assert classify(mine, "run") == "foreign"
+    (mine / "recipe.yaml").write_text("# resolved recipe of this run\nrun: {}\n")
+    assert classify(mine, "run") == "ours"

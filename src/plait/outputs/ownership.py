@@ -70,14 +70,28 @@ def write_marker(path: str | Path, kind: Kind) -> None:
     os.replace(tmp, marker)
 
 
+#: the first line of the resolved recipe a run writes at its start (``plait.train.entry``)
+RUN_RECIPE_HEADER = "# resolved recipe of this run"
+
+
 def _looks_like(path: Path, kind: Kind) -> bool:
-    """Recognise a directory plait wrote before it left markers, by what it holds."""
+    """Recognise a directory plait wrote before it left markers, by what it holds: for a run,
+    nothing but a run's entries, and among them the resolved recipe plait writes first, with its
+    header (a folder of a user's own ``metrics.jsonl`` or ``summary.txt`` is not a run)."""
     names = _entries(path)
     if kind == "run":
-        return bool(names) and set(names) <= RUN_ENTRIES
+        return bool(names) and set(names) <= RUN_ENTRIES and _written_recipe(path / "recipe.yaml")
     if kind == "checkpoints":
         return bool(names) and all(n.startswith("step-") and (path / n).is_dir() for n in names)
     return False
+
+
+def _written_recipe(path: Path) -> bool:
+    try:
+        with path.open(encoding="utf-8") as f:
+            return f.readline().startswith(RUN_RECIPE_HEADER)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def classify(path: str | Path, kind: Kind) -> Literal["absent", "empty", "ours", "foreign"]:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from plait.comm.primitives import GroupInfo
 from plait.data.batch import TokenBatch
+from plait.data.prompt_prepare import PromptDataset
 from plait.data.sft_prepare import RowDataset
-from plait.data.token_shards import TokenDataset
 from plait.post_training.head import PreferenceHead
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def rank_batches(dataset: Dataset, *, global_batch: int, batches: int, microbatc
         if isinstance(dataset, RowDataset):
             yield dataset.token_batch(mine, indices[start:start + global_batch], microbatches)
         else:
-            assert isinstance(dataset, TokenDataset), "GRPO's prompts are evaluated by their own objective"
+            assert not isinstance(dataset, PromptDataset), "GRPO's prompts are evaluated by their own objective"
             yield torch.stack([dataset[j] for j in mine]).view(microbatches, micro_batch_size, -1)
 
 
