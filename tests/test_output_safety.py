@@ -421,3 +421,22 @@ def test_a_folder_of_a_users_own_run_files_is_not_a_run(tmp_path):
     assert classify(mine, "run") == "foreign"
     (mine / "recipe.yaml").write_text("# resolved recipe of this run\nrun: {}\n")
     assert classify(mine, "run") == "ours"
+
+
+def test_a_run_refused_after_the_claim_leaves_nothing_in_a_users_folder(tmp_path, capsys):
+    """A user's existing empty folder as run.output_dir, a run refused for its data after the
+    directories were claimed: the folder keeps neither plait's marker nor its lock file."""
+    from chat_task import task_with_tokenizer
+
+    root, paths = task_with_tokenizer(tmp_path / "task", seed=1, train=8, heldout=2)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    argv = ["train", f"run.output_dir={mine}", "data.format=prompts", "train.objective=grpo",
+            f"data.source={paths['prompts_train']}", f"data.tokenizer={root / 'tokenizer.json'}", "data.seq_len=24",
+            "grpo.max_new_tokens=4", "grpo.group_size=2", "data.micro_batch_size=2", "parallel.tp=1",
+            "parallel.sequence_parallel=false", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2",
+            "scheduler.warmup_steps=0"]
+    assert main(argv) == 2
+    assert "seq_len" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == []
+    assert classify(mine, "run") == "empty"

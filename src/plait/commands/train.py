@@ -155,13 +155,14 @@ def run(args) -> int:
     from plait.checkpoint.format import CheckpointError
     from plait.checkpoint.preflight import claim_outputs
     from plait.outputs import OutputDirError
-    from plait.outputs.undo import missing_roots, remove_untouched
+    from plait.outputs.undo import missing_roots, remove_new_bookkeeping, remove_untouched, unmarked
 
     try:
         resumed = resume_target(resolved.recipe, resolved.save_dir)
         if resumed is not None:  # what the checkpoint holds, against the recipe, from its manifest alone
             check_resumable(resumed, resolved.recipe)
         created = missing_roots([resolved.output_dir, resolved.save_dir, resolved.checkpoint_dir])
+        existing = unmarked([resolved.output_dir, resolved.save_dir])
         # Held until this process ends: the launcher here, global rank 0 under torchrun/SLURM.
         # (several hosts started by plait train: no host knows it holds rank 0 before the rendezvous)
         locks = claim_outputs(resolved, lock=(not in_launched_world() and nnodes == 1)
@@ -189,8 +190,9 @@ def run(args) -> int:
     finally:
         for lock in locks:
             lock.release()
-        if not launched:  # refused before any rank started: the directories it created go again
-            remove_untouched(created)
+        if not launched:  # refused before any rank started: the directories it created go again, and
+            remove_untouched(created)  # the ones that existed lose the marker and lock it left in them
+            remove_new_bookkeeping([d for d in existing if d.is_dir()])
 
 
 def _prepare(resolved) -> int:

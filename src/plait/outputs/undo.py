@@ -5,7 +5,10 @@ unwritable disk fails in a second, not after minutes of tokenising); a run then 
 data must not leave those directories behind. :func:`missing_roots` notes, before the claim, the
 topmost directory of each target that does not exist yet; :func:`remove_untouched` removes each
 of them again if it holds nothing but plait's own bookkeeping files (the marker and the lock), so
-a directory that existed, or that anything else wrote into meanwhile, is never touched.
+a directory that existed, or that anything else wrote into meanwhile, is never touched. A
+directory that existed keeps nothing of the refused run either: :func:`unmarked` notes which of
+the targets had no marker before the claim, and :func:`remove_new_bookkeeping` takes the marker and
+the lock file out of those again (so a user's folder does not become "written by plait").
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+
+from plait.outputs.lock import LOCK_FILE
+from plait.outputs.ownership import MARKER
 
 
 def missing_roots(paths: Iterable[str | Path]) -> list[Path]:
@@ -43,3 +49,18 @@ def remove_untouched(roots: Iterable[Path]) -> list[Path]:
             shutil.rmtree(root, ignore_errors=True)
             removed.append(root)
     return removed
+
+
+def unmarked(paths: Iterable[str | Path]) -> list[Path]:
+    """The existing directories among ``paths`` that hold no ownership marker yet."""
+    return [Path(p) for p in paths if Path(p).is_dir() and not (Path(p) / MARKER).exists()]
+
+
+def remove_new_bookkeeping(directories: Iterable[Path]) -> None:
+    """Remove the marker and the lock file a refused claim left in ``directories`` (from :func:`unmarked`)."""
+    for directory in directories:
+        for name in (MARKER, LOCK_FILE):
+            try:
+                (directory / name).unlink()
+            except FileNotFoundError:
+                pass
