@@ -68,7 +68,7 @@ def test_fx_traces_with_decoder_layers_as_leaves():
 
     model = build_llama(_config(), single_process_mesh(), seed=0)
     optional = ("labels", "position_ids", "segment_ids", "loss_normalizer")  # the plain next-token path
-    graph = Tracer().trace(model, concrete_args=dict.fromkeys(optional))
+    graph = Tracer().trace(model, concrete_args={**dict.fromkeys(optional), "logits_to_keep": 0})
     gm = torch.fx.GraphModule(model, graph)
     calls = [n.target for n in graph.nodes if n.op == "call_module"]
     assert calls.count("model.layers.0") == 1 and calls.count("model.layers.1") == 1
