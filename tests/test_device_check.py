@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -28,6 +30,7 @@ def table_rows(stdout: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[1:]]
 
 
+@pytest.mark.slow  # ~40 s: runs every step of the script on the CPU; the default suite keeps the two below
 def test_dry_run_passes_every_step(tmp_path, request):
     # plait's cache (the compiled kernels of the toy model, the CPU's measured peak) persists
     # between test runs in pytest's cache directory, apart from the user's own cache
