@@ -1,4 +1,4 @@
-"""Data parallelism, ZeRO-1 and their 3-D combinations against one process: 20 AdamW steps, fp32.
+"""Data parallelism, ZeRO-1/2/3 and their 3-D combinations against one process: 20 AdamW steps, fp32.
 
 Every layout trains the same model on the same global batches through the real trainer. The
 per-step losses must equal the single-process run within a relative 1e-5, and so must the final
@@ -36,6 +36,17 @@ LAYOUTS = {
     "dp4-zero1-tied": pytest.param((["parallel.dp=4", "parallel.zero1=true", "model.tie_word_embeddings=true"],
                                     4, 1, 4), marks=pytest.mark.slow),
     "tp2xdp2-zero1": (["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true"], 4, 2, 2),
+    "dp2-zero2": (["parallel.dp=2", "parallel.zero=2"], 2, 2, 2),
+    "dp2-zero3": (["parallel.dp=2", "parallel.zero=3"], 2, 2, 2),
+    "dp4-zero2-tied": pytest.param((["parallel.dp=4", "parallel.zero=2", "model.tie_word_embeddings=true"], 4, 1, 4),
+                                   marks=pytest.mark.slow),
+    "dp4-zero3-accum": pytest.param((["parallel.dp=4", "parallel.zero=3"], 4, 2, 4), marks=pytest.mark.slow),
+    "dp2-zero3-keep-ckpt": pytest.param((["parallel.dp=2", "parallel.zero=3", "parallel.reshard_after_forward=false",
+                                          "train.activation_checkpointing=full"], 2, 2, 2), marks=pytest.mark.slow),
+    "tp2xdp2-zero3-sp": (["parallel.tp=2", "parallel.dp=2", "parallel.zero=3",
+                          "parallel.sequence_parallel=true"], 4, 2, 2),
+    "pp2xdp2-zero3-tied": (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
+                            "model.tie_word_embeddings=true"], 4, 4, 2),
     "tp2-kvrep2xdp2-zero1": pytest.param((["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
                                            "parallel.kv_replication=2", "model.num_key_value_heads=1"], 4, 2, 2),
                                          marks=pytest.mark.slow),
@@ -48,7 +59,8 @@ LAYOUTS = {
     "pp2xtp2xdp2-zero1-sp": pytest.param((["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
                                            "parallel.sequence_parallel=true"], 8, 4, 2), marks=pytest.mark.slow),
 }
-WEIGHT_TOL = {"tp2xdp2-zero1": 5e-5, "tp2-kvrep2xdp2-zero1": 5e-5, "pp2xtp2xdp2-zero1-sp": 5e-5}
+WEIGHT_TOL = {"tp2xdp2-zero1": 5e-5, "tp2-kvrep2xdp2-zero1": 5e-5, "pp2xtp2xdp2-zero1-sp": 5e-5,
+              "tp2xdp2-zero3-sp": 5e-5}
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +105,21 @@ def test_layout_matches_single_process(corpus, tmp_path, name):
         assert rel <= 5e-5, f"rank {rank}: relative grad-norm difference {rel:.2e}\n{r['norms']}\n{ref['norms']}"
     for key, err in weight_errors(merged_weights(results), ref["weights"]).items():
         assert err <= WEIGHT_TOL.get(name, 1e-5), f"{key}: relative weight difference {err:.2e}"
-    if "parallel.zero1=true" in overrides:
-        # every rank holds optimizer state for 1/dp of the parameters (+ its share of the padding)
-        for r in results:
-            m = r["memory"]
+    level = _zero_level(overrides)
+    for r in results:
+        m = r["memory"]
+        total_bytes = m["total_elements"] * 4  # fp32 weights and gradients
+        if level >= 1:  # every rank holds optimizer state for 1/dp of the parameters (+ its share of the padding)
             assert m["optimizer_state_bytes"] == m["expected_state_bytes"] > 0
             assert m["owned_elements"] * dp <= m["total_elements"]
             assert m["owned_elements"] * dp >= m["total_elements"] - m["padding_elements"] - 0
+        # ZeRO-2 keeps only the owned chunk of the gradients between steps, ZeRO-3 also of the weights
+        assert m["grad_bytes"] * (dp if level >= 2 else 1) == total_bytes, (level, m)
+        assert m["weight_bytes"] * (dp if level == 3 else 1) == total_bytes, (level, m)
+
+
+def _zero_level(overrides: list[str]) -> int:
+    for o in overrides:
+        if o.startswith("parallel.zero="):
+            return int(o.split("=")[1])
+    return 1 if "parallel.zero1=true" in overrides else 0

@@ -35,8 +35,9 @@ def train_and_gather(trainer, steps: int) -> dict:
         norms.append(read["grad_norm"])
     trainer.run.loader.close()
     weights = {}
-    for module in trainer.state.stages:
-        weights.update({k: v.float() for k, v in full_state_dict(module, trainer.state.tp).items()})
+    with trainer.state.optimizer.weights_gathered():  # ZeRO-3 keeps only shards between steps
+        for module in trainer.state.stages:
+            weights.update({k: v.float() for k, v in full_state_dict(module, trainer.state.tp).items()})
     return {"losses": losses, "norms": norms, "weights": weights}
 
 

@@ -68,7 +68,7 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
     precision = r.precision.preset if r.precision.preset in PRECISIONS else "bf16-pure"
     checkpointing = r.train.activation_checkpointing
     layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
-                    sequence_parallel=p.sequence_parallel, zero1=p.zero1,
+                    sequence_parallel=p.sequence_parallel, zero1=p.zero_level() >= 1,
                     activation_checkpointing="none" if checkpointing == "off" else checkpointing,
                     schedule=p.schedule, cp=p.cp)
     config = resolved.model_config()
@@ -128,6 +128,6 @@ def model_state_problem(resolved: ResolvedRecipe, *, memory: int | None = None,
         f"the {'model state' if accelerated else 'step peak'} of {who} ({_size(need)}: parameters, gradients and "
         f"optimizer state in {precision}{'' if accelerated else ', activations of data.micro_batch_size='}"
         f"{'' if accelerated else resolved.recipe.data.micro_batch_size}, tp={p.tp} pp={p.pp} dp={resolved.dp}"
-        f"{' zero1' if p.zero1 else ''}) exceeds this host's {_size(memory)} of physical memory; use a smaller "
+        f"{f' zero{p.zero_level()}' if p.zero_level() else ''}) exceeds this host's {_size(memory)} of physical memory; use a smaller "
         f"model or micro-batch, activation checkpointing, or shard it over more processes (parallel.tp, "
-        f"parallel.pp, parallel.zero1) on more hosts")
+        f"parallel.pp, parallel.zero) on more hosts")

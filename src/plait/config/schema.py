@@ -189,8 +189,16 @@ class ParallelSection(Section):
     kv_placement: Literal["interleaved", "adjacent"] = Field(
         default="interleaved", description="Placement of K/V replicas in the TP group: 'interleaved' or 'adjacent'",
         json_schema_extra=applies_when("tensor_parallel"))
-    zero1: Bool = Field(default=False, description="Shard optimizer state and master weights over DP (ZeRO-1); "
-                                                   "no effect (a warning) with dp=1")
+    zero: Literal[0, 1, 2, 3] | None = Field(
+        default=None, description="ZeRO level over the data-parallel ranks: 0 replicates everything; 1 shards "
+                                  "optimizer state and master weights; 2 also gradients; 3 also the weights, "
+                                  "gathered per decoder block. null = 1 if zero1 else 0; no effect (a warning) "
+                                  "with dp=1. See docs/data_parallel.md")
+    zero1: Bool = Field(default=False, description="The older spelling of zero: 1 (kept working)")
+    reshard_after_forward: Bool = Field(
+        default=True, description="zero: 3 only: free each block's gathered weights after its forward and "
+                                  "gather them again for its backward (false: keep them until its backward; "
+                                  "one more all-gather per block saved, more memory)")
     bucket_mb: Float = Field(default=25.0, gt=0, description="Size cap of a gradient bucket in MB; each "
                                                              "bucket's data-parallel reduction starts "
                                                              "as soon as its last gradient is ready")
@@ -213,6 +221,12 @@ class ParallelSection(Section):
     pipeline_cuts: list[str] | None = Field(
         default=None, description="With partition='manual': the layers that start stages 1.. (e.g. model.layers.4)",
         json_schema_extra=applies_when("pipeline"))
+
+    def zero_level(self) -> int:
+        """The ZeRO level the recipe asks for: ``zero``, or 1 for the older ``zero1: true``."""
+        if self.zero is not None:
+            return self.zero
+        return 1 if self.zero1 else 0
 
 
 DtypeName = Literal["fp32", "bf16"]

@@ -64,6 +64,7 @@ class Bucket:
     entries: list[ParamEntry] = field(default_factory=list)
     deferred: bool = False
     expert: bool = False  #: holds expert-parallel parameters (their squares are added over the expert group)
+    unit: int = -1  #: the ZeRO-3 gathering unit its parameters belong to (-1: no units were given)
 
     @property
     def numel(self) -> int:
@@ -120,13 +121,18 @@ class BucketPlan:
 
 def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, dp: GroupInfo,
                  sharded: bool, deferred_names: frozenset[str] = frozenset(),
-                 expert_names: frozenset[str] = frozenset(), expert_dp: GroupInfo | None = None) -> BucketPlan:
+                 expert_names: frozenset[str] = frozenset(), expert_dp: GroupInfo | None = None,
+                 unit_of: dict[str, int] | None = None) -> BucketPlan:
     """Lay out ``params`` (name, parameter, decay, norm weight), given in registration order.
 
     ``bucket_numel`` caps a bucket (a larger parameter gets a bucket of its own). Buckets are
-    reduced over ``dp``, the experts' over ``expert_dp`` (default ``dp``); ``sharded`` (ZeRO-1)
-    splits each bucket into its group's size of shards, of which this rank owns the one at its
+    reduced over ``dp``, the experts' over ``expert_dp`` (default ``dp``); ``sharded`` (ZeRO-1 and
+    up) splits each bucket into its group's size of shards, of which this rank owns the one at its
     rank in the group.
+
+    ``unit_of`` (ZeRO-3: parameter name -> gathering unit) closes a bucket wherever the unit
+    changes, so that no bucket spans two units and a unit's parameters can be gathered and freed
+    together; ``bucket_numel`` is then ignored (one bucket per unit and kind: one gather each).
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel={bucket_numel} must be positive")
@@ -144,12 +150,17 @@ def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, b
         current: Bucket | None = None
         for name, param, decay, weight in members:
             n = param.numel()
-            if current is not None and current.entries and (offset - current.start) + n > bucket_numel:
+            unit = -1 if unit_of is None else unit_of[name]
+            if unit_of is not None:
+                full = current is not None and current.unit != unit
+            else:
+                full = current is not None and (offset - current.start) + n > bucket_numel
+            if current is not None and current.entries and full:
                 offset = _close(current, offset, count)
                 current = None
             if current is None:
                 current = Bucket(len(buckets), offset, offset, group, shards=count, shard=mine, deferred=is_deferred,
-                                 expert=is_expert)
+                                 expert=is_expert, unit=unit)
                 buckets.append(current)
             entry = ParamEntry(name, param, offset, n, current.index, decay, weight)
             current.entries.append(entry)

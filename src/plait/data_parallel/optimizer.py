@@ -20,6 +20,7 @@ makes buckets divide evenly (:meth:`DistributedOptimizer.memory_report`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ from plait.comm.primitives import GroupInfo, all_gather_single
 from plait.data_parallel.buckets import Bucket, BucketPlan, ParamEntry, Segment, plan_buckets
 from plait.data_parallel.collectives import Handle, ShardCollectives
 from plait.data_parallel.grad_sync import GradSync
+from plait.data_parallel.param_shards import ShardedParams, plan_units
+from plait.data_parallel.sharded_grads import ShardedGradSync
 from plait.optim.flat_adamw import FlatAdamW, FlatRun
 from plait.optim.lowp_adamw import LowPrecisionAdamW
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
@@ -77,20 +80,27 @@ class DistributedOptimizer:
 
     def __init__(self, modules: list[nn.Module], policy: PrecisionPolicy, hyper: OptimizerHyper, *,
                  dp: GroupInfo, tp: GroupInfo, pp: GroupInfo | None = None, tied: GroupInfo | None = None,
-                 zero: bool = False, bucket_mb: float = 25.0, overlap: bool = True,
+                 zero: bool | int = False, bucket_mb: float = 25.0, overlap: bool = True,
                  ep: GroupInfo | None = None, expert_dp: GroupInfo | None = None,
                  expert_names: frozenset[str] = frozenset(), collectives: ShardCollectives | None = None,
-                 prefetch_params: bool = False) -> None:
+                 prefetch_params: bool = False, reshard_after_forward: bool = True) -> None:
+        """``zero``: the ZeRO level, 0-3 (``True`` is level 1); see docs/data_parallel.md."""
         # expert parallelism: ``expert_names`` differ between the ``ep`` ranks and are reduced over
         # ``expert_dp`` (see GradSync); at ep=1 they are ordinary parameters
         if ep is None or ep.size == 1:
             ep, expert_dp, expert_names = None, None, frozenset()
         self.ep = ep
-        if zero and dp.size == 1:
-            warnings.warn("ZeRO-1 with a data-parallel degree of 1 shards nothing; training unsharded", stacklevel=2)
-            zero = False
-        self.policy, self.dp, self.tp, self.pp, self.zero = policy, dp, tp, pp, zero
-        self.shards = dp.size if zero else 1
+        level = int(zero)
+        if level not in (0, 1, 2, 3):
+            raise ValueError(f"zero={zero!r}: the ZeRO level is 0, 1, 2 or 3")
+        if level and dp.size == 1:
+            warnings.warn(f"ZeRO-{level} with a data-parallel degree of 1 shards nothing; training unsharded",
+                          stacklevel=2)
+            level = 0
+        #: the ZeRO level: 1 shards optimizer state, 2 also gradients, 3 also the weights
+        self.level = level
+        self.policy, self.dp, self.tp, self.pp, self.zero = policy, dp, tp, pp, level >= 1
+        self.shards = dp.size if self.zero else 1
         params, seen = [], set()
         for module in modules:
             specs = shard_specs(module)
@@ -105,13 +115,31 @@ class DistributedOptimizer:
         device = params[0][1].device
         deferred = _tied_names(modules, pp)
         bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=policy.grad_dtype).element_size()))
-        self.bucket_plan: BucketPlan = plan_buckets(params, bucket_numel=bucket_numel, dp=dp, sharded=zero,
+        units, unit_of = plan_units(modules) if level == 3 else ([], None)
+        self.bucket_plan: BucketPlan = plan_buckets(params, bucket_numel=bucket_numel, dp=dp, sharded=self.zero,
                                                      deferred_names=deferred, expert_names=expert_names,
-                                                     expert_dp=expert_dp)
+                                                     expert_dp=expert_dp, unit_of=unit_of)
         self.segments: list[Segment] = self.bucket_plan.owned_segments()
+        self.device = device
+        self.grads: GradSync | ShardedGradSync
+        if level >= 2:
+            self.grads = ShardedGradSync(self.bucket_plan, grad_dtype=policy.grad_dtype, device=device, dp=dp,
+                                         overlap=overlap, tied=tied if deferred else None, collectives=collectives)
+        else:
+            self.grads = GradSync(self.bucket_plan, grad_dtype=policy.grad_dtype, device=device, dp=dp,
+                                  zero=self.zero, overlap=overlap, tied=tied if deferred else None,
+                                  collectives=collectives)
+        #: ZeRO-3: the owned chunks of the weights and the units that gather them
+        self.params: ShardedParams | None = None
+        if level == 3:
+            self.params = ShardedParams(self.bucket_plan, units, dtype=policy.param_dtype, device=device,
+                                        collectives_of=self.grads.collectives_of,
+                                        reshard_after_forward=reshard_after_forward)
+            assert isinstance(self.grads, ShardedGradSync)
+            self.grads.on_round_closed = self.params.after_round
         self._build_weights(device)
-        self.grads = GradSync(self.bucket_plan, grad_dtype=policy.grad_dtype, device=device, dp=dp, zero=zero,
-                              overlap=overlap, tied=tied if deferred else None, collectives=collectives)
+        if self.params is not None:
+            self.params.register_hooks()
         self.inner = self._build_inner(hyper)
         #: the clipping factor's reciprocal that the next step's kernel divides the gradients by
         self._grad_scale: torch.Tensor | None = None
@@ -120,7 +148,7 @@ class DistributedOptimizer:
         #: leave ZeRO-1's parameter gathers in flight after :meth:`step`, awaited by each module's
         #: forward (overlapping them with the next forward); then every read of the weights outside
         #: a forward must call :meth:`wait_params` first
-        self.prefetch_params = prefetch_params and zero
+        self.prefetch_params = prefetch_params and level in (1, 2)
         if self.prefetch_params:
             self._register_prefetch_hooks(modules)
 
@@ -129,11 +157,11 @@ class DistributedOptimizer:
     def _build_weights(self, device: torch.device) -> None:
         """Move the weights into the flat parameter buffer and, where needed, the master buffer."""
         pol, plan = self.policy, self.bucket_plan
-        self.param_data = torch.zeros(plan.numel, dtype=pol.param_dtype, device=device)
-        originals = {}
-        for e in plan.entries:
-            originals[id(e.param)] = e.param.detach().reshape(-1)
-            self.param_data[e.start:e.end].copy_(originals[id(e.param)])
+        originals = {id(e.param): e.param.detach().reshape(-1) for e in plan.entries}
+        if self.params is None:
+            self.param_data = torch.zeros(plan.numel, dtype=pol.param_dtype, device=device)
+            for e in plan.entries:
+                self.param_data[e.start:e.end].copy_(originals[id(e.param)])
         self.has_master = pol.separate_master
         self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
         if self.has_master:
@@ -147,15 +175,25 @@ class DistributedOptimizer:
                 lo, _ = s.bucket.owned_range
                 src = originals[id(s.entry.param)][s.start - s.entry.start:s.end - s.entry.start]
                 self.master_views[s.bucket.index][s.start - lo:s.end - lo].copy_(src)
+        if self.params is not None:  # ZeRO-3: the owned chunks are taken, the whole weights freed
+            self.params.adopt()
+            return
         for e in plan.entries:  # only now: the originals were read above
             e.param.data = self.param_data[e.start:e.end].view(e.param.shape)
+
+    def _owned_weights(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s owned range of the weights themselves (in their dtype)."""
+        if self.params is not None:
+            return self.params.owned_values(b)
+        lo, hi = b.owned_range
+        return self.param_data[lo:hi]
 
     def _segment_tensors(self, s: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """(the values the optimizer updates, their reduced gradient) of one segment."""
         grad = self.grads.reduced_view(s.start, s.end)
-        if not self.has_master:
-            return self.param_data[s.start:s.end], grad
         lo, _ = s.bucket.owned_range
+        if not self.has_master:
+            return self._owned_weights(s.bucket)[s.start - lo:s.end - lo], grad
         return self.master_views[s.bucket.index][s.start - lo:s.end - lo], grad
 
     def _build_inner(self, hyper: OptimizerHyper) -> torch.optim.Optimizer:
@@ -170,7 +208,8 @@ class DistributedOptimizer:
             self.main_grads.append(grad)
             self.main_weights.append(s.entry.norm_weight)
         groups = [{"params": decay, "weight_decay": hyper.weight_decay}, {"params": keep, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]] or [{"params": [self.param_data[:0]], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, device=self.device)],
+                                                         "weight_decay": 0.0}]
         if self.policy.master_dtype == torch.bfloat16:
             return LowPrecisionAdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
                                      stochastic_rounding=self.policy.stochastic_rounding, seed=hyper.seed)
@@ -187,7 +226,7 @@ class DistributedOptimizer:
         self._run_buckets: list[list[Bucket]] = []
         for b in self.bucket_plan.buckets:
             lo, hi = b.owned_range
-            values = self.master_views[b.index] if self.has_master else self.param_data[lo:hi]
+            values = self.master_views[b.index] if self.has_master else self._owned_weights(b)
             grads = self.grads.reduced_view(lo, hi)
             members = [self.main_params[i] for i, s in enumerate(self.segments) if s.bucket is b]
             last = runs[-1] if runs and not self.zero else None  # ZeRO-1: one run per bucket, published in turn
@@ -212,7 +251,7 @@ class DistributedOptimizer:
         and, with ZeRO-1, the data-parallel shards. Under expert parallelism the experts' squares are
         first added over the expert group, whose ranks hold different experts.
         """
-        device = self.param_data.device
+        device = self.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         experts = torch.zeros((), dtype=torch.float32, device=device)
         counted = [(g, w, s.bucket.expert) for g, w, s in zip(self.main_grads, self.main_weights, self.segments,
@@ -264,6 +303,8 @@ class DistributedOptimizer:
         pre-hook of each module that holds the bucket's parameters (see :meth:`wait_params`).
         """
         self.wait_params()  # a gather still in flight reads the owned ranges this step rewrites
+        if self.params is not None:  # ZeRO-3: gathered weights would go stale; the next forward gathers
+            self.params.release_all()
         publish = self.has_master or self.zero
         pending: dict[int, list[Handle]] = {}
 
@@ -303,6 +344,10 @@ class DistributedOptimizer:
         """Write bucket ``b``'s updated owned range into the weights and start sharing it (ZeRO-1);
         returns the work handles."""
         master = self.master_views[b.index] if self.has_master else None
+        if self.params is not None:  # ZeRO-3: the owned chunk is all a rank keeps
+            if master is not None:
+                self.params.owned_values(b).copy_(master)
+            return []
         if b.shards > 1:  # ZeRO-1: the owned shard is in place; the backend's collectives fill the rest
             if master is not None:
                 lo, hi = b.owned_range
@@ -313,6 +358,19 @@ class DistributedOptimizer:
         if master is not None:
             self.param_data[b.start:b.end].copy_(master)
         return []
+
+    @contextlib.contextmanager
+    def weights_gathered(self, *, write_back: bool = False) -> Iterator[None]:
+        """The model's weights readable (and writable) outside a forward for the duration: under
+        ZeRO-3 every unit is gathered, and with ``write_back`` the owned chunks are taken from the
+        weights afterwards (after loading a checkpoint into them); otherwise only pending gathers
+        are awaited. Collective under ZeRO-3: every data-parallel rank must enter it."""
+        self.wait_params()
+        if self.params is None:
+            yield
+            return
+        with self.params.gathered(write_back=write_back):
+            yield
 
     def wait_params(self) -> None:
         """Wait for every parameter gather still in flight (``prefetch_params``): call before reading
@@ -347,12 +405,18 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for the optimizer: state, master weights, and buffer padding."""
+        """Bytes this rank keeps between steps: optimizer state, master weights, the persistent weight
+        and gradient buffers (ZeRO-3's and ZeRO-2's owned chunks; transient gathers not counted),
+        and buffer padding."""
         owned = sum(s.numel for s in self.segments)
         item = torch.empty((), dtype=self.policy.master_dtype).element_size()
         state = sum(t.numel() * t.element_size() for st in self.inner.state.values() for t in st.values()
                     if torch.is_tensor(t) and t.dim() > 0)
+        weights = self.params.shard_data if self.params is not None else self.param_data
+        grads = self.grads.shard_data if isinstance(self.grads, ShardedGradSync) else self.grads.data
         return {"owned_elements": owned, "optimizer_state_bytes": state,
+                "weight_bytes": weights.numel() * weights.element_size(),
+                "grad_bytes": grads.numel() * grads.element_size(),
                 "expected_state_bytes": 2 * owned * item,
                 "master_bytes": self.master_data.numel() * self.master_data.element_size() if self.has_master else 0,
                 "padding_elements": self.bucket_plan.padding, "total_elements": self.bucket_plan.numel}
@@ -409,8 +473,9 @@ class DistributedOptimizer:
                     all_gather_single(full, owned, group=b.group.group)
                     owned = full
                 flats[kind] = owned
-            for e in b.entries:
-                yield e, {k: v[e.start - b.start:e.end - b.start].view(e.param.shape) for k, v in flats.items()}
+            with self.params.bucket_gathered(b) if self.params is not None else contextlib.nullcontext():
+                for e in b.entries:  # ZeRO-3: ``e.param`` holds the gathered weights meanwhile
+                    yield e, {k: v[e.start - b.start:e.end - b.start].view(e.param.shape) for k, v in flats.items()}
 
     @torch.no_grad()
     def load_param_state(self, name: str, state: dict[str, torch.Tensor], step: int) -> None:

@@ -29,9 +29,13 @@ from plait.train.run_state import RunState
 
 def layout_of(state: RunState) -> dict[str, Any]:
     r, p = state.recipe, state.recipe.parallel
-    return {"world_size": state.world, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": state.dp.size,
-            "zero1": bool(p.zero1 and state.dp.size > 1), "kv_replication": state.mesh.kv_replication,
-            "sequence_parallel": p.sequence_parallel, "precision": r.precision.preset}
+    level = p.zero_level() if state.dp.size > 1 else 0
+    layout = {"world_size": state.world, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": state.dp.size,
+              "zero1": level == 1, "kv_replication": state.mesh.kv_replication,
+              "sequence_parallel": p.sequence_parallel, "precision": r.precision.preset}
+    if level >= 2:  # only then: layouts written before levels 2 and 3 existed compare equal as they were
+        layout["zero"] = level
+    return layout
 
 
 def rng_states(state: RunState) -> dict[str, torch.Tensor]:
@@ -70,7 +74,8 @@ def save_checkpoint(state: RunState, writer: CheckpointWriter, step: int, attach
 @torch.no_grad()
 def restore(state: RunState, directory: str | Path) -> int:
     """Load ``directory`` into the run's stages and optimizer (any layout); returns the step to resume at."""
-    with CheckpointReader(directory) as reader:
+    # ZeRO-3: every weight gathered while the checkpoint is read into it, the owned chunks taken after
+    with CheckpointReader(directory) as reader, state.optimizer.weights_gathered(write_back=True):
         problems = resume_problems(saved_contents(reader.manifest), state.recipe)
         if problems:
             raise CheckpointError(f"{directory} cannot continue this recipe: " + "; ".join(problems))

@@ -1,0 +1,259 @@
+"""ZeRO-3 parameters: each rank keeps its owned chunk of every bucket; a unit's weights are gathered
+only while its forward or backward runs.
+
+A *unit* is one decoder block (``...layers.<i>``) of a stage module, or the stage's *root*: every
+parameter outside its blocks (embedding, final norm, head). Buckets never span units
+(:func:`plait.data_parallel.buckets.plan_buckets` with ``unit_of``), so a unit is a few buckets
+gathered and freed together, one all-gather (or, on gloo, one broadcast per owner) each.
+
+Lifetime of a block's weights in a training step:
+
+* **forward**: a forward pre-hook gathers the block (waiting for its prefetch if one is in
+  flight) and starts the gather of the next block of the stage, so that gather overlaps this
+  block's compute; after the forward the block is freed (``reshard_after_forward``) or kept;
+* **backward**: a hook on the block's output gradient gathers it again before its backward
+  (again prefetching the previous block); under activation checkpointing the recomputation then
+  finds it gathered; when the last gradient of a bucket has been reduced
+  (:class:`~plait.data_parallel.sharded_grads.ShardedGradSync` calls back when it closes the round), the bucket is freed;
+* the root is gathered at the start of the stage's forward and kept until the step's update
+  (it holds the embedding and head, needed at both ends of forward and backward).
+
+Forwards without gradient (evaluation, generation, a frozen reference) free every unit, root
+included, as soon as it has run. A freed parameter's ``.data`` is an empty tensor, so an
+accidental read outside a forward fails on its shape instead of returning stale values; reads
+outside a forward go through :meth:`ShardedParams.gathered`.
+
+Weights are swapped with ``param.data = view`` (the parameter keeps its identity and its
+autograd version counter, so tensors autograd saved for backward stay valid once it is gathered
+again), not by resizing storage, which would make a stray read crash the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.activation_checkpointing import decoder_blocks
+from plait.data_parallel.buckets import Bucket, BucketPlan
+from plait.data_parallel.collectives import Handle, ShardCollectives
+
+
+@dataclass
+class Unit:
+    """A set of parameters gathered together: one decoder block, or a stage's root."""
+
+    index: int
+    module: nn.Module
+    root: bool
+    stage: int
+    #: the unit's position among its stage's blocks (forward order); -1 for a root
+    position: int
+    buckets: list[Bucket] = field(default_factory=list)
+
+
+def plan_units(modules: list[nn.Module]) -> tuple[list[Unit], dict[str, int]]:
+    """The units of a rank's stage modules and each trainable parameter's unit, keyed by the name
+    the optimizer gives it (first holder wins, as in :class:`~plait.data_parallel.optimizer.DistributedOptimizer`)."""
+    units: list[Unit] = []
+    unit_of: dict[str, int] = {}
+    seen: set[int] = set()
+    for si, module in enumerate(modules):
+        root = Unit(len(units), module, True, si, -1)
+        units.append(root)
+        owner: dict[int, int] = {}
+        for position, (prefix, block) in enumerate(decoder_blocks(module)):
+            unit = Unit(len(units), block, False, si, position)
+            units.append(unit)
+            for p in block.parameters():
+                owner.setdefault(id(p), unit.index)
+        for name, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            unit_of[name] = owner.get(id(p), root.index)
+    return units, unit_of
+
+
+class ShardedParams:
+    """The ZeRO-3 parameter side of one rank (see the module doc)."""
+
+    def __init__(self, plan: BucketPlan, units: list[Unit], *, dtype: torch.dtype, device: torch.device,
+                 collectives_of: Callable[[Bucket], ShardCollectives], reshard_after_forward: bool = True) -> None:
+        self.bucket_plan, self.units, self.dtype, self.device = plan, units, dtype, device
+        self.collectives_of, self.reshard_after_forward = collectives_of, reshard_after_forward
+        for b in plan.buckets:
+            units[b.unit].buckets.append(b)
+        sizes = [b.numel // b.shards for b in plan.buckets]
+        #: the owned chunk of every bucket, in the weights' dtype: what the gathers send
+        self.shard_data = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        self.shard_views: list[torch.Tensor] = []
+        at = 0
+        for size in sizes:
+            self.shard_views.append(self.shard_data[at:at + size])
+            at += size
+        self._full: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self._pending: dict[int, list[Handle]] = {}
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self._blocks: dict[int, list[Unit]] = {}
+        for u in units:
+            if not u.root:
+                self._blocks.setdefault(u.stage, []).append(u)
+        self._hooks: list[Any] = []
+        #: every parameter's local shape (a freed parameter's own is ``(0,)``)
+        self._shapes = {id(e.param): e.param.shape for e in plan.entries}
+
+    # ------------------------------------------------------------------ construction
+    @torch.no_grad()
+    def adopt(self) -> None:
+        """Take the owned chunks from the (whole, local) parameters the model was built with, then
+        free them: from here on each parameter exists only as its owner's chunk."""
+        for b in self.bucket_plan.buckets:
+            lo, hi = b.owned_range
+            chunk = self.shard_views[b.index]
+            chunk.zero_()  # padding
+            for e in b.entries:
+                a, z = max(lo, e.start), min(hi, e.end)
+                if a < z:
+                    chunk[a - lo:z - lo].copy_(e.param.detach().reshape(-1)[a - e.start:z - e.start])
+        self.release_all()
+
+    def register_hooks(self) -> None:
+        """The forward and pre-backward hooks that gather and free the units."""
+        for u in self.units:
+            if not u.buckets:
+                continue
+            self._hooks.append(u.module.register_forward_pre_hook(lambda _m, _a, u=u: self._before_forward(u)))
+            self._hooks.append(u.module.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out)))
+
+    # ------------------------------------------------------------------ gathering and freeing
+    def owned_values(self, b: Bucket) -> torch.Tensor:
+        return self.shard_views[b.index]
+
+    def _gather(self, b: Bucket) -> None:
+        """Start filling bucket ``b``'s weights from their owners (nothing if already gathered)."""
+        if self._full[b.index] is not None:
+            return
+        full = torch.empty(b.numel, dtype=self.dtype, device=self.device)
+        size = b.numel // b.shards
+        full[b.shard * size:(b.shard + 1) * size].copy_(self.shard_views[b.index])
+        if b.group.size > 1:
+            self._pending[b.index] = self.collectives_of(b).gather(full, b.group)
+        self._full[b.index] = full
+        for e in b.entries:
+            e.param.data = full[e.start - b.start:e.end - b.start].view(self._shapes[id(e.param)])
+
+    def _wait(self, b: Bucket) -> None:
+        for work in self._pending.pop(b.index, ()):
+            work.wait()
+
+    def gather_unit(self, u: Unit, *, wait: bool = True) -> None:
+        for b in u.buckets:
+            self._gather(b)
+        if wait:
+            for b in u.buckets:
+                self._wait(b)
+
+    def release(self, b: Bucket) -> None:
+        """Free bucket ``b``'s gathered weights (the owned chunk stays)."""
+        if self._full[b.index] is None:
+            return
+        self._wait(b)
+        for e in b.entries:
+            e.param.data = self._empty
+        self._full[b.index] = None
+
+    def release_unit(self, u: Unit) -> None:
+        for b in u.buckets:
+            self.release(b)
+
+    def release_all(self) -> None:
+        for b in self.bucket_plan.buckets:
+            self.release(b)
+
+    def gathered_buckets(self) -> int:
+        """How many buckets are gathered now (for tests and memory reports)."""
+        return sum(f is not None for f in self._full)
+
+    @contextmanager
+    def gathered(self, *, write_back: bool = False) -> Iterator[None]:
+        """Every weight gathered for reads outside a forward (checkpoints, export); with
+        ``write_back`` the owned chunks are taken from the weights afterwards (after loading them)."""
+        for u in self.units:
+            self.gather_unit(u)
+        try:
+            yield
+        finally:
+            if write_back:
+                self._take_owned()
+            self.release_all()
+
+    @torch.no_grad()
+    def _take_owned(self) -> None:
+        for b in self.bucket_plan.buckets:
+            full = self._full[b.index]
+            if full is not None:
+                size = b.numel // b.shards
+                self.shard_views[b.index].copy_(full[b.shard * size:(b.shard + 1) * size])
+
+    @contextmanager
+    def bucket_gathered(self, b: Bucket) -> Iterator[None]:
+        """Bucket ``b``'s weights gathered for the duration (collective over its group)."""
+        was = self._full[b.index] is not None
+        self._gather(b)
+        self._wait(b)
+        try:
+            yield
+        finally:
+            if not was:
+                self.release(b)
+
+    # ------------------------------------------------------------------ hooks
+    def _neighbour(self, u: Unit, step: int) -> Unit | None:
+        blocks = self._blocks.get(u.stage, [])
+        at = u.position + step
+        return blocks[at] if 0 <= at < len(blocks) else None
+
+    def _before_forward(self, u: Unit) -> None:
+        self.gather_unit(u)
+        nxt = blocks[0] if u.root and (blocks := self._blocks.get(u.stage)) else self._neighbour(u, 1)
+        if nxt is not None and nxt is not u:
+            self.gather_unit(nxt, wait=False)
+
+    def _after_forward(self, u: Unit, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            self.release_unit(u)
+            return
+        if u.root:
+            return
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(lambda grad, u=u: self._before_backward(u, grad))
+        if self.reshard_after_forward:
+            self.release_unit(u)
+
+    def _before_backward(self, u: Unit, grad: torch.Tensor) -> torch.Tensor:
+        self.gather_unit(u)
+        prev = self._neighbour(u, -1)
+        if prev is not None:
+            self.gather_unit(prev, wait=False)
+        return grad
+
+    def after_round(self, b: Bucket, complete: bool) -> None:
+        """:class:`~plait.data_parallel.sharded_grads.ShardedGradSync`'s callback: a block's bucket
+        whose backward is over is freed (a root stays gathered until the update)."""
+        if complete and not self.units[b.unit].root:
+            self.release(b)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors a module returned (a tensor, or the tensors of a tuple or list)."""
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if torch.is_tensor(t)]
+    return []
