@@ -6,7 +6,7 @@ does (:func:`plait.materialize.build_model`, or :func:`~plait.materialize.build_
 driven by :class:`~plait.pipeline.runtime.PipelineRuntime` with the balanced FLOP split), apply
 :func:`plait.activation_checkpointing.apply_activation_checkpointing` (``--ckpt``), build the
 optimizer (:class:`plait.data_parallel.optimizer.DistributedOptimizer`: flat buffers, fused
-AdamW, ZeRO-1 with ``--zero1``, the preset's dtypes) and run ``--steps`` optimizer steps with
+AdamW, ZeRO level ``--zero N``, the preset's dtypes) and run ``--steps`` optimizer steps with
 :func:`plait.train.step.train_step` (one path for every layout) on random
 tokens. Three numbers per rank, each relative to its RSS just before the model is built (the
 bare runtime: interpreter, torch, gloo groups):
@@ -51,7 +51,8 @@ Run (repository root, venv active; ~5 minutes on 2 cores)::
     python bench/measure_memory.py
     python bench/measure_memory.py --smoke                      # tiny end-to-end check
     python bench/measure_memory.py --layouts tp2-sp,pp2 --precisions fp32
-    python bench/measure_memory.py --layouts dp1,dp2,dp4 --zero1 --precisions fp32,bf16-mixed
+    python bench/measure_memory.py --layouts dp1,dp2,dp4 --zero 1 --precisions fp32,bf16-mixed
+    python bench/measure_memory.py --layouts dp2,dp4 --zero 3 --precisions fp32
     python bench/measure_memory.py --layouts tp1,tp2,tp2-sp --ckpt off,selective,full --probe
     python bench/measure_memory.py --cp                        # cp=1/2/4 at seq 8192 (~3 minutes)
     python bench/measure_memory.py --cp --layouts cp1,cp2,cp4,cp2-allgather,cp4-allgather
@@ -187,6 +188,7 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     split = plan_partition(config, layout.pp * layout.vpp, seq_len).stage_layers() if layout.pp > 1 else \
         [list(range(config.num_hidden_layers))]
     stages = build_stages(config, mesh, split, device=device, sequence_parallel=sp)
+    n_params = sum(p.numel() for stage in stages for p in stage.parameters())  # before ZeRO-3 frees them
     context = ContextParallel(mesh.info("cp"), tuple(mesh.my_group_ranks("cp")), mode=cp_mode)
     apply_context_parallel(stages, context, seq_len)  # as the trainer does (a no-op at cp=1)
     if layout.activation_checkpointing != "none":  # last, after the TP swap and the pipeline split
@@ -195,7 +197,7 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     optimizer = DistributedOptimizer(stages, policy, OptimizerHyper(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
                                                                     eps=1e-8),
                                      dp=mesh.info("dp_cp"), tp=mesh.info("tp"), pp=mesh.info("pp"),
-                                     tied=mesh.info("tied") if layout.pp > 1 else None, zero=layout.zero1)
+                                     tied=mesh.info("tied") if layout.pp > 1 else None, zero=layout.zero)
     # under cp every batch is cut to this rank's zigzag chunks, as the trainer does
     split = partial(split_token_batch, split=context.split(seq_len), rank=context.info.rank) if layout.cp > 1 else None
     runtime = build_runtime(stages, mesh, policy, optimizer, schedule=layout.schedule, microbatches=microbatches,
@@ -233,7 +235,7 @@ def _train(rank: int, world: int, model_kw: dict, layout_kw: dict, precision: st
     return {"rank": rank, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
             "before": before, "peak": peak, "peak_before": peak_before, "measured": peak - before,
             "states": states, "activations": activations, "act_peak": act_peak,
-            "params": sum(p.numel() for stage in stages for p in stage.parameters()),
+            "params": n_params,
             "seconds": seconds, "loss": float(loss),
             "report": optimizer.memory_report()}
 
@@ -303,7 +305,9 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32,autocast",
                     help="comma list of precision presets: fp32, autocast, bf16-mixed, bf16-pure")
     ap.add_argument("--ckpt", default="off", help="comma list of activation-checkpointing modes: off, selective, full")
-    ap.add_argument("--zero1", action="store_true", help="ZeRO-1 on every layout (a no-op, with a warning, at dp=1)")
+    ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                    help="ZeRO level on every layout (a no-op, with a warning, at dp=1)")
+    ap.add_argument("--zero1", action="store_true", help="the same as --zero 1")
     ap.add_argument("--probe", action="store_true",
                     help="also measure one forward's activation bytes (layouts without pipeline parallelism)")
     ap.add_argument("--batch", type=int, default=2, help="micro-batch size (sequences)")
@@ -362,9 +366,10 @@ def main() -> None:
         base_kw, m = LAYOUTS[name]
         for mode in ckpts:
             for precision in precisions:
-                layout_kw = dict(base_kw, zero1=args.zero1, activation_checkpointing=CKPT_MODES[mode])
+                level = max(args.zero, 1 if args.zero1 else 0)
+                layout_kw = dict(base_kw, zero=level, activation_checkpointing=CKPT_MODES[mode])
                 layout = ParallelDegrees(kv_replication=kv_replication_for(config, layout_kw.get("tp", 1)), **layout_kw)
-                label = f"{name}{' zero1' if args.zero1 else ''} (m={m})"
+                label = f"{name}{f' zero{level}' if level else ''} (m={m})"
                 start = time.perf_counter()
                 rank_kw = dict(layout_kw, cp_mode="allgather" if name in ALLGATHER else "ring")
                 results = run_ranks(layout.world, (model_kw, rank_kw, precision, args.batch, seq, m, args.steps,

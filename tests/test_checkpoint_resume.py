@@ -37,13 +37,14 @@ EXACT = {
                      "model.hidden_dropout=0.1"], 2),
     "pp2": (["parallel.pp=2", "parallel.microbatches=4", "data.micro_batch_size=2"], 2),
     "dp2-zero1": (["parallel.dp=2", "parallel.zero1=true", "data.micro_batch_size=4"], 2),
+    "dp2-zero3": (["parallel.dp=2", "parallel.zero=3", "data.micro_batch_size=4"], 2),
     "pp2xtp2xdp2-zero1": (["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
                            "parallel.microbatches=2", "data.micro_batch_size=2"], 8),
 }
 
 
 #: the 8-rank cases take about a minute each on 2 cores: they run with `make test-slow`
-SLOW = {"pp2xtp2xdp2-zero1", "tp2xpp2xdp2-to-tp4xdp2"}
+SLOW = {"pp2xtp2xdp2-zero1", "tp2xpp2xdp2-to-tp4xdp2", "tp2xdp2-zero1-to-dp2-zero3", "dp2-zero2-to-dp1"}
 
 
 def _params(names):
@@ -78,6 +79,14 @@ RESHARD = {
                         ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
                          "parallel.microbatches=4", "data.micro_batch_size=2"], 2),
     "dp2-zero1-to-dp1": (["parallel.dp=2", "parallel.zero1=true", "data.micro_batch_size=4"], 2,
+                         ["data.micro_batch_size=8"], 1),
+    # across ZeRO levels: the checkpoint holds whole tensors whatever the level wrote it
+    "dp2-zero3-to-dp2-zero1": (["parallel.dp=2", "parallel.zero=3", "data.micro_batch_size=4"], 2,
+                               ["parallel.dp=2", "parallel.zero=1", "data.micro_batch_size=4"], 2),
+    "tp2xdp2-zero1-to-dp2-zero3": (["parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "data.micro_batch_size=4"],
+                                   4, ["parallel.dp=2", "parallel.zero=3", "parallel.microbatches=2",
+                                       "data.micro_batch_size=2"], 2),
+    "dp2-zero2-to-dp1": (["parallel.dp=2", "parallel.zero=2", "data.micro_batch_size=4"], 2,
                          ["data.micro_batch_size=8"], 1),
     "tp2xpp2xdp2-to-tp4xdp2": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.zero1=true",
                                 "parallel.microbatches=2", "data.micro_batch_size=2"], 8,

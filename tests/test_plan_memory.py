@@ -292,7 +292,7 @@ def test_zero1_divides_optimizer_and_master_by_dp():
     kw = dict(micro_batch_size=1, seq_len=64, microbatches=2)
     for dp in (2, 4, 7):
         plain = estimate_memory(config, _layout(config, dp=dp), precision="bf16-mixed", **kw)
-        zero = estimate_memory(config, _layout(config, dp=dp, zero1=True), precision="bf16-mixed", **kw)
+        zero = estimate_memory(config, _layout(config, dp=dp, zero=1), precision="bf16-mixed", **kw)
         P = plain.parameter_count
         own = -(-P // dp)
         # bf16 weights, fp32 gradient buffer, fp32 master and AdamW state
@@ -303,7 +303,7 @@ def test_zero1_divides_optimizer_and_master_by_dp():
         assert zero.gradient_shard == own * 4 and zero.step_buffers == own * 2  # bf16 all-gather staging
         assert zero.model_states == plain.parameters + plain.gradients + own * 4 * 4
         # fp32 under ZeRO-1 updates its owned range of the weights in place: no master shard
-        f32 = estimate_memory(config, _layout(config, dp=dp, zero1=True), precision="fp32", **kw)
+        f32 = estimate_memory(config, _layout(config, dp=dp, zero=1), precision="fp32", **kw)
         assert f32.master_weights == 0 and f32.gradient_shard == own * 4 and f32.step_buffers == own * 4
         assert estimate_memory(config, _layout(config, dp=dp), precision="fp32", **kw).master_weights == 0
     pure = estimate_memory(config, _layout(config), precision="bf16-pure", **kw)
@@ -313,7 +313,7 @@ def test_zero1_divides_optimizer_and_master_by_dp():
     # LowPrecisionAdamW's eight fp32 working copies of the largest weight (the embedding)
     assert pure.step_buffers == max(4 * pure.parameter_count, 8 * 4 * config.vocab_size * config.hidden_size)
     # ZeRO-1 with dp = 1 trains unsharded (the optimizer warns): nothing changes
-    one = estimate_memory(config, _layout(config, zero1=True), precision="fp32", **kw)
+    one = estimate_memory(config, _layout(config, zero=1), precision="fp32", **kw)
     assert one.total == estimate_memory(config, _layout(config), precision="fp32", **kw).total
 
 
@@ -323,7 +323,7 @@ def test_model_states_equal_the_optimizer_buffers(precision, dp, zero):
     """parameters / gradients / gradient_shard / master / optimizer bytes equal what a real
     DistributedOptimizer allocates, up to the bucket padding (at most dp - 1 elements a bucket)."""
     config = _config(num_hidden_layers=2)
-    layout = _layout(config, dp=dp, zero1=zero)
+    layout = _layout(config, dp=dp, zero=int(zero))
     est = estimate_memory(config, layout, precision=precision, micro_batch_size=1, seq_len=32, microbatches=1)
     model = build_llama(config, single_process_mesh(), seed=0)
     hyper = OptimizerHyper(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)

@@ -139,7 +139,7 @@ def test_zero1_shards_expert_state_over_dp_over_ep():
     config = recipe_config("mixtral-8x7b.yaml")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=4096, microbatches=16)
     for ep in (1, 2, 8):
-        layout = ParallelDegrees(pp=4, dp=16, ep=ep, zero1=True, activation_checkpointing="full")
+        layout = ParallelDegrees(pp=4, dp=16, ep=ep, zero=1, activation_checkpointing="full")
         m = estimate_memory(config, layout, **kw)
         dense, experts = m.parameter_count - m.expert_parameter_count, m.expert_parameter_count
         owned = -(-m.parameter_count // 16) if ep == 1 else -(-dense // 16) + -(-experts // (16 // ep))
@@ -155,7 +155,7 @@ def test_bf16_optimizer_working_set_shards_expert_weights_over_dp_over_ep(dp, ep
     step-phase transient (above the norm's fp32 gradient copies)."""
     config = mixtral(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
                      num_key_value_heads=8)
-    m = estimate_memory(config, ParallelDegrees(dp=dp, ep=ep, zero1=True), precision="bf16-pure", micro_batch_size=1,
+    m = estimate_memory(config, ParallelDegrees(dp=dp, ep=ep, zero=1), precision="bf16-pure", micro_batch_size=1,
                         seq_len=256, microbatches=1)
     assert m.step_buffers == 8 * 4 * -(-4096 * 14336 // (dp // ep))
 
@@ -167,7 +167,7 @@ def test_model_states_equal_the_optimizer_buffers_with_expert_buckets(precision,
     """parameters / gradients / gradient shard / master / optimizer bytes of an expert-parallel rank
     with ZeRO-1 equal a real DistributedOptimizer's, up to bucket padding."""
     config = mixtral()
-    layout = ParallelDegrees(dp=dp, ep=ep, zero1=True)
+    layout = ParallelDegrees(dp=dp, ep=ep, zero=1)
     est = estimate_memory(config, layout, precision=precision, micro_batch_size=1, seq_len=32, microbatches=1)
     model = build_model(config, single_process_mesh(), seed=0)
     apply_expert_parallel([model], GroupInfo(None, ep - 1, ep))
@@ -490,13 +490,15 @@ def test_tp_volume_of_sparse_layers(sp):
 
 # ------------------------------------------------------------------------------ search
 def test_search_picks_ep_when_memory_requires_it_and_tries_sp():
-    """Mixtral-8x7B on 64 H100 with at most 4 pipeline stages: no layout with ep = 1 fits (every
-    rank holds all experts of its layers), so the recommendation splits the experts; each ep divides
+    """Mixtral-8x7B on 64 H100 with at most 4 pipeline stages and ZeRO-1 at most: no layout with
+    ep = 1 fits (every rank holds all experts of its layers), so the recommendation splits the
+    experts (ZeRO-2 and ZeRO-3 would make ep = 1 fit: tests/test_plan_search.py); each ep divides
     the expert count and dp. Every tp > 1 layout is tried with sequence parallelism off and on (it
     saves the repeated expert work but sums the MoE gradients over TP each micro-batch), and only
     off with ``moe_sequence_parallel=False`` (a recipe with a capacity factor, which SP refuses)."""
     config = recipe_config("mixtral-8x7b.yaml")
-    options = SearchOptions(max_tp=1, max_pp=4, max_vpp=1, schedules=("1f1b",), activation_checkpointing=("full",))
+    options = SearchOptions(max_tp=1, max_pp=4, max_vpp=1, schedules=("1f1b",), activation_checkpointing=("full",),
+                            zero_levels=(0, 1))
     kw = dict(micro_batch_size=1, seq_len=4096, global_batch_size=256, precision="bf16-mixed")
     plan = rank_layouts(config, 64, "h100", options=options, **kw)
     assert plan.recommended is not None and plan.recommended.layout.ep > 1
@@ -569,9 +571,9 @@ def test_dense_search_has_only_ep_one():
 #: llama3-8b.yaml on 8 H100, seq 2048, global batch 32, autocast: total bytes and step seconds of
 #: four layouts as the planner gave them before it modelled MoE (commit 00e3cf6)
 DENSE_BEFORE = [
-    (ParallelDegrees(tp=1, pp=1, dp=8, zero1=True), 4, 110906750976, 0.8614413156354208),
+    (ParallelDegrees(tp=1, pp=1, dp=8, zero=1), 4, 110906750976, 0.8614413156354208),
     (ParallelDegrees(tp=1, pp=2, dp=4, activation_checkpointing="full"), 8, 70439272448, 1.2196076494500805),
-    (ParallelDegrees(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True), 16, 44859523072, 0.9138737593973882),
+    (ParallelDegrees(tp=2, pp=2, dp=2, sequence_parallel=True, zero=1), 16, 44859523072, 0.9138737593973882),
     (ParallelDegrees(tp=4, pp=2, dp=1, sequence_parallel=True, activation_checkpointing="full"), 32, 17629839360,
      1.315508040641833),
 ]
@@ -597,7 +599,7 @@ def test_dry_run_of_an_expert_parallel_layout_matches(sp):
     from plait.plan.dry_run import dry_run
 
     config = qwen3_moe()
-    layout = ParallelDegrees(tp=2, pp=2, dp=2, ep=2, zero1=True, sequence_parallel=sp)
+    layout = ParallelDegrees(tp=2, pp=2, dp=2, ep=2, zero=1, sequence_parallel=sp)
     for rank in (0, 7):
         report = dry_run(config, layout, 8, rank, precision="bf16-mixed", seq_len=64, microbatches=4)
         assert report.matches_exactly, report.check_line()
@@ -623,7 +625,8 @@ def test_mixtral_recipe_is_the_plan_and_its_dry_run_matches(world, overrides):
     path = str(RECIPES / "mixtral-8x7b.yaml")
     resolved = validate_recipe(load_recipe(path, overrides).model_dump(), world, check_paths=False)
     p = resolved.recipe.parallel
-    layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, ep=p.ep, zero1=p.zero1, schedule=p.schedule,
+    layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, ep=p.ep, zero=p.zero_level(),
+                             schedule=p.schedule,
                     activation_checkpointing=resolved.recipe.train.activation_checkpointing, kv_replication=1)
     config = load_plan_inputs(path, [])[1]
     options = SearchOptions(max_tp=1, activation_checkpointing=("full",), all_kv_replications=False)

@@ -51,7 +51,7 @@ def test_every_listed_layout_is_valid():
         assert c.intermediate_size % lay.tp == 0
         assert lay.pp * lay.vpp <= c.num_hidden_layers
         assert lay.sequence_parallel == (lay.tp > 1)
-        assert not lay.zero1 or lay.dp > 1
+        assert not lay.zero or lay.dp > 1
         assert lay.activation_checkpointing in ("none", "full")
         m = g // (lay.dp * mbs)
         assert m * lay.dp * mbs == g
@@ -64,7 +64,7 @@ def test_every_listed_layout_is_valid():
     assert degrees == {(t, p, 8 // (t * p)) for t in (1, 2, 4) for p in (1, 2, 4) if 8 % (t * p) == 0}
     # every valid KV replication factor at tp=4 (8 heads, 4 KV heads: 1 or 2), ZeRO-1 both ways
     assert {lay.kv_replication for lay in layouts if lay.tp == 4} == {1, 2}
-    assert {lay.zero1 for lay in layouts if lay.dp > 1} == {False, True}
+    assert {lay.zero for lay in layouts if lay.dp > 1} == {0, 1, 2, 3}
     assert {lay.vpp for lay in layouts if lay.pp == 2} == {1, 2}
 
 
@@ -89,7 +89,7 @@ def test_llama3_degrees_stay_within_a_node():
     layouts = enumerate_layouts(c, 64, devices_per_node=8, seq_len=8192)
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}
     assert all(lay.pp <= 32 for lay in layouts)
-    assert ParallelDegrees(tp=8, pp=1, dp=8, sequence_parallel=True, zero1=True, schedule="1f1b") in layouts
+    assert ParallelDegrees(tp=8, pp=1, dp=8, sequence_parallel=True, zero=1, schedule="1f1b") in layouts
 
 
 @pytest.mark.parametrize("method,cost", [("balanced", "flops"), ("balanced", "params"), ("even", "flops")])
@@ -158,7 +158,7 @@ def test_unknown_device_lists_the_valid_names():
 # ------------------------------------------------------------------------------ dry run
 @pytest.mark.parametrize("cfg_kw", [{}, {"tie_word_embeddings": True}, {"vocab_size": 255}])
 @pytest.mark.parametrize("layout", [
-    ParallelDegrees(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True),
+    ParallelDegrees(tp=2, pp=2, dp=2, sequence_parallel=True, zero=1),
     ParallelDegrees(tp=4, pp=2, dp=1, vpp=2, kv_replication=2, sequence_parallel=True, schedule="interleaved-1f1b"),
     ParallelDegrees(tp=8, pp=1, dp=1, kv_replication=2, sequence_parallel=True),
     ParallelDegrees(tp=1, pp=4, dp=2, schedule="1f1b", activation_checkpointing="full"),
@@ -204,7 +204,7 @@ def test_dry_run_llama3_8b_world_64_is_fast():
     from plait.plan.dry_run import dry_run
 
     c = recipe_config("llama3-8b.yaml")
-    layout = ParallelDegrees(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero1=True, schedule="interleaved-1f1b")
+    layout = ParallelDegrees(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero=1, schedule="interleaved-1f1b")
     start = time.perf_counter()
     reports = [dry_run(c, layout, 64, r, precision="autocast", seq_len=8192, microbatches=8) for r in (0, 63)]
     elapsed = time.perf_counter() - start

@@ -95,8 +95,9 @@ def _checkpoint_worker(rank, world, recipe_yaml, prepared, steps, save_at):
     trainer.finish_checkpoints()
     trainer.run.loader.close()
     weights = {}
-    for module in trainer.state.stages:
-        weights.update(full_state_dict(module, trainer.state.tp))
+    with trainer.state.optimizer.weights_gathered():
+        for module in trainer.state.stages:
+            weights.update(full_state_dict(module, trainer.state.tp))
     return {"losses": losses, "weights": weights, "start": trainer.state.start_step}
 
 

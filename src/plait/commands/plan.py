@@ -25,7 +25,7 @@ MAX_DEVICES = 1 << 20
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan", help="rank the parallel layouts of a recipe's model on N devices (memory, step time, fit)",
-        description="Enumerate every valid (tp, pp, vpp, dp, kv_replication, sequence parallel, ZeRO-1, "
+        description="Enumerate every valid (tp, pp, vpp, dp, kv_replication, sequence parallel, ZeRO level 0-3, "
                     "activation checkpointing; ep for MoE models) layout of the recipe's model on --world devices, "
                     "estimate memory per rank and step time for each, and recommend the fastest that fits. TP stays "
                     "inside a node. The global batch is fixed in sequences (--global-batch, else the recipe's "
@@ -60,13 +60,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--unfit", type=int, default=3, metavar="K",
                    help="also show up to K layouts faster than the recommendation that do not fit (default 3)")
     p.add_argument("--no-zero1", action="store_true", dest="no_zero1",
-                   help="leave ZeRO-1 (parallel.zero1) out of the search: replicated optimizer states only")
+                   help="leave ZeRO (parallel.zero) out of the search: replicated weights, gradients and "
+                        "optimizer states only")
     p.add_argument("--no-checkpointing", action="store_true", dest="no_checkpointing",
                    help="leave activation checkpointing (train.activation_checkpointing) out of the search")
     p.add_argument("--all", action="store_true", dest="every",
                    help="list every layout, also those a faster layout beats on memory")
     p.add_argument("--dry-run", action="store_true", dest="dry_run",
                    help="build the recommended layout on a fake process group and check parameter bytes")
+    p.add_argument("--recipe-layout", action="store_true", dest="recipe_layout",
+                   help="with --dry-run: build the recipe's own layout (its parallel section, e.g. a zero: 3 "
+                        "cluster recipe) instead of the recommended one")
     p.add_argument("--rank", type=int, action="append", default=None, metavar="R", dest="ranks",
                    help="rank(s) to dry-run (repeatable; default: 0 and the last rank)")
     return p
@@ -215,7 +219,7 @@ def recipe_overrides(candidate) -> str:
     items += [f"parallel.vpp={lay.vpp}", f"parallel.schedule={lay.schedule}"]
     items += [f"parallel.microbatches={candidate.microbatches}", f"parallel.kv_replication={lay.kv_replication}",
               f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
-              f"parallel.zero1={'true' if lay.zero1 else 'false'}"]
+              f"parallel.zero={lay.zero}"]
     ckpt = {"none": "off"}.get(lay.activation_checkpointing, lay.activation_checkpointing)
     items.append(f"train.activation_checkpointing={ckpt}")
     return " ".join(items)
@@ -230,13 +234,13 @@ def moe_line(candidate, precision: str) -> str:
     pb = precision_bytes(precision)
     experts = mem.expert_parameter_count
     dense = mem.parameter_count - experts
-    shard = lay.dp // lay.ep if lay.zero1 and lay.dp > 1 else 1
+    shard = lay.dp // lay.ep if lay.zero and lay.dp > 1 else 1
     text = (f"  experts: ep={lay.ep}, {_count(experts)} expert + {_count(dense)} dense parameters per rank "
             f"({experts * pb.param / GiB:.1f} + {dense * pb.param / GiB:.1f} GiB)")
-    if lay.zero1 and lay.dp > 1 and lay.ep > 1:
-        text += f"; ZeRO-1 shards expert states over dp/ep={shard}, dense over dp={lay.dp}"
-    elif lay.zero1 and lay.dp > 1:
-        text += f"; ZeRO-1 shards all states over dp={lay.dp}"
+    if lay.zero and lay.dp > 1 and lay.ep > 1:
+        text += f"; ZeRO-{lay.zero} shards expert states over dp/ep={shard}, dense over dp={lay.dp}"
+    elif lay.zero and lay.dp > 1:
+        text += f"; ZeRO-{lay.zero} shards all states over dp={lay.dp}"
     if lay.ep > 1:
         text += f"; all-to-all {t.ep_bytes / 1e9:.1f} GB sent per rank per step"
     return text
@@ -343,6 +347,21 @@ def run(args) -> int:
 
     rec = plan.recommended
     assert rec is not None, "rank_layouts raises PlanError when no layout fits (require_fit)"
+    if args.recipe_layout:
+        import dataclasses
+
+        from plait.config import check_recipe
+        from plait.config.host_memory import recipe_layout
+
+        try:
+            resolved = check_recipe(args.recipe, overrides, world_size=args.world, check_paths=False)
+        except RecipeError as e:
+            return fail(f"the recipe's layout on {args.world} ranks has problems: "
+                        f"{'; '.join(str(p) for p in e.problems)}")
+        mine = recipe_layout(resolved)
+        m = resolved.recipe.parallel.microbatches
+        rec = next((c for c in plan.candidates if c.layout == mine and c.microbatches == m),
+                   dataclasses.replace(rec, layout=mine, microbatches=m))
     ranks = args.ranks if args.ranks else sorted({0, args.world - 1})
     bad = [r for r in ranks if not 0 <= r < args.world]
     if bad:
@@ -367,8 +386,10 @@ def run(args) -> int:
                              kv_placement=p.kv_placement, stage_layers=stage_layers)
         except (PlanError, ValueError) as e:
             return fail(f"dry run of rank {r}: {e}")
-        ok = ok and report.matches
+        ok = ok and report.matches and (not report.zero_built or report.zero_matches)
         print("  " + report.check_line(), flush=True)
-    print("dry run: parameter bytes match the memory model" if ok
-          else "dry run: parameter bytes DIFFER from the memory model", flush=True)
+        if report.zero_built:
+            print(report.zero_line(), flush=True)
+    print("dry run: parameter (and sharded state) bytes match the memory model" if ok
+          else "dry run: parameter (or sharded state) bytes DIFFER from the memory model", flush=True)
     return 0 if ok else 1

@@ -71,7 +71,13 @@ def _sample(r) -> str | None:
 
 
 #: condition name -> (when the field applies, in words; the test)
+def _zero3(r) -> str | None:
+    level = r.parallel.zero_level()
+    return None if level == 3 else f"the ZeRO level is {level} (the weights are whole on every rank)"
+
+
 CONDITIONS: dict[str, tuple[str, Condition]] = {
+    "zero3": ("parallel.zero is 3", _zero3),
     "rows": ("data.format is 'sft' or 'preference'", _rows),
     "sft": ("data.format is 'sft'", _sft),
     "lora": ("lora.rank is set", _lora),

@@ -56,6 +56,16 @@ def _accelerated() -> bool:
     return torch.cuda.is_available()
 
 
+def recipe_layout(resolved: ResolvedRecipe) -> ParallelDegrees:
+    """The recipe's own layout as the planner describes layouts."""
+    r, p = resolved.recipe, resolved.recipe.parallel
+    checkpointing = r.train.activation_checkpointing
+    return ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
+                           sequence_parallel=p.sequence_parallel, zero=p.zero_level(),
+                           activation_checkpointing="none" if checkpointing == "off" else checkpointing,
+                           schedule=p.schedule, cp=p.cp, ep=p.ep)
+
+
 def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = False) -> tuple[list[int], str]:
     """``(model-state bytes of one process of each pipeline rank, precision priced)``; with
     ``with_activations``, the planner's peak of the step instead (activations, logits and
@@ -66,11 +76,7 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
     """
     r, p = resolved.recipe, resolved.recipe.parallel
     precision = r.precision.preset if r.precision.preset in PRECISIONS else "bf16-pure"
-    checkpointing = r.train.activation_checkpointing
-    layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
-                    sequence_parallel=p.sequence_parallel, zero1=p.zero_level() >= 1,
-                    activation_checkpointing="none" if checkpointing == "off" else checkpointing,
-                    schedule=p.schedule, cp=p.cp)
+    layout = recipe_layout(resolved)
     config = resolved.model_config()
     seq = r.data.seq_len
     split = None
@@ -128,6 +134,7 @@ def model_state_problem(resolved: ResolvedRecipe, *, memory: int | None = None,
         f"the {'model state' if accelerated else 'step peak'} of {who} ({_size(need)}: parameters, gradients and "
         f"optimizer state in {precision}{'' if accelerated else ', activations of data.micro_batch_size='}"
         f"{'' if accelerated else resolved.recipe.data.micro_batch_size}, tp={p.tp} pp={p.pp} dp={resolved.dp}"
-        f"{f' zero{p.zero_level()}' if p.zero_level() else ''}) exceeds this host's {_size(memory)} of physical memory; use a smaller "
+        f"{f' zero{p.zero_level()}' if p.zero_level() else ''}) exceeds this host's {_size(memory)} of "
+        f"physical memory; use a smaller "
         f"model or micro-batch, activation checkpointing, or shard it over more processes (parallel.tp, "
         f"parallel.pp, parallel.zero) on more hosts")

@@ -196,9 +196,10 @@ class ParallelSection(Section):
                                   "with dp=1. See docs/data_parallel.md")
     zero1: Bool = Field(default=False, description="The older spelling of zero: 1 (kept working)")
     reshard_after_forward: Bool = Field(
-        default=True, description="zero: 3 only: free each block's gathered weights after its forward and "
+        default=True, description="Free each block's gathered weights after its forward and "
                                   "gather them again for its backward (false: keep them until its backward; "
-                                  "one more all-gather per block saved, more memory)")
+                                  "one all-gather per block saved, more memory)",
+        json_schema_extra=applies_when("zero3"))
     bucket_mb: Float = Field(default=25.0, gt=0, description="Size cap of a gradient bucket in MB; each "
                                                              "bucket's data-parallel reduction starts "
                                                              "as soon as its last gradient is ready")

@@ -456,7 +456,7 @@ class DistributedOptimizer:
         by_bucket: dict[int, list[int]] = {}
         for i, s in enumerate(self.segments):
             by_bucket.setdefault(s.bucket.index, []).append(i)
-        device = self.param_data.device
+        device = self.device
         for b in self.bucket_plan.buckets:
             lo, hi = b.owned_range
             flats = {}

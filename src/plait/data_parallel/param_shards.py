@@ -14,7 +14,8 @@ Lifetime of a block's weights in a training step:
 * **backward**: a hook on the block's output gradient gathers it again before its backward
   (again prefetching the previous block); under activation checkpointing the recomputation then
   finds it gathered; when the last gradient of a bucket has been reduced
-  (:class:`~plait.data_parallel.sharded_grads.ShardedGradSync` calls back when it closes the round), the bucket is freed;
+  (:class:`~plait.data_parallel.sharded_grads.ShardedGradSync` calls back when it closes the
+  round), the bucket is freed;
 * the root is gathered at the start of the stage's forward and kept until the step's update
   (it holds the embedding and head, needed at both ends of forward and backward).
 
@@ -66,7 +67,7 @@ def plan_units(modules: list[nn.Module]) -> tuple[list[Unit], dict[str, int]]:
         root = Unit(len(units), module, True, si, -1)
         units.append(root)
         owner: dict[int, int] = {}
-        for position, (prefix, block) in enumerate(decoder_blocks(module)):
+        for position, (_, block) in enumerate(decoder_blocks(module)):
             unit = Unit(len(units), block, False, si, position)
             units.append(unit)
             for p in block.parameters():
@@ -123,12 +124,16 @@ class ShardedParams:
         self.release_all()
 
     def register_hooks(self) -> None:
-        """The forward and pre-backward hooks that gather and free the units."""
+        """The forward and pre-backward hooks that gather and free the units.
+
+        A compiled block (``train.compile``) runs its hooks inside its compiled call; they are kept
+        out of the graph (``torch.compiler.disable``): swapping ``param.data`` is not traceable."""
+        before, after = torch.compiler.disable(self._before_forward), torch.compiler.disable(self._after_forward)
         for u in self.units:
             if not u.buckets:
                 continue
-            self._hooks.append(u.module.register_forward_pre_hook(lambda _m, _a, u=u: self._before_forward(u)))
-            self._hooks.append(u.module.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out)))
+            self._hooks.append(u.module.register_forward_pre_hook(lambda _m, _a, u=u: before(u)))
+            self._hooks.append(u.module.register_forward_hook(lambda _m, _a, out, u=u: after(u, out)))
 
     # ------------------------------------------------------------------ gathering and freeing
     def owned_values(self, b: Bucket) -> torch.Tensor:

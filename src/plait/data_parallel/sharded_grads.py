@@ -3,8 +3,9 @@
 :class:`~plait.data_parallel.grad_sync.GradSync` (plain data parallelism and ZeRO-1) keeps one
 flat gradient buffer of the whole model for the whole step. Here each rank keeps only the
 reduced gradient of the shards it owns (``1/dp`` of every bucket, :attr:`ShardedGradSync.shard_views`);
-a bucket's full gradient is a separate tensor, allocated when its first gradient of a backward
-arrives and dropped as soon as its reduction has been handed to the shard.
+a bucket's full gradient is a separate tensor, taken when its first gradient of a backward
+arrives and handed back as soon as its reduction has been added into the shard (a few are kept
+for reuse, never more than can be in use at once).
 
 A *round* is one backward's gradients of a bucket. A round is complete when every parameter of
 the bucket has delivered its gradient; its reduction (divided by ``dp``, so the sum is the mean)
@@ -85,6 +86,10 @@ class ShardedGradSync:
         #: per bucket: rounds already added into the owned shard this step (0: the shard is stale)
         self._rounds = [0] * len(plan.buckets)
         self._in_flight: deque[_Reduction] = deque()
+        #: full-gradient tensors handed back after their reduction, reused by later rounds (at most
+        #: ``max_in_flight + 1`` per size: what can be alive at once anyway), so a step does not
+        #: allocate, and page-fault, fresh bucket-sized memory for every round
+        self._spare: dict[int, list[torch.Tensor]] = {}
         for e in plan.entries:
             e.param.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -113,7 +118,7 @@ class ShardedGradSync:
         self._finish_bucket(b)  # its previous reduction still reads the buffer about to be written
         full = self._full[b.index]
         if full is None:
-            full = self._full[b.index] = torch.empty(b.numel, dtype=self.grad_dtype, device=self.device)
+            full = self._full[b.index] = self._take(b.numel)
         view = full[e.start - b.start:e.end - b.start]
         if repeat:  # deferred buckets accumulate over the step
             view.add_(grad.reshape(-1))
@@ -127,7 +132,7 @@ class ShardedGradSync:
         """The bucket's full gradient with every slice not delivered this round zero-filled."""
         full = self._full[b.index]
         if full is None:
-            full = self._full[b.index] = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
+            full = self._full[b.index] = self._take(b.numel).zero_()
             return full
         arrived = self._arrived[b.index]
         for e in b.entries:
@@ -181,6 +186,16 @@ class ShardedGradSync:
         else:
             shard.add_(r.result)
         self._rounds[r.bucket.index] += 1
+        spare = self._spare.setdefault(r.full.numel(), [])
+        if len(spare) <= self.max_in_flight:
+            spare.append(r.full)
+
+    def _take(self, numel: int) -> torch.Tensor:
+        """An uninitialised full-gradient tensor of ``numel`` elements (a spare one if there is)."""
+        spare = self._spare.get(numel)
+        if spare:
+            return spare.pop()
+        return torch.empty(numel, dtype=self.grad_dtype, device=self.device)
 
     def finish(self) -> None:
         """Close every open round (deferred buckets after their sum over the tied stages), reduce the

@@ -16,7 +16,7 @@ class ParallelDegrees:
     vpp: int = 1
     kv_replication: int = 1
     sequence_parallel: bool = False
-    zero1: bool = False
+    zero: int = 0                           # ZeRO level 0-3 over the dp x cp ranks
     activation_checkpointing: str = "none"  # "none" | "full" | "selective"
     schedule: str = "1f1b"                  # "gpipe" | "1f1b" | "interleaved-1f1b"
     cp: int = 1                             # context parallelism: each sequence split over cp ranks
@@ -36,8 +36,8 @@ class ParallelDegrees:
             parts.append(f"kv{self.kv_replication}")
         if self.sequence_parallel:
             parts.append("sp")
-        if self.zero1:
-            parts.append("zero1")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
         if self.activation_checkpointing != "none":
             parts.append(f"ckpt-{self.activation_checkpointing}")
         return " ".join(parts)

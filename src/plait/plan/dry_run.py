@@ -24,13 +24,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
 from plait.materialize import build_model, build_stages
 from plait.mesh import ParallelMesh
+from plait.moe.expert_parallel import expert_parameter_names
 from plait.parallel_state import shard_specs
 from plait.plan.degrees import ParallelDegrees
-from plait.plan.memory import estimate_memory
+from plait.plan.memory import PRECISIONS, estimate_memory, precision_bytes
 from plait.plan.pipeline_split import plan_partition
 from plait.plan.search import PlanError
+from plait.precision import policy_for
 
 _DTYPE_BYTES_FALLBACK = 4
 
@@ -61,6 +64,10 @@ class DryRunReport:
     estimated_param_bytes: int = 0
     seconds: float = 0.0
     estimated_expert_param_count: int = 0   # MoE: the memory model's routed-expert parameters
+    #: ZeRO (``layout.zero >= 1`` and more than one data-parallel rank): the built optimizer's
+    #: persistent bytes per rank (``DistributedOptimizer.memory_report``) and the estimate's
+    zero_built: dict[str, int] = field(default_factory=dict)
+    zero_estimated: dict[str, int] = field(default_factory=dict)
 
     @property
     def expert_param_count(self) -> int:
@@ -93,6 +100,23 @@ class DryRunReport:
         """Equal, or equal once the padding entries are left out of the built bytes."""
         same = self.difference == 0 or self.param_bytes - self.padding_bytes == self.estimated_param_bytes
         return same and self.expert_param_count == self.estimated_expert_param_count
+
+    @property
+    def zero_matches(self) -> bool:
+        """Every sharded state the estimate prices equals the built one within bucket padding (each
+        bucket is padded to a multiple of the data-parallel degree)."""
+        slack = self.zero_built.get("padding_bytes", 0)
+        return all(abs(self.zero_built[k] - v) <= slack for k, v in self.zero_estimated.items())
+
+    def zero_line(self) -> str:
+        """The sharded states of a ZeRO layout, built vs estimated (empty without ZeRO)."""
+        if not self.zero_built:
+            return ""
+        gib = 1024**3
+        parts = [f"{k.replace('_bytes', '').replace('_', ' ')} {self.zero_built[k] / gib:.3f} GiB "
+                 f"(estimated {v / gib:.3f})" for k, v in self.zero_estimated.items()]
+        verdict = "match within bucket padding" if self.zero_matches else "MISMATCH"
+        return f"  ZeRO-{self.layout.zero} per rank: " + ", ".join(parts) + f": {verdict}"
 
     def stage_text(self) -> str:
         if not self.stages:
@@ -213,16 +237,50 @@ def dry_run(config, layout: ParallelDegrees, world: int, rank: int, *, precision
             stages = [(s, list(stage_layers[s]), s == 0, s == n - 1) for s in range(mesh.pp_rank, n, mesh.pp)]
         coords = {k: v for k, v in mesh.coords().items() if k != "cp"}
         records = _records(modules)
+        built = _zero_states(modules, mesh, layout, precision)
         del modules
     finally:
         dist.destroy_process_group()
     estimate = estimate_memory(config, layout, precision=precision, micro_batch_size=micro_batch_size,
                                seq_len=seq_len, microbatches=microbatches, stage=coords["pp"],
                                stage_layers=stage_layers)
+    pb = precision_bytes(precision)
+    expected = {}
+    if built:
+        expected = {"optimizer_state_bytes": estimate.optimizer, "grad_bytes": estimate.gradient_shard}
+        if layout.zero == 3:
+            expected["weight_bytes"] = estimate.optimizer // 2 // pb.optimizer_state * pb.param
+        if layout.zero == 1:
+            del expected["grad_bytes"]  # ZeRO-1 keeps the whole gradient buffer (gloo: no shard buffer)
     return DryRunReport(layout=layout, world=world, rank=rank, coords=coords, group_sizes=group_sizes,
-                        stages=stages, parameters=records, estimated_param_bytes=int(estimate.parameters),
+                        stages=stages, parameters=records,
+                        estimated_param_bytes=estimate.parameter_count * pb.param,
                         estimated_expert_param_count=estimate.expert_parameter_count,
-                        seconds=time.perf_counter() - start)
+                        seconds=time.perf_counter() - start, zero_built=built, zero_estimated=expected)
+
+
+def _zero_states(modules: list[torch.nn.Module], mesh: ParallelMesh, layout: ParallelDegrees,
+                 precision: str) -> dict[str, int]:
+    """The persistent per-rank bytes of the optimizer the trainer would build for a ZeRO layout
+    (on ``meta``: buckets, owned ranges and ZeRO-3 chunks are laid out, nothing is allocated);
+    empty without ZeRO or data parallelism. The model's parameters are left freed (ZeRO-3)."""
+    dp = mesh.info("dp_cp")
+    if layout.zero < 1 or dp.size == 1:
+        return {}
+    for module in modules:
+        for p in module.parameters():
+            p.requires_grad_(True)
+    policy = policy_for(precision if precision in PRECISIONS else "bf16-pure")
+    opt = DistributedOptimizer(modules, policy, OptimizerHyper(lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8),
+                               dp=dp, tp=mesh.info("tp"), pp=mesh.info("pp"),
+                               tied=mesh.info("tied") if mesh.pp > 1 else None, zero=layout.zero,
+                               ep=mesh.info("ep"), expert_dp=mesh.info("dp_expert"),
+                               expert_names=expert_parameter_names(modules))
+    report = opt.memory_report()
+    item = torch.empty((), dtype=policy.grad_dtype).element_size()
+    return {"optimizer_state_bytes": report["expected_state_bytes"], "grad_bytes": report["grad_bytes"],
+            "weight_bytes": report["weight_bytes"],
+            "padding_bytes": report["padding_elements"] * max(item, 4) * 2}
 
 
 __all__ = ["DryRunReport", "ParamRecord", "dry_run", "param_dtype"]

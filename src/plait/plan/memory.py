@@ -792,7 +792,8 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     counts = [chunk_parameter_count(config, sh, ch) for ch in chunks]
     P = sum(counts)
     dp = layout.dp * layout.cp  # the ranks that average gradients (ZeRO-1 shards over them)
-    zero = layout.zero1 and dp > 1  # ZeRO-1 at dp = 1 warns and trains unsharded
+    level = layout.zero if dp > 1 else 0  # ZeRO at dp = 1 warns and trains unsharded
+    zero = level >= 1
     owned = -(-P // dp) if zero else P
     experts = sum(chunk_expert_parameter_count(config, sh, ch) for ch in chunks)
     if zero and layout.ep > 1:  # expert buckets are sharded over the expert-data-parallel group
@@ -825,18 +826,47 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
     lowp_update = 8 * 4 * max(_largest_segment(largest_dense, dp if zero else 1, pb.grad),
                               _largest_segment(largest_expert, dp // layout.ep if zero else 1, pb.grad)) \
         if pb.optimizer_state < 4 else 0
-    staging = owned * pb.param if zero else 0
+    staging = owned * pb.param if level in (1, 2) else 0  # ZeRO-3 updates its chunks in place
     step_buffers = max(norm_copies, lowp_update, staging)
+    parameters, gradients, gradients_at_peak = P * pb.param, P * pb.grad, peak.gradients
+    if level >= 2:
+        # no whole gradient buffer: a few buckets' full gradients between their first gradient and
+        # the end of their reduce-scatter (two reductions in flight and one filling, see
+        # data_parallel/sharded_grads.py); ZeRO-3 buckets are whole units
+        block, root_part = _unit_sizes(config, sh, chunks, P)
+        bucket = max(block, root_part) if level == 3 else max(ZERO2_BUCKET_BYTES // pb.grad, largest_dense)
+        gradients = gradients_at_peak = min(P, 3 * bucket) * pb.grad
+    if level == 3:
+        # the owned chunks, the stage roots (embedding, norm, head: gathered through the step) and
+        # two blocks gathered at a time (the one computing and the prefetched next)
+        root = P - sum(_layer_count(config, sh, layer) for ch in chunks for layer in ch.layers)
+        parameters = (owned + root + min(P - root, 2 * block)) * pb.param
     return MemoryBreakdown(
         layout=layout, precision=pb.name, pp_rank=pp_rank, parameter_count=P,
-        parameters=P * pb.param, gradients=P * pb.grad, gradient_shard=owned * pb.grad if zero else 0,
+        parameters=parameters, gradients=gradients, gradient_shard=owned * pb.grad if zero else 0,
         optimizer=2 * owned * pb.optimizer_state,
         master_weights=(owned if zero else P) * pb.master,
         activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
         comm_buffers=peak.p2p + tp_gather + ring + exchange, workspace=peak.workspace, step_buffers=step_buffers,
-        gradients_at_peak=peak.gradients, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},
+        gradients_at_peak=gradients_at_peak, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},
         max_in_flight=peak.max_in_flight, expert_parameter_count=experts,
     )
+
+
+#: ZeRO-2's bucket cap as the planner prices it (``parallel.bucket_mb``'s default, 25 MB)
+ZERO2_BUCKET_BYTES = 25 * 2**20
+
+
+def _layer_count(config: DecoderConfig, sh: LocalShapes, layer: int) -> int:
+    return chunk_parameter_count(config, sh, Chunk(-1, (layer,), False, False))
+
+
+def _unit_sizes(config: DecoderConfig, sh: LocalShapes, chunks: list[Chunk], total: int) -> tuple[int, int]:
+    """ZeRO-3's units on a rank: (elements of its largest decoder block, of the largest bucket of a
+    stage root: the embedding or the head)."""
+    block = max((_layer_count(config, sh, layer) for ch in chunks for layer in ch.layers), default=0)
+    root_part = sh.vocab * sh.hidden if any(ch.first or ch.last for ch in chunks) else 0
+    return block, min(total, root_part)
 
 
 def _moe_recomputed_layer(config: DecoderConfig, layout: ParallelDegrees, pb: PrecisionBytes, B: int, S: int,

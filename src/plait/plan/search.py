@@ -28,7 +28,8 @@ Rules of the enumeration (one :class:`~plait.plan.degrees.ParallelDegrees` per c
   off and on (it saves the expert work each TP rank repeats without it, and costs one TP all-reduce
   of every MoE parameter's gradient per micro-batch), and only off with
   ``SearchOptions.moe_sequence_parallel=False`` (plait refuses ``moe.capacity_factor`` with it);
-  ``zero1`` both off and on when ``dp * cp > 1``; ``activation_checkpointing`` ``"none"`` and
+  ZeRO levels 0-3 when ``dp * cp > 1`` (3 not with a zero-bubble schedule at ``pp > 1``);
+  ``activation_checkpointing`` ``"none"`` and
   ``"full"``.
 * ``cp`` (context parallelism): 1, and for ``seq_len >= LONG_SEQ`` also 2, 4, 8, 16 where
   ``seq_len % (2 * cp) == 0`` and ``tp * cp`` divides the world (``SearchOptions.context_parallel``
@@ -89,8 +90,10 @@ class SearchOptions:
     #: largest number of virtual stages per pipeline rank (interleaved schedule)
     max_vpp: int = 2
     activation_checkpointing: tuple[str, ...] = ("none", "full")
-    #: try ZeRO-1 off and on when dp > 1 (False: off only)
+    #: try the ZeRO levels of ``zero_levels`` when dp > 1 (False: level 0 only)
     try_zero1: bool = True
+    #: the ZeRO levels tried when dp > 1
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
     #: every valid KV replication factor (False: only the automatic, smallest one)
     all_kv_replications: bool = True
     kv_placement: str = "interleaved"
@@ -249,12 +252,21 @@ def _enumerate(config: DecoderConfig, world: int, *, devices_per_node: int, micr
             for vpp, schedule in pipeline:
                 for kv in kv_factors:
                     for ep, sp in ((e, s) for e in eps for s in sps):
-                        for zero1 in ((False, True) if dp * cp > 1 and options.try_zero1 else (False,)):
+                        for zero in _zero_levels(dp * cp, pp, schedule, options):
                             for ckpt in options.activation_checkpointing:
                                 out.append((ParallelDegrees(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
-                                                   sequence_parallel=sp, zero1=zero1, activation_checkpointing=ckpt,
+                                                   sequence_parallel=sp, zero=zero, activation_checkpointing=ckpt,
                                                    schedule=schedule, cp=cp, ep=ep), m))
     return out, reasons
+
+
+def _zero_levels(dp: int, pp: int, schedule: str, options: SearchOptions) -> tuple[int, ...]:
+    """The ZeRO levels to try: none at dp = 1 (nothing to shard); level 3 not with a zero-bubble
+    schedule across pipeline stages, which recipes refuse (its deferred weight gradients)."""
+    if dp == 1 or not options.try_zero1:
+        return (0,)
+    split_backward = schedule in ("zb-h1", "interleaved-zb")
+    return tuple(z for z in options.zero_levels if not (z == 3 and pp > 1 and split_backward))
 
 
 def _sequence_parallel_choices(tp: int, local_seq: int, moe: MoEShape | None,

@@ -309,13 +309,11 @@ def estimate_step_time(config: DecoderConfig, layout: ParallelDegrees, device: D
     dp = layout.dp * layout.cp  # the ranks that average gradients
     if dp > 1:
         dp_bw = _bandwidth(device, T * dp <= per_node, "the data-parallel gradient reduction")
-        units = (pb.grad + pb.param) if layout.zero1 else 2 * pb.grad
+        units = _dp_units(layout.zero, pb, m)
         if layout.ep > 1:  # expert gradients: over the expert-data-parallel group of dp / ep ranks
             dp_vol = _ring(dp) * (max_params - max_experts) * units + _ring(dp // layout.ep) * max_experts * units
-        elif layout.zero1:
-            dp_vol = _ring(dp) * max_params * (pb.grad + pb.param)
         else:
-            dp_vol = 2 * _ring(dp) * max_params * pb.grad
+            dp_vol = _ring(dp) * max_params * units
         dp_comm_s = dp_vol / dp_bw
     else:
         dp_comm_s = 0.0
@@ -353,6 +351,21 @@ def estimate_step_time(config: DecoderConfig, layout: ParallelDegrees, device: D
                          dp_exposed_s=dp_exposed, flops_per_rank=slowest_flops, model_flops=model_flops,
                          peak_flops=peak, efficiency=efficiency, cp_comm_s=cp_comm_s, cp_exposed_s=cp_exposed,
                          ep_comm_s=ep_comm_s, ep_bytes=ep_bytes)
+
+
+def _dp_units(level: int, pb, microbatches: int) -> float:
+    """Bytes each parameter element moves per ring step and step, by ZeRO level: an all-reduce of
+    the gradient (0); a reduce-scatter of it and an all-gather of the updated weight (1); ZeRO-2's
+    reduce-scatter after every micro-batch's backward, then the all-gather (2); ZeRO-3's two weight
+    all-gathers (before forward and again before backward) and a gradient reduce-scatter per
+    micro-batch (3)."""
+    if level == 0:
+        return 2 * pb.grad
+    if level == 1:
+        return pb.grad + pb.param
+    if level == 2:
+        return microbatches * pb.grad + pb.param
+    return microbatches * (pb.grad + 2 * pb.param)
 
 
 def _layers_tp(moe: MoEShape | None, layers: tuple[int, ...], dense: float, sparse: float) -> float:

@@ -1,0 +1,31 @@
+"""The ZeRO level: its two spellings, what has no effect, and what level 3 does not compose with yet."""
+
+from __future__ import annotations
+
+from plait.config.rules.checker import Checker
+
+#: schedules that defer weight gradients to a later W task: a ZeRO-3 block would be freed when its
+#: last gradient of one micro-batch lands while another micro-batch's W task still needs it
+_SPLIT_BACKWARD = ("zb-h1", "interleaved-zb")
+
+
+def check_zero(c: Checker) -> None:
+    r, dp = c.r, c.dp
+    p = r.parallel
+    if c.ok("parallel.zero", "parallel.zero1") and p.zero1 and p.zero is not None and p.zero != 1:
+        c.add("parallel.zero1", True, f"contradicts parallel.zero: {p.zero} (zero1: true is the older spelling of "
+                                      f"zero: 1); remove zero1")
+    # ZeRO shards over the dp x cp ranks that average gradients
+    unsharded = dp == 1 and (p.cp == 1 or not c.ok("parallel.cp"))
+    if c.ok("parallel.zero", "parallel.zero1") and p.zero_level() and unsharded:
+        spelling = f"parallel.zero: {p.zero}" if p.zero is not None else "parallel.zero1: true"
+        c.warnings.append(f"{spelling} — has no effect with dp=1 (nothing to shard over); training unsharded")
+    if not c.ok("parallel.zero", "parallel.zero1") or p.zero_level() != 3:
+        return
+    if c.ok("parallel.schedule", "parallel.pp") and p.pp > 1 and p.schedule in _SPLIT_BACKWARD:
+        c.add("parallel.schedule", p.schedule, "does not work with parallel.zero: 3 yet (its deferred weight "
+                                               "gradients outlive the gathered weights); use 1f1b or "
+                                               "interleaved-1f1b, or zero: 2")
+    if c.ok("lora") and r.lora.rank:
+        c.warnings.append("parallel.zero: 3 with lora shards the adapters only; the frozen base stays whole on "
+                          "every rank (see docs/data_parallel.md)")
