@@ -213,7 +213,7 @@ def test_plan_help_describes_what_the_trainer_supports(capsys):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "yet" not in text
-    assert "parallel.zero1" in text and "train.activation_checkpointing" in text
+    assert "parallel.zero" in text and "train.activation_checkpointing" in text
     for preset in ("fp32", "autocast", "bf16-mixed", "bf16-pure"):
         assert preset in text
 
@@ -228,11 +228,11 @@ def test_plan_overrides_select_the_recommended_layout():
     plan = rank_layouts(config, 4, "h100", devices_per_node=4, micro_batch_size=recipe.data.micro_batch_size,
                         seq_len=recipe.data.seq_len, global_batch_size=recipe.data.global_batch_size,
                         options=SearchOptions(activation_checkpointing=("full",)))
-    chosen = next(c for c in plan.candidates if c.layout.zero1)
+    chosen = next(c for c in plan.candidates if c.layout.zero == 1)
     items = recipe_overrides(chosen).split()
-    assert "train.activation_checkpointing=full" in items and "parallel.zero1=true" in items
+    assert "train.activation_checkpointing=full" in items and "parallel.zero=1" in items
     resolved = validate_recipe(load_recipe(str(RECIPES / "default.yaml"), items).model_dump(), 4, check_paths=False)
-    assert resolved.recipe.train.activation_checkpointing == "full" and resolved.recipe.parallel.zero1
+    assert resolved.recipe.train.activation_checkpointing == "full" and resolved.recipe.parallel.zero_level() == 1
 
 
 def test_ctrl_c_outside_training_ends_without_a_traceback(capsys, monkeypatch):

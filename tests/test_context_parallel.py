@@ -213,7 +213,7 @@ def test_planner_prices_context_parallelism():
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536)
-    one, two = ParallelDegrees(tp=2, dp=2, zero1=True), ParallelDegrees(tp=2, cp=2, zero1=True)
+    one, two = ParallelDegrees(tp=2, dp=2, zero=1), ParallelDegrees(tp=2, cp=2, zero=1)
     assert (one.world, two.world, two.short()) == (4, 4, "tp2 pp1 dp1 cp2 zero1")
     kw = dict(precision="bf16-mixed", micro_batch_size=1, seq_len=32768, microbatches=1)
     m1, m2 = estimate_memory(cfg, one, **kw), estimate_memory(cfg, two, **kw)

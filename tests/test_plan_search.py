@@ -256,7 +256,7 @@ def test_plan_command_dry_run_tiny(capsys):
                  "--rank", "5"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "rank 5 (" in out and "dry run: parameter bytes match the memory model" in out
+    assert "rank 5 (" in out and "dry run: parameter (and sharded state) bytes match the memory model" in out
 
 
 def test_moe_layouts_are_only_those_moe_runs():

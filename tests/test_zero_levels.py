@@ -103,3 +103,8 @@ def test_level_without_data_parallelism_warns():
 def test_lora_at_level_3_says_the_base_stays_whole():
     resolved = validate_recipe({"parallel": {"zero": 3, "dp": 2}, "lora": {"rank": 4}}, 2)
     assert any("frozen base stays whole" in w for w in resolved.warnings)
+
+
+def test_grpo_is_refused_at_level_3():
+    message = _problems({"parallel": {"zero": 3, "dp": 2}, "train": {"objective": "grpo"}}, 2)
+    assert "parallel.zero" in message and "grpo" in message

@@ -24,9 +24,13 @@ included, as soon as it has run. A freed parameter's ``.data`` is an empty tenso
 accidental read outside a forward fails on its shape instead of returning stale values; reads
 outside a forward go through :meth:`ShardedParams.gathered`.
 
-Weights are swapped with ``param.data = view`` (the parameter keeps its identity and its
-autograd version counter, so tensors autograd saved for backward stay valid once it is gathered
-again), not by resizing storage, which would make a stray read crash the process.
+Each bucket's gathered weights live in one tensor whose storage is resized to the bucket at every
+gather and to nothing at every release (what autograd saved from it in forward, such as the
+``weight.t()`` view ``F.linear`` keeps, reads the weights again once the bucket is gathered for
+backward), and each parameter's ``.data`` is a view of it while gathered and an empty tensor
+otherwise: the parameter keeps its identity and autograd version, and a stray read of a freed
+parameter fails on its shape instead of reading freed memory (a view of a resized-away storage
+crashes the process on the CPU).
 """
 
 from __future__ import annotations
@@ -97,7 +101,16 @@ class ShardedParams:
         for size in sizes:
             self.shard_views.append(self.shard_data[at:at + size])
             at += size
-        self._full: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        #: per bucket, the tensor its gathered weights live in: allocated at each gather and given
+        #: back at each release by resizing its storage, the same storage every time, so that what
+        #: autograd saved from it in forward (``F.linear`` keeps ``weight.t()``, a view of it) reads
+        #: the weights again once the bucket is gathered for backward, and frees them in between
+        self._buffers: list[torch.Tensor] = []
+        for b in plan.buckets:
+            buf = torch.empty(b.numel, dtype=dtype, device=device)
+            buf.untyped_storage().resize_(0)
+            self._buffers.append(buf)
+        self._live = [False] * len(plan.buckets)
         self._pending: dict[int, list[Handle]] = {}
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._blocks: dict[int, list[Unit]] = {}
@@ -121,7 +134,8 @@ class ShardedParams:
                 a, z = max(lo, e.start), min(hi, e.end)
                 if a < z:
                     chunk[a - lo:z - lo].copy_(e.param.detach().reshape(-1)[a - e.start:z - e.start])
-        self.release_all()
+            for e in b.entries:
+                e.param.data = self._empty
 
     def register_hooks(self) -> None:
         """The forward and pre-backward hooks that gather and free the units.
@@ -141,14 +155,15 @@ class ShardedParams:
 
     def _gather(self, b: Bucket) -> None:
         """Start filling bucket ``b``'s weights from their owners (nothing if already gathered)."""
-        if self._full[b.index] is not None:
+        if self._live[b.index]:
             return
-        full = torch.empty(b.numel, dtype=self.dtype, device=self.device)
+        full = self._buffers[b.index]
+        full.untyped_storage().resize_(b.numel * full.element_size())
         size = b.numel // b.shards
         full[b.shard * size:(b.shard + 1) * size].copy_(self.shard_views[b.index])
         if b.group.size > 1:
             self._pending[b.index] = self.collectives_of(b).gather(full, b.group)
-        self._full[b.index] = full
+        self._live[b.index] = True
         for e in b.entries:
             e.param.data = full[e.start - b.start:e.end - b.start].view(self._shapes[id(e.param)])
 
@@ -165,12 +180,13 @@ class ShardedParams:
 
     def release(self, b: Bucket) -> None:
         """Free bucket ``b``'s gathered weights (the owned chunk stays)."""
-        if self._full[b.index] is None:
+        if not self._live[b.index]:
             return
         self._wait(b)
         for e in b.entries:
             e.param.data = self._empty
-        self._full[b.index] = None
+        self._buffers[b.index].untyped_storage().resize_(0)
+        self._live[b.index] = False
 
     def release_unit(self, u: Unit) -> None:
         for b in u.buckets:
@@ -182,7 +198,7 @@ class ShardedParams:
 
     def gathered_buckets(self) -> int:
         """How many buckets are gathered now (for tests and memory reports)."""
-        return sum(f is not None for f in self._full)
+        return sum(self._live)
 
     @contextmanager
     def gathered(self, *, write_back: bool = False) -> Iterator[None]:
@@ -200,15 +216,14 @@ class ShardedParams:
     @torch.no_grad()
     def _take_owned(self) -> None:
         for b in self.bucket_plan.buckets:
-            full = self._full[b.index]
-            if full is not None:
+            if self._live[b.index]:
                 size = b.numel // b.shards
-                self.shard_views[b.index].copy_(full[b.shard * size:(b.shard + 1) * size])
+                self.shard_views[b.index].copy_(self._buffers[b.index][b.shard * size:(b.shard + 1) * size])
 
     @contextmanager
     def bucket_gathered(self, b: Bucket) -> Iterator[None]:
         """Bucket ``b``'s weights gathered for the duration (collective over its group)."""
-        was = self._full[b.index] is not None
+        was = self._live[b.index]
         self._gather(b)
         self._wait(b)
         try:

@@ -86,10 +86,11 @@ class ShardedGradSync:
         #: per bucket: rounds already added into the owned shard this step (0: the shard is stale)
         self._rounds = [0] * len(plan.buckets)
         self._in_flight: deque[_Reduction] = deque()
-        #: full-gradient tensors handed back after their reduction, reused by later rounds (at most
-        #: ``max_in_flight + 1`` per size: what can be alive at once anyway), so a step does not
-        #: allocate, and page-fault, fresh bucket-sized memory for every round
-        self._spare: dict[int, list[torch.Tensor]] = {}
+        #: full-gradient tensors handed back after their reduction, reused by later rounds of the same
+        #: size (at most ``max_in_flight + 1`` in all, the oldest dropped first: about what can be
+        #: alive at once anyway), so a step does not allocate, and page-fault, fresh bucket-sized
+        #: memory for every round
+        self._spare: deque[torch.Tensor] = deque()
         for e in plan.entries:
             e.param.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -186,15 +187,16 @@ class ShardedGradSync:
         else:
             shard.add_(r.result)
         self._rounds[r.bucket.index] += 1
-        spare = self._spare.setdefault(r.full.numel(), [])
-        if len(spare) <= self.max_in_flight:
-            spare.append(r.full)
+        self._spare.append(r.full)
+        while len(self._spare) > self.max_in_flight + 1:
+            self._spare.popleft()
 
     def _take(self, numel: int) -> torch.Tensor:
         """An uninitialised full-gradient tensor of ``numel`` elements (a spare one if there is)."""
-        spare = self._spare.get(numel)
-        if spare:
-            return spare.pop()
+        for i, t in enumerate(self._spare):
+            if t.numel() == numel:
+                del self._spare[i]
+                return t
         return torch.empty(numel, dtype=self.grad_dtype, device=self.device)
 
     def finish(self) -> None:
@@ -204,6 +206,8 @@ class ShardedGradSync:
         for b in self.bucket_plan.buckets:
             if b.deferred and self.tied is not None and self.tied.size > 1:
                 all_reduce(self._open_buffer(b), self.tied.group)
+                # every slice now holds the stages' sum: none may be zero-filled again below
+                self._arrived[b.index].update(id(e.param) for e in b.entries)
         for b in self.bucket_plan.buckets:
             pending = any(r.bucket is b for r in self._in_flight)
             if self._arrived[b.index] or (self._rounds[b.index] == 0 and not pending):

@@ -100,9 +100,10 @@ class AdapterExport(FinalExport):
         final = Path(st.resolved.checkpoint_dir)
         base = r.model.hf_path if r.model.hf_path is not None else str((final / BASE_SUBDIR).absolute())
         writer = st.rank == 0
-        save_peft_adapter(st.stages, final, st.tp, base, pp=st.pp,
-                          replace=True,  # checked before launch, as for the full model
-                          extra_files=run_model_use_files(st) if writer else None)
+        with st.optimizer.weights_gathered():  # ZeRO-3 keeps only the adapters' chunks between steps
+            save_peft_adapter(st.stages, final, st.tp, base, pp=st.pp,
+                              replace=True,  # checked before launch, as for the full model
+                              extra_files=run_model_use_files(st) if writer else None)
         if r.model.hf_path is None and writer:
             self._write_random_base(final / BASE_SUBDIR)
         if st.world > 1:

@@ -26,6 +26,10 @@ def check_zero(c: Checker) -> None:
         c.add("parallel.schedule", p.schedule, "does not work with parallel.zero: 3 yet (its deferred weight "
                                                "gradients outlive the gathered weights); use 1f1b or "
                                                "interleaved-1f1b, or zero: 2")
+    if c.ok("train.objective") and r.train.objective == "grpo":
+        c.add("parallel.zero", 3, "does not work with train.objective grpo yet: each data-parallel rank decodes its "
+                                  "own prompts for a different number of steps, and every decoding step gathers "
+                                  "the weights over all of them; use zero: 2 (or 1)")
     if c.ok("lora") and r.lora.rank:
         c.warnings.append("parallel.zero: 3 with lora shards the adapters only; the frozen base stays whole on "
                           "every rank (see docs/data_parallel.md)")
