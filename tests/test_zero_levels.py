@@ -108,3 +108,20 @@ def test_lora_at_level_3_says_the_base_stays_whole():
 def test_grpo_is_refused_at_level_3():
     message = _problems({"parallel": {"zero": 3, "dp": 2}, "train": {"objective": "grpo"}}, 2)
     assert "parallel.zero" in message and "grpo" in message
+
+
+def test_the_zero3_cluster_recipe_dry_runs_on_the_fake_process_group(capsys):
+    """recipes/llama3-8b-zero3.yaml (tp 1, dp 8, zero 3): rank 7's model and sharded optimizer are
+    built on the meta device over 8 fake ranks, and the per-rank optimizer, gradient and weight
+    bytes equal the memory model's (1/8 of each)."""
+    from pathlib import Path
+
+    from plait.cli import main
+
+    recipe = Path(__file__).parents[1] / "recipes" / "llama3-8b-zero3.yaml"
+    code = main(["plan", str(recipe), "--world", "8", "--dry-run", "--recipe-layout", "--rank", "7"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "dry run of tp1 pp1 dp8 zero3 ckpt-full" in out
+    line = next(x for x in out.splitlines() if "ZeRO-3 per rank" in x)
+    assert "weight 1.870 GiB (estimated 1.870)" in line and "match within bucket padding" in line, line
