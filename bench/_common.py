@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from plait.models.llama.config import LlamaConfig
@@ -210,6 +211,18 @@ def gloo_rank_entry(rank: int, world: int, port: int | None, fn: Callable, fn_ar
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+
+def spawn_gloo_ranks(world: int, fn: Callable, fn_args: tuple) -> None:
+    """Run ``fn(rank, world, *fn_args)`` on ``world`` spawned gloo ranks (:func:`gloo_rank_entry`)
+    and wait for all; a failed rank ends the benchmark (its traceback is printed by the rank)."""
+    ctx = mp.start_processes(gloo_rank_entry, args=(world, free_port(), fn, fn_args), nprocs=world, join=False,
+                             start_method="spawn")
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessExitedException as exc:
+        raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
 
 
 def free_port() -> int:

@@ -71,11 +71,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import free_port, gloo_rank_entry, markdown_table, random_batch  # noqa: E402
+from _common import markdown_table, random_batch, spawn_gloo_ranks  # noqa: E402
 from plait.materialize import build_model, build_stages  # noqa: E402
 from plait.mesh import ParallelMesh, single_process_mesh  # noqa: E402
 from plait.models.llama.config import LlamaConfig  # noqa: E402
@@ -450,14 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for p in (int(x) for x in args.pps.split(",")):
                 out_path = os.path.join(tmp, f"p{p}.json")
-                ctx = mp.start_processes(gloo_rank_entry, args=(p, free_port(), bubble_worker, (args, out_path)),
-                                         nprocs=p, join=False,
-                                         start_method="spawn")
-                try:
-                    while not ctx.join():
-                        pass
-                except mp.ProcessExitedException as exc:
-                    raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
+                spawn_gloo_ranks(p, bubble_worker, (args, out_path))
                 with open(out_path) as f:
                     rows += [summarize(r) for r in json.load(f)]
                 print(f"p={p} done (load average {os.getloadavg()[0]:.2f})", flush=True)

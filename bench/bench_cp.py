@@ -35,11 +35,10 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import add_model_args, free_port, gloo_rank_entry, make_config, markdown_table, resolve_args  # noqa: E402
+from _common import add_model_args, make_config, markdown_table, resolve_args, spawn_gloo_ranks  # noqa: E402
 from plait.comm.primitives import GroupInfo  # noqa: E402
 from plait.context_parallel import RingExchange, SequenceSplit, allgather_attention, ring_attention  # noqa: E402
 from plait.context_parallel.apply import apply_context_parallel  # noqa: E402
@@ -227,13 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.imbalance_only:
         return
     args.out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_cp_{os.getpid()}.pt")
-    ctx = mp.start_processes(gloo_rank_entry, args=(CP, free_port(), worker, (args,)), nprocs=CP, join=False,
-                             start_method="spawn")
-    try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
+    spawn_gloo_ranks(CP, worker, (args,))
     ranks = torch.load(args.out)
     os.remove(args.out)
     attention = ranks["attention"]

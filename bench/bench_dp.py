@@ -66,7 +66,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,12 +75,12 @@ from _common import (  # noqa: E402
     comparison_header,
     comparison_row,
     describe,
-    free_port,
     gloo_rank_entry,
     make_config,
     markdown_table,
     random_batch,
     resolve_args,
+    spawn_gloo_ranks,
     time_steps,
 )
 from plait.materialize import build_model  # noqa: E402
@@ -315,13 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         if world != DP:
             raise SystemExit(f"run with exactly {DP} ranks (got WORLD_SIZE={world})")
         gloo_rank_entry(int(os.environ["RANK"]), world, None, worker, (args,))
-    ctx = mp.start_processes(gloo_rank_entry, args=(DP, free_port(), worker, (args,)), nprocs=DP, join=False,
-                             start_method="spawn")
-    try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
+    spawn_gloo_ranks(DP, worker, (args,))
 
 
 if __name__ == "__main__":

@@ -56,12 +56,11 @@ from _common import (  # noqa: E402
     comparison_header,
     comparison_row,
     describe,
-    free_port,
-    gloo_rank_entry,
     make_config,
     markdown_table,
     random_batch,
     resolve_args,
+    spawn_gloo_ranks,
     time_steps,
 )
 from bench_dp import BETAS, CLIP, EPS, LR, mean_over_ranks, plait_side, torch_side  # noqa: E402
@@ -174,23 +173,13 @@ def memory_worker(rank: int, world: int, args: argparse.Namespace, name: str, qu
         queue.put(int(t.item()))
 
 
-def spawn(world: int, fn: Callable, fn_args: tuple) -> None:
-    ctx = mp.start_processes(gloo_rank_entry, args=(world, free_port(), fn, fn_args), nprocs=world, join=False,
-                             start_method="spawn")
-    try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (data-parallel degree), default 2")
     parser.add_argument("--skip-memory", action="store_true", help="leave out the per-side peak-memory runs")
     args = resolve_args(parser.parse_args(argv))
-    spawn(args.ranks, timing_worker, (args,))
+    spawn_gloo_ranks(args.ranks, timing_worker, (args,))
     if args.skip_memory:
         return
     # every tensor above 64 KiB its own mapping, returned to the OS when freed, so that RSS tracks
@@ -199,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     queue = mp.get_context("spawn").Queue()
     peaks = {}
     for name in SIDES:
-        spawn(args.ranks, memory_worker, (args, name, queue))
+        spawn_gloo_ranks(args.ranks, memory_worker, (args, name, queue))
         peaks[name] = queue.get(timeout=60)
     config = make_config(args)
     meta = build_model(config, ParallelMesh(1, 0, create_groups=False), seed=args.seed, device="meta", init=False)

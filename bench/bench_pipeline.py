@@ -60,7 +60,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -72,12 +71,12 @@ from _common import (  # noqa: E402
     comparison_header,
     comparison_row,
     describe,
-    free_port,
     gloo_rank_entry,
     make_config,
     markdown_table,
     random_batch,
     resolve_args,
+    spawn_gloo_ranks,
     time_steps,
 )
 from plait.materialize import build_model, build_stages  # noqa: E402
@@ -353,13 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         if world != PP:
             raise SystemExit(f"run with exactly {PP} ranks (got WORLD_SIZE={world})")
         gloo_rank_entry(int(os.environ["RANK"]), world, None, worker, (args,))
-    ctx = mp.start_processes(gloo_rank_entry, args=(PP, free_port(), worker, (args,)), nprocs=PP, join=False,
-                             start_method="spawn")
-    try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        raise SystemExit(f"a rank failed ({exc}); its traceback is printed above") from None
+    spawn_gloo_ranks(PP, worker, (args,))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,13 @@ class BucketPlan:
         """Elements added so every bucket splits evenly into shards."""
         return self.numel - sum(e.numel for e in self.entries)
 
+    def owned_chunks(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One zeroed flat buffer holding this rank's owned chunk of every bucket, in bucket order,
+        and its view per bucket (ZeRO-2/3 keep gradients and weights this way)."""
+        sizes = [b.numel // b.shards for b in self.buckets]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        return flat, list(flat.split(sizes)) if sizes else []
+
     def owned_segments(self) -> list[Segment]:
         """Every parameter segment inside this rank's owned ranges, in buffer order."""
         out = []

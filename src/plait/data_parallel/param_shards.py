@@ -93,14 +93,8 @@ class ShardedParams:
         self.collectives_of, self.reshard_after_forward = collectives_of, reshard_after_forward
         for b in plan.buckets:
             units[b.unit].buckets.append(b)
-        sizes = [b.numel // b.shards for b in plan.buckets]
         #: the owned chunk of every bucket, in the weights' dtype: what the gathers send
-        self.shard_data = torch.zeros(sum(sizes), dtype=dtype, device=device)
-        self.shard_views: list[torch.Tensor] = []
-        at = 0
-        for size in sizes:
-            self.shard_views.append(self.shard_data[at:at + size])
-            at += size
+        self.shard_data, self.shard_views = plan.owned_chunks(dtype, device)
         #: per bucket, the tensor its gathered weights live in: allocated at each gather and given
         #: back at each release by resizing its storage, the same storage every time, so that what
         #: autograd saved from it in forward (``F.linear`` keeps ``weight.t()``, a view of it) reads

@@ -70,14 +70,8 @@ class ShardedGradSync:
         self.on_round_closed = on_round_closed
         groups = {id(b.group): b.group for b in plan.buckets}
         self._collectives = {key: collectives or collectives_for(g) for key, g in groups.items()}
-        sizes = [b.numel // b.shards for b in plan.buckets]
         #: the owned chunk of every bucket's reduced gradient, summed over the step's backwards
-        self.shard_data = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
-        self.shard_views: list[torch.Tensor] = []
-        at = 0
-        for size in sizes:
-            self.shard_views.append(self.shard_data[at:at + size])
-            at += size
+        self.shard_data, self.shard_views = plan.owned_chunks(grad_dtype, device)
         self._entry = {id(e.param): e for e in plan.entries}
         #: per bucket: its full gradient while a round is open (None between rounds)
         self._full: list[torch.Tensor | None] = [None] * len(plan.buckets)
