@@ -54,33 +54,62 @@ def initial_shard(name: str, spec: ShardSpec | None, shape: tuple[int, ...], see
 @torch.no_grad()
 def fill_initial_(out: torch.Tensor, name: str, spec: ShardSpec | None, seed: int, std: float) -> None:
     """Write parameter ``name``'s initial local value into ``out`` in place, block by block."""
-    full_shape = spec.full_shape if spec is not None else tuple(out.shape)
+    fill_rows_(out, name, spec, tuple(out.shape), seed, std, 0)
+
+
+def initial_rows(name: str, spec: ShardSpec | None, local_shape: tuple[int, ...], seed: int, std: float,
+                 first: int, end: int) -> torch.Tensor:
+    """Rows ``[first, end)`` (along dim 0) of parameter ``name``'s initial local value, bitwise equal
+    to the same rows of :func:`initial_shard`, computed without the other rows: a rank that keeps
+    only a range of a parameter (ZeRO-3) never holds the rest of it."""
+    if not 0 <= first <= end <= local_shape[0]:
+        raise ValueError(f"{name}: rows [{first}, {end}) are outside its {local_shape[0]} local rows")
+    out = torch.empty((end - first,) + tuple(local_shape[1:]))
+    fill_rows_(out, name, spec, tuple(local_shape), seed, std, first)
+    return out
+
+
+@torch.no_grad()
+def fill_rows_(out: torch.Tensor, name: str, spec: ShardSpec | None, local_shape: tuple[int, ...], seed: int,
+               std: float, first: int) -> None:
+    """Write local rows ``[first, first + len(out))`` of ``name``'s initial value into ``out``
+    (a replicated weight's whole blocks are drawn straight into a contiguous fp32 ``out``)."""
+    end = first + out.shape[0]
+    full_shape = spec.full_shape if spec is not None else local_shape
     if name.endswith("norm.weight"):
-        out.copy_(_masked(torch.ones(out.shape), spec))
+        out.copy_(_masked(torch.ones(local_shape), spec)[first:end])
         return
     if name.endswith(".bias"):
         out.zero_()
         return
     rpb = _rows_per_block(full_shape)
-    nblocks = -(-full_shape[0] // rpb)
-    if spec is None:
-        for b in range(nblocks):
-            out[b * rpb:(b + 1) * rpb].copy_(_block(name, full_shape, b, seed, std))
+    if spec is None or spec.dim == 1:  # local rows are full rows
+        for b in range(first // rpb, -(-end // rpb)):
+            lo, hi = max(first, b * rpb), min(end, (b + 1) * rpb)
+            if lo >= hi:
+                continue
+            whole = lo == b * rpb and hi == min(full_shape[0], (b + 1) * rpb)
+            if spec is None and whole and out.dtype == torch.float32 and out.is_contiguous():
+                gen = torch.Generator().manual_seed(name_seed(seed, f"{name}#{b}"))
+                out[lo - first:hi - first].normal_(0.0, std, generator=gen)  # no temporary block
+                continue
+            block = _block(name, full_shape, b, seed, std)[lo - b * rpb:hi - b * rpb]
+            if spec is None:
+                out[lo - first:hi - first].copy_(block)
+                continue
+            index = torch.tensor(spec.index, dtype=torch.long)
+            real = (index >= 0).nonzero().flatten()
+            rows = out[lo - first:hi - first]
+            rows.zero_()  # padding columns stay zero
+            rows.index_copy_(1, real.to(out.device), block.index_select(1, index[real]).to(out.device, out.dtype))
         return
+    assert spec.dim == 0, "weights are sharded along rows (column-parallel) or columns (row-parallel)"
     out.zero_()  # padding entries stay zero
-    index = torch.tensor(spec.index, dtype=torch.long)
-    if spec.dim == 0:
-        for b in sorted({i // rpb for i in spec.index if i >= 0}):
-            block = _block(name, full_shape, b, seed, std)
-            local = ((index >= b * rpb) & (index < (b + 1) * rpb)).nonzero().flatten()
-            out[local] = block[index[local] - b * rpb].to(out.dtype)
-        return
-    assert spec.dim == 1, "weights are sharded along rows (column-parallel) or columns (row-parallel)"
-    real = (index >= 0).nonzero().flatten().to(out.device)
-    for b in range(nblocks):
+    index = torch.tensor(spec.index[first:end], dtype=torch.long)
+    for b in sorted({i // rpb for i in spec.index[first:end] if i >= 0}):
         block = _block(name, full_shape, b, seed, std)
-        picked = block.index_select(1, index[real.cpu()]).to(out.device, out.dtype)
-        out[b * rpb:(b + 1) * rpb].index_copy_(1, real, picked)
+        local = ((index >= b * rpb) & (index < (b + 1) * rpb)).nonzero().flatten()
+        out[local] = block[index[local] - b * rpb].to(out.dtype)
 
 
 def _masked(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:

@@ -31,6 +31,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from plait.deferred import DeferredValues
 from plait.init import init_parameters
 from plait.mesh import ParallelMesh
 from plait.models.decoder.config import DecoderConfig
@@ -86,25 +87,33 @@ def _allocate(module: nn.Module, device: str | torch.device) -> None:
 
 def _build(config: DecoderConfig, mesh: ParallelMesh, pieces: Callable[[DecoderForCausalLM], Iterator[nn.Module]],
            *, seed: int, device: str | torch.device, dtype: torch.dtype, sequence_parallel: bool, init: bool,
-           rng_seed: int | None, hf_path: PathLike | None) -> list[nn.Module]:
+           rng_seed: int | None, hf_path: PathLike | None,
+           deferred: bool = False) -> tuple[list[nn.Module], DeferredValues | None]:
     """The one build sequence: the full model on meta with its TP plan, the Hugging Face tensors
     checked against it, only this rank's experts kept; then each of ``pieces(full)`` (the model
-    itself, or this rank's stages, taken one at a time) allocated on ``device`` and filled."""
+    itself, or this rank's stages, taken one at a time) allocated on ``device`` and filled, or,
+    ``deferred``, given placeholders whose values the returned :class:`DeferredValues` produces."""
     rng = TensorParallelRNG(seed if rng_seed is None else rng_seed, mesh.tp_rank)
     full = _meta_model(config, mesh, dtype, sequence_parallel, rng)
     tensors = check_hf_tensors(full, hf_path) if hf_path is not None else None
     apply_expert_parallel([full], mesh.info("ep"))  # only this rank's experts from here on
+    values = DeferredValues(seed=seed, std=config.initializer_range, tensors=tensors,
+                            device=torch.device(device)) if deferred else None
     built = []
     for module in pieces(full):
-        _allocate(module, device)
+        if values is not None:  # placeholders: the optimizer fills them, range by range
+            values.place(module)
+            reset_buffers(module)
+        else:
+            _allocate(module, device)
         if sequence_parallel:  # MoE layers see sequence shards: their gradients are summed over TP
             sum_moe_gradients_over_tp([module], mesh.info("tp"))
-        if tensors is not None:
+        if values is None and tensors is not None:
             read_hf_tensors(module, tensors)
-        elif init:
+        elif values is None and init:
             init_parameters(module, seed, config.initializer_range)
         built.append(module)
-    return built
+    return built, values
 
 
 def build_model(config: DecoderConfig, mesh: ParallelMesh, *, seed: int = 0, device: str | torch.device = "cpu",
@@ -117,8 +126,8 @@ def build_model(config: DecoderConfig, mesh: ParallelMesh, *, seed: int = 0, dev
     ``rng_seed`` seeds ``model.rng_tracker`` (default ``seed``). With ``mesh.ep > 1`` the model
     holds only this rank's experts and exchanges tokens over ``mesh.group("ep")``.
     """
-    (model,) = _build(config, mesh, lambda full: iter([full]), seed=seed, device=device, dtype=dtype,
-                      sequence_parallel=sequence_parallel, init=init, rng_seed=rng_seed, hf_path=hf_path)
+    (model,), _ = _build(config, mesh, lambda full: iter([full]), seed=seed, device=device, dtype=dtype,
+                         sequence_parallel=sequence_parallel, init=init, rng_seed=rng_seed, hf_path=hf_path)
     return model
 
 
@@ -150,14 +159,38 @@ def build_stages(config: DecoderConfig, mesh: ParallelMesh, stage_layers: list[l
     rank; pass a ``rng_seed`` that depends on the pipeline rank for streams that also differ
     between pipeline ranks.
     """
+    built, _ = _build(config, mesh, _stage_pieces(config, mesh, stage_layers), seed=seed, device=device, dtype=dtype,
+                      sequence_parallel=sequence_parallel, init=init, rng_seed=rng_seed, hf_path=hf_path)
+    return built
+
+
+def build_stages_deferred(config: DecoderConfig, mesh: ParallelMesh, stage_layers: list[list[int]], *, seed: int = 0,
+                          device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                          sequence_parallel: bool = False, rng_seed: int | None = None,
+                          hf_path: PathLike | None = None) -> tuple[list[nn.Module], DeferredValues]:
+    """:func:`build_stages` without allocating the trainable weights: every parameter is a
+    placeholder (no memory) whose values, from ``seed`` or ``hf_path``, the returned
+    :class:`~plait.deferred.DeferredValues` produces range by range. Pass it to the optimizer
+    (:class:`~plait.data_parallel.optimizer.DistributedOptimizer`'s ``values``), which under
+    ZeRO-3 computes or reads only the ranges this rank keeps: the build's peak memory is the
+    rank's shard plus one row window, not its whole local model."""
+    built, values = _build(config, mesh, _stage_pieces(config, mesh, stage_layers), seed=seed, device=device,
+                           dtype=dtype, sequence_parallel=sequence_parallel, init=True, rng_seed=rng_seed,
+                           hf_path=hf_path, deferred=True)
+    assert values is not None
+    return built, values
+
+
+def _stage_pieces(config: DecoderConfig, mesh: ParallelMesh,
+                  stage_layers: list[list[int]]) -> Callable[[DecoderForCausalLM], Iterator[nn.Module]]:
+    """This rank's stages cut from the full model, each only once the one before it is allocated
+    and filled (rank ``r`` holds stages ``r, r + pp, ...``)."""
     stage_cls = family_of(config).stage_cls
     num_stages = len(stage_layers)
 
     def stages(full: DecoderForCausalLM) -> Iterator[nn.Module]:
-        # each stage is cut from the full model only once the one before it is allocated and filled
         for s in range(mesh.pp_rank, num_stages, mesh.pp):
             yield stage_cls(full, stage_layers[s], first=s == 0, last=s == num_stages - 1)
 
-    return _build(config, mesh, stages, seed=seed, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
-                  init=init, rng_seed=rng_seed, hf_path=hf_path)
+    return stages
 

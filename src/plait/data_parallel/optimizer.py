@@ -25,6 +25,7 @@ import inspect
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,21 @@ from plait.optim.flat_adamw import FlatAdamW, FlatRun
 from plait.optim.lowp_adamw import LowPrecisionAdamW
 from plait.parallel_state import norm_share, shard_specs, shared_across_stages
 from plait.precision import PrecisionPolicy
+
+
+class PlaceholderValues(Protocol):
+    """Where the values of a model built with placeholders come from (``plait.deferred.DeferredValues``):
+    the optimizer writes the ranges it keeps, inside a ``with`` block that keeps the sources open."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+    def write_flat_(self, param: torch.Tensor, start: int, dest: torch.Tensor) -> None:
+        """Write elements ``[start, start + len(dest))`` of ``param``'s flattened value into ``dest``."""
+
+    def left_in(self, modules: list[nn.Module]) -> list[str]:
+        """The parameters of ``modules`` still holding placeholders."""
 
 
 @dataclass
@@ -83,8 +99,11 @@ class DistributedOptimizer:
                  zero: bool | int = False, bucket_mb: float = 25.0, overlap: bool = True,
                  ep: GroupInfo | None = None, expert_dp: GroupInfo | None = None,
                  expert_names: frozenset[str] = frozenset(), collectives: ShardCollectives | None = None,
-                 prefetch_params: bool = False, reshard_after_forward: bool = True) -> None:
-        """``zero``: the ZeRO level, 0-3 (``True`` is level 1); see docs/data_parallel.md."""
+                 prefetch_params: bool = False, reshard_after_forward: bool = True,
+                 values: PlaceholderValues | None = None) -> None:
+        """``zero``: the ZeRO level, 0-3 (``True`` is level 1); see docs/data_parallel.md.
+        ``values``: the model was built with placeholders (:func:`plait.materialize.build_stages_deferred`);
+        the optimizer fills the weights it keeps from them (under ZeRO-3 its owned chunks only)."""
         # expert parallelism: ``expert_names`` differ between the ``ep`` ranks and are reduced over
         # ``expert_dp`` (see GradSync); at ep=1 they are ordinary parameters
         if ep is None or ep.size == 1:
@@ -137,7 +156,7 @@ class DistributedOptimizer:
                                         reshard_after_forward=reshard_after_forward)
             assert isinstance(self.grads, ShardedGradSync)
             self.grads.on_round_closed = self.params.after_round
-        self._build_weights(device)
+        self._build_weights(device, values, modules)
         if self.params is not None:
             self.params.register_hooks()
         self.inner = self._build_inner(hyper)
@@ -154,32 +173,49 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
-    def _build_weights(self, device: torch.device) -> None:
-        """Move the weights into the flat parameter buffer and, where needed, the master buffer."""
+    def _build_weights(self, device: torch.device, values: PlaceholderValues | None, modules: list[nn.Module]) -> None:
+        """Move the weights into the flat parameter buffer and, where needed, the master buffer
+        (from the built weights, or from ``values`` when the model holds placeholders)."""
         pol, plan = self.policy, self.bucket_plan
-        originals = {id(e.param): e.param.detach().reshape(-1) for e in plan.entries}
+
+        def fill(e: ParamEntry, a: int, z: int, dest: torch.Tensor) -> None:
+            """Write flat elements ``[a, z)`` (buffer offsets) of entry ``e``'s initial value into ``dest``."""
+            if values is not None:
+                values.write_flat_(e.param, a - e.start, dest)
+            else:
+                dest.copy_(e.param.detach().reshape(-1)[a - e.start:z - e.start])
+
+        with values if values is not None else contextlib.nullcontext():
+            if self.params is None:
+                self.param_data = torch.zeros(plan.numel, dtype=pol.param_dtype, device=device)
+                for e in plan.entries:
+                    fill(e, e.start, e.end, self.param_data[e.start:e.end])
+            self.has_master = pol.separate_master
+            self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
+            if self.has_master:
+                sizes = [b.numel // b.shards for b in plan.buckets]
+                self.master_data = torch.zeros(sum(sizes), dtype=pol.master_dtype, device=device)
+                at = 0
+                for size in sizes:
+                    self.master_views.append(self.master_data[at:at + size])
+                    at += size
+                for s in self.segments:
+                    lo, _ = s.bucket.owned_range
+                    fill(s.entry, s.start, s.end, self.master_views[s.bucket.index][s.start - lo:s.end - lo])
+            if self.params is not None:  # ZeRO-3: the owned chunks are taken, the whole weights freed
+                def from_master(e: ParamEntry, a: int, z: int, dest: torch.Tensor) -> None:
+                    lo = plan.buckets[e.bucket].owned_range[0]
+                    dest.copy_(self.master_views[e.bucket][a - lo:z - lo])
+
+                # from the master just filled, if any: each range is computed or read once
+                self.params.adopt(from_master if self.has_master else fill)
         if self.params is None:
-            self.param_data = torch.zeros(plan.numel, dtype=pol.param_dtype, device=device)
-            for e in plan.entries:
-                self.param_data[e.start:e.end].copy_(originals[id(e.param)])
-        self.has_master = pol.separate_master
-        self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
-        if self.has_master:
-            sizes = [b.numel // b.shards for b in plan.buckets]
-            self.master_data = torch.zeros(sum(sizes), dtype=pol.master_dtype, device=device)
-            at = 0
-            for size in sizes:
-                self.master_views.append(self.master_data[at:at + size])
-                at += size
-            for s in self.segments:
-                lo, _ = s.bucket.owned_range
-                src = originals[id(s.entry.param)][s.start - s.entry.start:s.end - s.entry.start]
-                self.master_views[s.bucket.index][s.start - lo:s.end - lo].copy_(src)
-        if self.params is not None:  # ZeRO-3: the owned chunks are taken, the whole weights freed
-            self.params.adopt()
-            return
-        for e in plan.entries:  # only now: the originals were read above
-            e.param.data = self.param_data[e.start:e.end].view(e.param.shape)
+            for e in plan.entries:  # only now: the originals were read above
+                e.param.data = self.param_data[e.start:e.end].view(e.param.shape)
+        if values is not None and (left := values.left_in(modules)):
+            raise ValueError(f"the model was built with placeholders, but {len(left)} of its parameters are not "
+                             f"trained here and kept them (e.g. {left[0]!r}): build frozen parameters normally "
+                             f"(plait.materialize.build_stages), as LoRA's frozen base is")
 
     def _owned_weights(self, b: Bucket) -> torch.Tensor:
         """Bucket ``b``'s owned range of the weights themselves (in their dtype)."""
@@ -372,6 +408,24 @@ class DistributedOptimizer:
         with self.params.gathered(write_back=write_back):
             yield
 
+    def local_shape(self, param: torch.Tensor) -> torch.Size:
+        """``param``'s local (TP-shard) shape, also while ZeRO-3 has freed it."""
+        return self.params.local_shape(param) if self.params is not None else param.shape
+
+    def weights_in_turn(self, *, write_back: bool = False) -> Iterator[list[ParamEntry]]:
+        """The trained parameters in groups whose weights are readable (and writable) while the group
+        is current: under ZeRO-3 one bucket at a time, gathered (with ``write_back`` the owned chunk
+        is taken from it afterwards), so loading a checkpoint holds one bucket beyond the chunks;
+        otherwise every parameter at once. Collective under ZeRO-3: every data-parallel rank must
+        run the whole iteration."""
+        self.wait_params()
+        if self.params is None:
+            yield list(self.bucket_plan.entries)
+            return
+        for b in self.bucket_plan.buckets:
+            with self.params.bucket_gathered(b, write_back=write_back):
+                yield list(b.entries)
+
     def wait_params(self) -> None:
         """Wait for every parameter gather still in flight (``prefetch_params``): call before reading
         the weights outside a forward (the optimizer's own methods and ``state_dict()`` do)."""
@@ -505,11 +559,14 @@ class DistributedOptimizer:
         return self._by_name.get(name, [])
 
     @torch.no_grad()
-    def sync_master_from_weights(self) -> None:
-        """Copy the model weights into the master copy (after loading weights without optimizer state)."""
+    def sync_master_from_weights(self, names: set[str] | None = None) -> None:
+        """Copy the model weights (of the parameters ``names``, default all) into the master copy,
+        after loading weights without optimizer state; their weights must be readable."""
         self.wait_params()
         if not self.has_master:
             return
         for i, s in enumerate(self.segments):
+            if names is not None and s.entry.name not in names:
+                continue
             a, z = s.start - s.entry.start, s.end - s.entry.start
             self.main_params[i].copy_(s.entry.param.reshape(-1)[a:z])

@@ -44,8 +44,12 @@ import torch
 from torch import nn
 
 from plait.activation_checkpointing import decoder_blocks
-from plait.data_parallel.buckets import Bucket, BucketPlan
+from plait.data_parallel.buckets import Bucket, BucketPlan, ParamEntry
 from plait.data_parallel.collectives import Handle, ShardCollectives
+
+#: elements of a parameter filled at once when adopting (the multiples of it from the parameter's
+#: start are the initialisation's block boundaries when a row divides it: each block drawn once)
+ADOPT_WINDOW = 1 << 22
 
 
 @dataclass
@@ -117,17 +121,21 @@ class ShardedParams:
 
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
-    def adopt(self) -> None:
-        """Take the owned chunks from the (whole, local) parameters the model was built with, then
-        free them: from here on each parameter exists only as its owner's chunk."""
+    def adopt(self, fill: Callable[[ParamEntry, int, int, torch.Tensor], None]) -> None:
+        """Fill the owned chunks through ``fill(entry, a, z, dest)``, which writes flat buffer elements
+        ``[a, z)`` of a parameter's value into ``dest`` (read from the whole local weights the model
+        was built with, or computed for this range only from a deferred build), then free the
+        parameters: from here on each exists only as its owner's chunk."""
         for b in self.bucket_plan.buckets:
             lo, hi = b.owned_range
             chunk = self.shard_views[b.index]
             chunk.zero_()  # padding
             for e in b.entries:
-                a, z = max(lo, e.start), min(hi, e.end)
-                if a < z:
-                    chunk[a - lo:z - lo].copy_(e.param.detach().reshape(-1)[a - e.start:z - e.start])
+                a = max(lo, e.start)
+                while a < min(hi, e.end):  # in windows: a deferred build computes one window at a time
+                    z = min(hi, e.end, e.start + ((a - e.start) // ADOPT_WINDOW + 1) * ADOPT_WINDOW)
+                    fill(e, a, z, chunk[a - lo:z - lo])
+                    a = z
             for e in b.entries:
                 e.param.data = self._empty
 
@@ -144,6 +152,10 @@ class ShardedParams:
             self._hooks.append(u.module.register_forward_hook(lambda _m, _a, out, u=u: after(u, out)))
 
     # ------------------------------------------------------------------ gathering and freeing
+    def local_shape(self, param: torch.Tensor) -> torch.Size:
+        """``param``'s local shape, also while it is freed (its own shape is then ``(0,)``)."""
+        return self._shapes.get(id(param), param.shape)
+
     def owned_values(self, b: Bucket) -> torch.Tensor:
         return self.shard_views[b.index]
 
@@ -208,21 +220,24 @@ class ShardedParams:
             self.release_all()
 
     @torch.no_grad()
-    def _take_owned(self) -> None:
-        for b in self.bucket_plan.buckets:
+    def _take_owned(self, buckets: list[Bucket] | None = None) -> None:
+        for b in self.bucket_plan.buckets if buckets is None else buckets:
             if self._live[b.index]:
                 size = b.numel // b.shards
                 self.shard_views[b.index].copy_(self._buffers[b.index][b.shard * size:(b.shard + 1) * size])
 
     @contextmanager
-    def bucket_gathered(self, b: Bucket) -> Iterator[None]:
-        """Bucket ``b``'s weights gathered for the duration (collective over its group)."""
+    def bucket_gathered(self, b: Bucket, *, write_back: bool = False) -> Iterator[None]:
+        """Bucket ``b``'s weights gathered for the duration (collective over its group); with
+        ``write_back`` its owned chunk is taken from them afterwards (after loading them)."""
         was = self._live[b.index]
         self._gather(b)
         self._wait(b)
         try:
             yield
         finally:
+            if write_back:
+                self._take_owned([b])
             if not was:
                 self.release(b)
 

@@ -230,13 +230,66 @@ def load_hf_weights(model: nn.Module, path: PathLike) -> None:
 
 def _read_shard(tensor_slice: Any, spec: ShardSpec, out: torch.Tensor) -> None:
     """Copy each contiguous run of ``spec`` from the checkpoint slice into ``out``."""
+    _read_rows(tensor_slice, spec, out, 0)
+
+
+def _read_rows(tensor_slice: Any, spec: ShardSpec | None, out: torch.Tensor, first: int) -> None:
+    """Copy local rows ``[first, first + len(out))`` of a parameter (``spec``: its TP shard, or
+    None when replicated) from its checkpoint slice into ``out``, reading only those rows' runs."""
+    end = first + out.shape[0]
+    if spec is None:
+        out.copy_(tensor_slice[first:end])
+        return
     if any(i < 0 for i in spec.index):
         out.zero_()
     for local, full, length in spec.runs():
         index = [slice(None)] * len(spec.full_shape)
+        if spec.dim == 0:  # the local rows are runs of full rows: read the runs' part inside the window
+            lo, hi = max(local, first), min(local + length, end)
+            if lo < hi:
+                index[0] = slice(full + lo - local, full + hi - local)
+                out[lo - first:hi - first].copy_(tensor_slice[tuple(index)])
+            continue
+        index[0] = slice(first, end)
         index[spec.dim] = slice(full, full + length)
         out.narrow(spec.dim, local, length).copy_(tensor_slice[tuple(index)])
 
+
+class HFRowReader:
+    """Reads row windows of a rank's local parameters from a checked Hugging Face directory, the
+    files kept open while in use (``with``): a rank that keeps only part of each parameter
+    (ZeRO-3) reads the rows of that part and nothing else."""
+
+    def __init__(self, tensors: HFTensors) -> None:
+        self.tensors = tensors
+        self._stack: ExitStack | None = None
+        self._handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> HFRowReader:
+        self._stack = ExitStack()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._stack, self._handles = None, {}
+
+    def rows(self, name: str, spec: ShardSpec | None, local_shape: tuple[int, ...], first: int,
+             end: int) -> torch.Tensor:
+        """Local rows ``[first, end)`` of parameter ``name`` (fp32, on the CPU)."""
+        out = torch.empty((end - first,) + tuple(local_shape[1:]))
+        self.read_rows_(out, name, spec, first)
+        return out
+
+    def read_rows_(self, out: torch.Tensor, name: str, spec: ShardSpec | None, first: int) -> None:
+        """Read local rows ``[first, first + len(out))`` of parameter ``name`` into ``out``."""
+        if self._stack is None:
+            raise RuntimeError("HFRowReader.rows outside its with block")
+        source = self.tensors.sources[name]
+        file = self.tensors.weights[source]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        _read_rows(self._handles[file].get_slice(source), spec, out, first)
 
 # ---------------------------------------------------------------------------------- saving
 def _plan_shards(entries: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:

@@ -15,10 +15,12 @@ Order of construction (fixed, commented where it matters):
 3. stages built on the meta device and materialized (only this rank's shard of its stages and,
    with ``ep > 1``, only its experts, with the token exchange set up),
    from the layout-invariant initialisation or from ``model.hf_path``; their per-TP-rank
-   dropout stream reseeded from the run seed;
+   dropout stream reseeded from the run seed; under ZeRO-3 without LoRA the weights are only
+   placeholders until step 5 (:mod:`plait.deferred`);
 4. activation checkpointing (after the TP swap and the pipeline split, on the swapped modules), then
    ``train.compile`` (:mod:`plait.train.compile`: compiled units around the checkpointed modules);
-5. the optimizer, which takes ownership of the weights (flat buffers) and gradients;
+5. the optimizer, which takes ownership of the weights (flat buffers) and gradients, and under
+   ZeRO-3 computes or reads only the ranges of them this rank keeps;
 6. the pipeline runtime (any ``pp``, including 1) with its hooks: the one that lets each stage's
    data-parallel reduction start during its last backward; for a preference objective, the
    loss head on the last stage and the reference model's pass (:mod:`plait.train.preference`);
@@ -56,9 +58,10 @@ from plait.data.sampler import GlobalBatchSampler
 from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
 from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
+from plait.deferred import DeferredValues
 from plait.devices import detect_device, peak_flops
 from plait.lora import LoraSettings, apply_lora, load_peft_adapter
-from plait.materialize import build_stages, rng_tracker_of
+from plait.materialize import build_stages, build_stages_deferred, rng_tracker_of
 from plait.mesh import ParallelMesh
 from plait.models.decoder.config import DecoderConfig
 from plait.models.family import config_of
@@ -119,9 +122,22 @@ def build_stages_for(resolved: ResolvedRecipe, mesh: ParallelMesh, config: Decod
                         sequence_parallel=r.parallel.sequence_parallel, hf_path=r.model.hf_path)
 
 
+def build_trained_stages(resolved: ResolvedRecipe, mesh: ParallelMesh, config: DecoderConfig, vocab_size: int,
+                         device: torch.device) -> tuple[list[nn.Module], DeferredValues | None]:
+    """The stages the run trains. Under ZeRO-3 without LoRA (every weight trained, hence sharded)
+    they hold placeholders, and the optimizer computes or reads only the ranges this rank keeps
+    (see :mod:`plait.deferred`); otherwise they are built whole (:func:`build_stages_for`)."""
+    r = resolved.recipe
+    if r.parallel.zero_level() != 3 or r.lora.rank is not None:
+        return build_stages_for(resolved, mesh, config, vocab_size, device), None
+    return build_stages_deferred(config, mesh, stage_layers(resolved, config, vocab_size), seed=r.run.seed,
+                                 device=device, sequence_parallel=r.parallel.sequence_parallel,
+                                 hf_path=r.model.hf_path)
+
+
 def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: ParallelMesh,
-                    policy: PrecisionPolicy) -> DistributedOptimizer:
-    """The rank's :class:`DistributedOptimizer` for the recipe."""
+                    policy: PrecisionPolicy, values: DeferredValues | None = None) -> DistributedOptimizer:
+    """The rank's :class:`DistributedOptimizer` for the recipe (filling placeholders from ``values``)."""
     r = resolved.recipe
     o, p = r.optimizer, r.parallel
     hyper = OptimizerHyper(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, seed=r.run.seed)
@@ -132,7 +148,7 @@ def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: Pa
                                 zero=p.zero_level(), bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce,
                                 reshard_after_forward=p.reshard_after_forward,
                                 ep=mesh.info("ep"), expert_dp=mesh.info("dp_expert"),
-                                expert_names=expert_parameter_names(modules))
+                                expert_names=expert_parameter_names(modules), values=values)
 
 
 def build_runtime(stages: list[nn.Module], mesh: ParallelMesh, policy: PrecisionPolicy,
@@ -297,7 +313,7 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     seed = dropout_seed_for(r, mesh)
     torch.manual_seed(seed)
     config = r.model.to_model_config(train_data.vocab_size)  # of the recipe's family, or model.hf_path's
-    stages = build_stages_for(resolved, mesh, config, train_data.vocab_size, device)
+    stages, values = build_trained_stages(resolved, mesh, config, train_data.vocab_size, device)
     context = context_parallel_for(r, mesh)
     apply_context_parallel(stages, context, r.data.seq_len)  # attention and loss over cp (no-op at cp=1)
     for stage in stages:  # the per-TP-rank dropout stream follows the same run seed
@@ -318,7 +334,7 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     if t.compile:  # last: compiles the parallel, adapted, split and checkpointed modules (docs/compile.md)
         use_compile_cache(r.data.cache_dir)
         compile_stages(stages, t.compile_mode)
-    optimizer = build_optimizer(resolved, stages, mesh, policy)
+    optimizer = build_optimizer(resolved, stages, mesh, policy, values)
     p = r.parallel
     head: PreferenceHead | GRPOHead | None = preference_head(resolved, mesh, config.vocab_size, device)
     if head is None:

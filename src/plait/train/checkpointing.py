@@ -74,30 +74,30 @@ def save_checkpoint(state: RunState, writer: CheckpointWriter, step: int, attach
 @torch.no_grad()
 def restore(state: RunState, directory: str | Path) -> int:
     """Load ``directory`` into the run's stages and optimizer (any layout); returns the step to resume at."""
-    # ZeRO-3: every weight gathered while the checkpoint is read into it, the owned chunks taken after
-    with CheckpointReader(directory) as reader, state.optimizer.weights_gathered(write_back=True):
+    with CheckpointReader(directory) as reader:
         problems = resume_problems(saved_contents(reader.manifest), state.recipe)
         if problems:
             raise CheckpointError(f"{directory} cannot continue this recipe: " + "; ".join(problems))
         # the trained parameters come from the checkpoint; frozen ones (a LoRA run's base) stay as
         # the run built them from its base, which the check above found to be the checkpoint's
         params = [entry for entry in named_parameters_with_specs(state.stages) if entry[2].requires_grad]
-        reader.check_model({name: tuple(spec.full_shape) if spec is not None else tuple(p.shape)
+        opt = state.optimizer
+        reader.check_model({name: tuple(spec.full_shape) if spec is not None else tuple(opt.local_shape(p))
                             for _, name, p, spec in params})
         step = int(reader.manifest.get("train_step", reader.step))
-        for _, name, p, spec in params:
-            kind = "master" if reader.has("master", name) else "model"
-            reader.read_into(kind, name, p, spec)
         for name, buf in checkpointed_buffers(state.stages):  # kept as they are when the checkpoint has none
             if reader.has("buffer", name):
                 reader.read_into("buffer", name, buf)
-        opt = state.optimizer
         with_state = all(reader.has("exp_avg", name) for _, name, _, _ in params)
-        if with_state:
-            opt_step = int(reader.manifest.get("optimizer_step", step))
-            by_name = {name: (p, spec) for _, name, p, spec in params}
-            for entry in opt.bucket_plan.entries:
+        opt_step = int(reader.manifest.get("optimizer_step", step))
+        by_name = {name: (p, spec) for _, name, p, spec in params}
+        # ZeRO-3: one bucket gathered at a time while it is read into, its owned chunk taken after
+        for entries in opt.weights_in_turn(write_back=True):
+            for entry in entries:
                 p, spec = by_name[entry.name]
+                reader.read_into("master" if reader.has("master", entry.name) else "model", entry.name, p, spec)
+                if not with_state:
+                    continue
                 moments = {}
                 for kind in ("exp_avg", "exp_avg_sq", "master"):
                     if kind == "master" and not (opt.has_master and reader.has("master", entry.name)):
@@ -106,8 +106,8 @@ def restore(state: RunState, directory: str | Path) -> int:
                     reader.read_into(kind, entry.name, buf, spec)
                     moments[kind] = buf
                 opt.load_param_state(entry.name, moments, opt_step)
-        else:
-            opt.sync_master_from_weights()
+            if not with_state:
+                opt.sync_master_from_weights({e.name for e in entries})
         same_layout = reader.manifest.get("layout") == layout_of(state)
         if same_layout:
             rng = reader.read_rng(state.rank)
