@@ -38,6 +38,8 @@ EXACT = {
     "pp2": (["parallel.pp=2", "parallel.microbatches=4", "data.micro_batch_size=2"], 2),
     "dp2-zero1": (["parallel.dp=2", "parallel.zero1=true", "data.micro_batch_size=4"], 2),
     "dp2-zero3": (["parallel.dp=2", "parallel.zero=3", "data.micro_batch_size=4"], 2),
+    "dp2-zero2-offload-bf16-mixed": (["parallel.dp=2", "parallel.zero=2", "parallel.offload_optimizer=true",
+                                      "precision.preset=bf16-mixed", "data.micro_batch_size=4"], 2),
     "pp2xtp2xdp2-zero1": (["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
                            "parallel.microbatches=2", "data.micro_batch_size=2"], 8),
 }

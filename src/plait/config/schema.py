@@ -200,6 +200,10 @@ class ParallelSection(Section):
                                   "gather them again for its backward (false: keep them until its backward; "
                                   "one all-gather per block saved, more memory)",
         json_schema_extra=applies_when("zero3"))
+    offload_optimizer: Bool = Field(
+        default=False, description="Keep the fp32 master weights and AdamW moments in host memory and update "
+                                   "them there (the device keeps the weights and gradients); any ZeRO level, "
+                                   "not with bf16-pure. See docs/data_parallel.md")
     bucket_mb: Float = Field(default=25.0, gt=0, description="Size cap of a gradient bucket in MB; each "
                                                              "bucket's data-parallel reduction starts "
                                                              "as soon as its last gradient is ready")

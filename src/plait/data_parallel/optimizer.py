@@ -100,10 +100,12 @@ class DistributedOptimizer:
                  ep: GroupInfo | None = None, expert_dp: GroupInfo | None = None,
                  expert_names: frozenset[str] = frozenset(), collectives: ShardCollectives | None = None,
                  prefetch_params: bool = False, reshard_after_forward: bool = True,
-                 values: PlaceholderValues | None = None) -> None:
+                 values: PlaceholderValues | None = None, offload: bool = False) -> None:
         """``zero``: the ZeRO level, 0-3 (``True`` is level 1); see docs/data_parallel.md.
         ``values``: the model was built with placeholders (:func:`plait.materialize.build_stages_deferred`);
-        the optimizer fills the weights it keeps from them (under ZeRO-3 its owned chunks only)."""
+        the optimizer fills the weights it keeps from them (under ZeRO-3 its owned chunks only).
+        ``offload``: the fp32 master weights and AdamW moments live in host memory and are updated
+        there (see :meth:`step`); the device keeps the weights and the gradients only."""
         # expert parallelism: ``expert_names`` differ between the ``ep`` ranks and are reduced over
         # ``expert_dp`` (see GradSync); at ep=1 they are ordinary parameters
         if ep is None or ep.size == 1:
@@ -119,6 +121,15 @@ class DistributedOptimizer:
         #: the ZeRO level: 1 shards optimizer state, 2 also gradients, 3 also the weights
         self.level = level
         self.policy, self.dp, self.tp, self.pp, self.zero = policy, dp, tp, pp, level >= 1
+        if offload and policy.master_dtype != torch.float32:
+            raise ValueError(f"offload keeps an fp32 master copy in host memory; this precision policy's master is "
+                             f"{policy.master_dtype} (bf16-pure): use bf16-mixed or fp32")
+        #: master weights and moments in host memory, updated there
+        self.offload = offload
+        #: where the optimizer's own tensors (master weights, moments, the gradients they read) live
+        self.state_device = torch.device("cpu") if offload else None
+        #: host tensors are page-locked so the copies to and from a GPU run asynchronously
+        self._pinned = offload and torch.cuda.is_available()
         self.shards = dp.size if self.zero else 1
         params, seen = [], set()
         for module in modules:
@@ -140,6 +151,8 @@ class DistributedOptimizer:
                                                      expert_dp=expert_dp, unit_of=unit_of)
         self.segments: list[Segment] = self.bucket_plan.owned_segments()
         self.device = device
+        if self.state_device is None:
+            self.state_device = device
         self.grads: GradSync | ShardedGradSync
         if level >= 2:
             self.grads = ShardedGradSync(self.bucket_plan, grad_dtype=policy.grad_dtype, device=device, dp=dp,
@@ -190,15 +203,14 @@ class DistributedOptimizer:
                 self.param_data = torch.zeros(plan.numel, dtype=pol.param_dtype, device=device)
                 for e in plan.entries:
                     fill(e, e.start, e.end, self.param_data[e.start:e.end])
-            self.has_master = pol.separate_master
+            self.has_master = pol.separate_master or self.offload
             self.master_views: list[torch.Tensor] = []  # per bucket: the owned range in master dtype
+            #: offload: per bucket, the host copy of the owned reduced gradient that AdamW reads
+            self.host_grad_views: list[torch.Tensor] = []
+            if self.offload:
+                self.host_grad_data, self.host_grad_views = self._owned_flat(pol.master_dtype)
             if self.has_master:
-                sizes = [b.numel // b.shards for b in plan.buckets]
-                self.master_data = torch.zeros(sum(sizes), dtype=pol.master_dtype, device=device)
-                at = 0
-                for size in sizes:
-                    self.master_views.append(self.master_data[at:at + size])
-                    at += size
+                self.master_data, self.master_views = self._owned_flat(pol.master_dtype)
                 for s in self.segments:
                     lo, _ = s.bucket.owned_range
                     fill(s.entry, s.start, s.end, self.master_views[s.bucket.index][s.start - lo:s.end - lo])
@@ -217,6 +229,20 @@ class DistributedOptimizer:
                              f"trained here and kept them (e.g. {left[0]!r}): build frozen parameters normally "
                              f"(plait.materialize.build_stages), as LoRA's frozen base is")
 
+    def _owned_flat(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A zeroed flat tensor of every bucket's owned range on the optimizer's device (page-locked
+        host memory when offloading to a GPU's host), and its view per bucket."""
+        sizes = [b.numel // b.shards for b in self.bucket_plan.buckets]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=self.state_device, pin_memory=self._pinned)
+        return flat, list(flat.split(sizes)) if sizes else []
+
+    def _update_grads(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s owned reduced gradient as AdamW reads it (its host copy when offloading)."""
+        if self.offload:
+            return self.host_grad_views[b.index]
+        lo, hi = b.owned_range
+        return self.grads.reduced_view(lo, hi)
+
     def _owned_weights(self, b: Bucket) -> torch.Tensor:
         """Bucket ``b``'s owned range of the weights themselves (in their dtype)."""
         if self.params is not None:
@@ -225,9 +251,9 @@ class DistributedOptimizer:
         return self.param_data[lo:hi]
 
     def _segment_tensors(self, s: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the values the optimizer updates, their reduced gradient) of one segment."""
-        grad = self.grads.reduced_view(s.start, s.end)
+        """(the values the optimizer updates, the reduced gradient it reads) of one segment."""
         lo, _ = s.bucket.owned_range
+        grad = self._update_grads(s.bucket)[s.start - lo:s.end - lo]
         if not self.has_master:
             return self._owned_weights(s.bucket)[s.start - lo:s.end - lo], grad
         return self.master_views[s.bucket.index][s.start - lo:s.end - lo], grad
@@ -241,10 +267,10 @@ class DistributedOptimizer:
             value.grad = grad
             (decay if s.entry.decay else keep).append(value)
             self.main_params.append(value)
-            self.main_grads.append(grad)
+            self.main_grads.append(self.grads.reduced_view(s.start, s.end))  # on the device: norm, clipping
             self.main_weights.append(s.entry.norm_weight)
         groups = [{"params": decay, "weight_decay": hyper.weight_decay}, {"params": keep, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, device=self.device)],
+        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, device=self.state_device)],
                                                          "weight_decay": 0.0}]
         if self.policy.master_dtype == torch.bfloat16:
             return LowPrecisionAdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
@@ -263,7 +289,7 @@ class DistributedOptimizer:
         for b in self.bucket_plan.buckets:
             lo, hi = b.owned_range
             values = self.master_views[b.index] if self.has_master else self._owned_weights(b)
-            grads = self.grads.reduced_view(lo, hi)
+            grads = self._update_grads(b)
             members = [self.main_params[i] for i, s in enumerate(self.segments) if s.bucket is b]
             last = runs[-1] if runs and not self.zero else None  # ZeRO-1: one run per bucket, published in turn
             if last is not None and _continues(last.values, values) and _continues(last.grads, grads):
@@ -341,6 +367,8 @@ class DistributedOptimizer:
         self.wait_params()  # a gather still in flight reads the owned ranges this step rewrites
         if self.params is not None:  # ZeRO-3: gathered weights would go stale; the next forward gathers
             self.params.release_all()
+        if self.offload:
+            found_inf = self._gradients_to_host(found_inf)
         publish = self.has_master or self.zero
         pending: dict[int, list[Handle]] = {}
 
@@ -376,23 +404,39 @@ class DistributedOptimizer:
             self.wait_params()
         self.grads.zero_()
 
+    def _gradients_to_host(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+        """Offload: copy the owned reduced gradients (and the step's skip flag and clipping factor)
+        to host memory for the host update, in the order the update reads them. From a GPU the copies
+        are asynchronous into page-locked memory and awaited once, before the update starts; the
+        updated values go back the same way, bucket by bucket, while the next bucket updates."""
+        for b in reversed(self.bucket_plan.buckets):
+            lo, hi = b.owned_range
+            self.host_grad_views[b.index].copy_(self.grads.reduced_view(lo, hi), non_blocking=self._pinned)
+        if self._grad_scale is not None:
+            self._grad_scale = self._grad_scale.to(self.state_device, non_blocking=self._pinned)
+        if found_inf is not None:
+            found_inf = found_inf.to(self.state_device, non_blocking=self._pinned)
+        if self._pinned:
+            torch.cuda.current_stream(self.device).synchronize()
+        return found_inf
+
     def _publish(self, b: Bucket) -> list[Handle]:
         """Write bucket ``b``'s updated owned range into the weights and start sharing it (ZeRO-1);
         returns the work handles."""
         master = self.master_views[b.index] if self.has_master else None
         if self.params is not None:  # ZeRO-3: the owned chunk is all a rank keeps
             if master is not None:
-                self.params.owned_values(b).copy_(master)
+                self.params.owned_values(b).copy_(master, non_blocking=self._pinned)
             return []
         if b.shards > 1:  # ZeRO-1: the owned shard is in place; the backend's collectives fill the rest
             if master is not None:
                 lo, hi = b.owned_range
-                self.param_data[lo:hi].copy_(master)
+                self.param_data[lo:hi].copy_(master, non_blocking=self._pinned)
             return self.grads.collectives_of(b).gather(self.param_data[b.start:b.end], b.group)
         # without ZeRO-1, or one replica per expert (the whole bucket is owned): only a master to copy
         assert master is not None or self.zero, "without ZeRO-1 the weights are published only from a master copy"
         if master is not None:
-            self.param_data[b.start:b.end].copy_(master)
+            self.param_data[b.start:b.end].copy_(master, non_blocking=self._pinned)
         return []
 
     @contextlib.contextmanager
@@ -461,19 +505,24 @@ class DistributedOptimizer:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank keeps between steps: optimizer state, master weights, the persistent weight
         and gradient buffers (ZeRO-3's and ZeRO-2's owned chunks; transient gathers not counted),
-        and buffer padding."""
+        and buffer padding. ``host_bytes``: what of it lives in host memory (offload: the master,
+        the moments and the host copy of the owned gradients), not on the device."""
         owned = sum(s.numel for s in self.segments)
         item = torch.empty((), dtype=self.policy.master_dtype).element_size()
         state = sum(t.numel() * t.element_size() for st in self.inner.state.values() for t in st.values()
                     if torch.is_tensor(t) and t.dim() > 0)
         weights = self.params.shard_data if self.params is not None else self.param_data
         grads = self.grads.shard_data if isinstance(self.grads, ShardedGradSync) else self.grads.data
-        return {"owned_elements": owned, "optimizer_state_bytes": state,
+        master = self.master_data.numel() * self.master_data.element_size() if self.has_master else 0
+        host = 0
+        if self.offload:
+            host = state + master + self.host_grad_data.numel() * self.host_grad_data.element_size()
+        return {"owned_elements": owned, "optimizer_state_bytes": state, "host_bytes": host,
                 "weight_bytes": weights.numel() * weights.element_size(),
                 "grad_bytes": grads.numel() * grads.element_size(),
                 "expected_state_bytes": 2 * owned * item,
-                "master_bytes": self.master_data.numel() * self.master_data.element_size() if self.has_master else 0,
-                "padding_elements": self.bucket_plan.padding, "total_elements": self.bucket_plan.numel}
+                "master_bytes": master, "padding_elements": self.bucket_plan.padding,
+                "total_elements": self.bucket_plan.numel}
 
     # ------------------------------------------------------------------ checkpoints
     def state_kinds(self) -> list[str]:
@@ -543,7 +592,8 @@ class DistributedOptimizer:
             if self.has_master:
                 src = state.get("master")
                 main.copy_((src if src is not None else s.entry.param).reshape(-1)[a:z])
-            new: dict = {k: state[k].reshape(-1)[a:z].to(main.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}
+            new: dict = {k: state[k].reshape(-1)[a:z].to(main.device, main.dtype).clone()
+                         for k in ("exp_avg", "exp_avg_sq")}
             if isinstance(self.inner, FlatAdamW):  # the state is a view of the flat moments: copy into it
                 self.inner.set_state(main, new["exp_avg"], new["exp_avg_sq"], step)
                 continue

@@ -146,7 +146,7 @@ def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: Pa
     return DistributedOptimizer(modules, policy, hyper, dp=mesh.info("dp_cp"), tp=mesh.info("tp"),
                                 pp=mesh.info("pp"), tied=mesh.info("tied") if mesh.pp > 1 else None,
                                 zero=p.zero_level(), bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce,
-                                reshard_after_forward=p.reshard_after_forward,
+                                reshard_after_forward=p.reshard_after_forward, offload=p.offload_optimizer,
                                 ep=mesh.info("ep"), expert_dp=mesh.info("dp_expert"),
                                 expert_names=expert_parameter_names(modules), values=values)
 

@@ -1,4 +1,5 @@
-"""The ZeRO level: its two spellings, what has no effect, and what level 3 does not compose with yet."""
+"""The ZeRO level: its two spellings, what has no effect, what level 3 does not compose with yet, and
+what optimizer offload needs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ def check_zero(c: Checker) -> None:
     if c.ok("parallel.zero", "parallel.zero1") and p.zero_level() and unsharded:
         spelling = f"parallel.zero: {p.zero}" if p.zero is not None else "parallel.zero1: true"
         c.warnings.append(f"{spelling} — has no effect with dp=1 (nothing to shard over); training unsharded")
+    if c.ok("parallel.offload_optimizer", "precision") and p.offload_optimizer and r.precision.preset == "bf16-pure":
+        c.add("parallel.offload_optimizer", True, "keeps an fp32 master copy in host memory, and precision.preset "
+                                                  "bf16-pure has none; use bf16-mixed (or fp32)")
     if not c.ok("parallel.zero", "parallel.zero1") or p.zero_level() != 3:
         return
     if c.ok("parallel.schedule", "parallel.pp") and p.pp > 1 and p.schedule in _SPLIT_BACKWARD:
