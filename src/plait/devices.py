@@ -55,6 +55,8 @@ class DeviceSpec:
         memory_bytes: device memory (vendor nominal; host RAM for ``"cpu"``); ``None`` if unknown.
         intra_node_bw: per-device scale-up bandwidth in bytes/s as quoted by the vendor.
         inter_node_bw: per-device scale-out bandwidth in bytes/s, one direction.
+        host_link_bw: bandwidth between the device and its host's memory in bytes/s, one direction
+            (what optimizer offload moves gradients and weights over); ``None`` if unknown.
         measured: peaks come from the matmul probe instead of the table.
         description: the marketing name, or the detected device name.
     """
@@ -64,6 +66,7 @@ class DeviceSpec:
     memory_bytes: int | None = None
     intra_node_bw: float | None = None
     inter_node_bw: float | None = None
+    host_link_bw: float | None = None
     measured: bool = False
     description: str = ""
 
@@ -87,6 +90,9 @@ CPU_NETWORK_BW = 1 * GB
 # * NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: FP32 19.5 TFLOPS, TF32 156 and BF16
 #   312 TFLOPS dense (312 / 624 with sparsity), 80 GB HBM2e, NVLink 600 GB/s. DGX A100: eight
 #   200 Gb/s HDR InfiniBand ports, one per GPU -> 25 GB/s per GPU.
+# * Host links: H100/H200 SXM attach to their host over PCIe Gen5 x16 (64 GB/s per direction), A100
+#   SXM4 over PCIe Gen4 x16 (32 GB/s per direction); nominal rates, practical copies reach ~80% of them.
+#   No host link figure is published for a Trainium chip: offload is not priced there.
 # * AWS Neuron docs, "Trainium Architecture" and "Trn1/Trn1n Architecture": per chip 190
 #   FP16/BF16/TF32 TFLOPS, 47.5 FP32 TFLOPS, 32 GiB HBM; "Trainium2 Architecture": inter-chip
 #   interconnect 384 GB/s per Trainium chip; trn1.32xlarge has 800 Gbps EFA for 16 chips
@@ -97,15 +103,15 @@ CPU_NETWORK_BW = 1 * GB
 DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec(
         "h100", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
-        memory_bytes=int(80 * GB), intra_node_bw=900 * GB, inter_node_bw=50 * GB,
+        memory_bytes=int(80 * GB), intra_node_bw=900 * GB, inter_node_bw=50 * GB, host_link_bw=64 * GB,
         description="NVIDIA H100 SXM5 80GB"),
     "h200": DeviceSpec(
         "h200", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
-        memory_bytes=int(141 * GB), intra_node_bw=900 * GB, inter_node_bw=50 * GB,
+        memory_bytes=int(141 * GB), intra_node_bw=900 * GB, inter_node_bw=50 * GB, host_link_bw=64 * GB,
         description="NVIDIA H200 SXM 141GB"),
     "a100": DeviceSpec(
         "a100", {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T, "fp16": 312 * T},
-        memory_bytes=int(80 * GB), intra_node_bw=600 * GB, inter_node_bw=25 * GB,
+        memory_bytes=int(80 * GB), intra_node_bw=600 * GB, inter_node_bw=25 * GB, host_link_bw=32 * GB,
         description="NVIDIA A100 SXM4 80GB"),
     "trn1": DeviceSpec(
         "trn1", {"fp32": 47.5 * T, "tf32": 190 * T, "bf16": 190 * T, "fp16": 190 * T},

@@ -62,6 +62,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-zero1", action="store_true", dest="no_zero1",
                    help="leave ZeRO (parallel.zero) out of the search: replicated weights, gradients and "
                         "optimizer states only")
+    p.add_argument("--offload", action="store_true",
+                   help="also try optimizer offload (parallel.offload_optimizer: the fp32 master and moments in "
+                        "host memory, priced over the device's host link)")
     p.add_argument("--no-checkpointing", action="store_true", dest="no_checkpointing",
                    help="leave activation checkpointing (train.activation_checkpointing) out of the search")
     p.add_argument("--all", action="store_true", dest="every",
@@ -219,7 +222,7 @@ def recipe_overrides(candidate) -> str:
     items += [f"parallel.vpp={lay.vpp}", f"parallel.schedule={lay.schedule}"]
     items += [f"parallel.microbatches={candidate.microbatches}", f"parallel.kv_replication={lay.kv_replication}",
               f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
-              f"parallel.zero={lay.zero}"]
+              f"parallel.zero={lay.zero}", f"parallel.offload_optimizer={'true' if lay.offload else 'false'}"]
     ckpt = {"none": "off"}.get(lay.activation_checkpointing, lay.activation_checkpointing)
     items.append(f"train.activation_checkpointing={ckpt}")
     return " ".join(items)
@@ -331,6 +334,7 @@ def run(args) -> int:
                             options=SearchOptions(kv_placement=recipe.parallel.kv_placement, partition=method,
                                                   partition_cost=recipe.parallel.partition_cost,
                                                   try_zero1=not args.no_zero1,
+                                                  offload=(False, True) if args.offload else (False,),
                                                   # a capacity factor is refused with sequence parallelism
                                                   moe_sequence_parallel=recipe.moe.capacity_factor is None,
                                                   activation_checkpointing=("none",) if args.no_checkpointing

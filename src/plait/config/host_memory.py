@@ -63,7 +63,7 @@ def recipe_layout(resolved: ResolvedRecipe) -> ParallelDegrees:
     return ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, vpp=p.vpp, kv_replication=resolved.kv_replication,
                            sequence_parallel=p.sequence_parallel, zero=p.zero_level(),
                            activation_checkpointing="none" if checkpointing == "off" else checkpointing,
-                           schedule=p.schedule, cp=p.cp, ep=p.ep)
+                           schedule=p.schedule, cp=p.cp, ep=p.ep, offload=p.offload_optimizer)
 
 
 def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = False) -> tuple[list[int], str]:

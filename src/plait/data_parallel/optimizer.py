@@ -126,10 +126,6 @@ class DistributedOptimizer:
                              f"{policy.master_dtype} (bf16-pure): use bf16-mixed or fp32")
         #: master weights and moments in host memory, updated there
         self.offload = offload
-        #: where the optimizer's own tensors (master weights, moments, the gradients they read) live
-        self.state_device = torch.device("cpu") if offload else None
-        #: host tensors are page-locked so the copies to and from a GPU run asynchronously
-        self._pinned = offload and torch.cuda.is_available()
         self.shards = dp.size if self.zero else 1
         params, seen = [], set()
         for module in modules:
@@ -151,8 +147,11 @@ class DistributedOptimizer:
                                                      expert_dp=expert_dp, unit_of=unit_of)
         self.segments: list[Segment] = self.bucket_plan.owned_segments()
         self.device = device
-        if self.state_device is None:
-            self.state_device = device
+        #: where the optimizer's own tensors (master weights, moments, the gradients they read) live; a
+        #: dry run builds on the meta device, and its host side stays on meta too: nothing is allocated
+        self.state_device = torch.device("cpu") if offload and device.type != "meta" else device
+        #: host tensors are page-locked so the copies to and from a GPU run asynchronously
+        self._pinned = offload and device.type == "cuda"
         self.grads: GradSync | ShardedGradSync
         if level >= 2:
             self.grads = ShardedGradSync(self.bucket_plan, grad_dtype=policy.grad_dtype, device=device, dp=dp,

@@ -21,6 +21,7 @@ class ParallelDegrees:
     schedule: str = "1f1b"                  # "gpipe" | "1f1b" | "interleaved-1f1b"
     cp: int = 1                             # context parallelism: each sequence split over cp ranks
     ep: int = 1                             # expert parallelism (MoE): experts split over ep of the dp ranks
+    offload: bool = False                   # the fp32 master and AdamW moments in host memory
 
     @property
     def world(self) -> int:
@@ -38,6 +39,8 @@ class ParallelDegrees:
             parts.append("sp")
         if self.zero:
             parts.append(f"zero{self.zero}")
+        if self.offload:
+            parts.append("offload")
         if self.activation_checkpointing != "none":
             parts.append(f"ckpt-{self.activation_checkpointing}")
         return " ".join(parts)

@@ -248,8 +248,11 @@ def dry_run(config, layout: ParallelDegrees, world: int, rank: int, *, precision
     expected = {}
     if built:
         expected = {"optimizer_state_bytes": estimate.optimizer, "grad_bytes": estimate.gradient_shard}
+        owned = (estimate.host_bytes // 16 if layout.offload else estimate.optimizer // 2 // pb.optimizer_state)
         if layout.zero == 3:
-            expected["weight_bytes"] = estimate.optimizer // 2 // pb.optimizer_state * pb.param
+            expected["weight_bytes"] = owned * pb.param
+        if layout.offload:
+            expected["host_bytes"] = estimate.host_bytes
         if layout.zero == 1:
             del expected["grad_bytes"]  # ZeRO-1 keeps the whole gradient buffer (gloo: no shard buffer)
     return DryRunReport(layout=layout, world=world, rank=rank, coords=coords, group_sizes=group_sizes,
@@ -274,12 +277,14 @@ def _zero_states(modules: list[torch.nn.Module], mesh: ParallelMesh, layout: Par
     opt = DistributedOptimizer(modules, policy, OptimizerHyper(lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8),
                                dp=dp, tp=mesh.info("tp"), pp=mesh.info("pp"),
                                tied=mesh.info("tied") if mesh.pp > 1 else None, zero=layout.zero,
+                               offload=layout.offload,
                                ep=mesh.info("ep"), expert_dp=mesh.info("dp_expert"),
                                expert_names=expert_parameter_names(modules))
     report = opt.memory_report()
     item = torch.empty((), dtype=policy.grad_dtype).element_size()
-    return {"optimizer_state_bytes": report["expected_state_bytes"], "grad_bytes": report["grad_bytes"],
-            "weight_bytes": report["weight_bytes"],
+    return {"optimizer_state_bytes": 0 if layout.offload else report["expected_state_bytes"],
+            "grad_bytes": report["grad_bytes"], "weight_bytes": report["weight_bytes"],
+            "host_bytes": report["host_bytes"],
             "padding_bytes": report["padding_elements"] * max(item, 4) * 2}
 
 

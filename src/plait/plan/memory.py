@@ -32,6 +32,10 @@ Model states follow :class:`plait.data_parallel.optimizer.DistributedOptimizer` 
                    = 0              other presets: the optimizer updates the weights (with ZeRO-1
                                     their owned range of the parameter buffer) in place
 
+With optimizer offload (``ParallelDegrees.offload``) ``optimizer`` and ``master_weights`` are 0
+on the device and ``host_bytes = 16 * P_own`` (fp32 moments, master and the host copy of the owned
+gradients) lives in host memory instead; ``total`` is the device's.
+
 Padding that makes buckets divide by ``dp`` (at most ``dp - 1`` elements per bucket) is ignored.
 
 Activations are the tensors autograd saves, per micro-batch (:func:`layer_activation_bytes`
@@ -709,6 +713,9 @@ class MemoryBreakdown:
     #: MoE: the routed-expert parameters among ``parameter_count`` (``experts / ep`` of each sparse
     #: layer; reduced and ZeRO-1-sharded over the ``dp / ep`` expert-data-parallel ranks)
     expert_parameter_count: int = 0
+    #: optimizer offload: the bytes in host memory instead (fp32 moments, master and the host copy
+    #: of the owned gradients), not part of ``total``, which is the device's
+    host_bytes: int = 0
 
     FIELDS = ("parameters", "gradients", "gradient_shard", "optimizer", "master_weights", "activations",
               "weight_copies", "logits", "comm_buffers", "workspace", "step_buffers")
@@ -738,7 +745,8 @@ class MemoryBreakdown:
     def as_dict(self) -> dict:
         d = {"layout": self.layout.as_dict(), "precision": self.precision, "pp_rank": self.pp_rank,
              "parameter_count": self.parameter_count, "in_flight": dict(self.in_flight),
-             "max_in_flight": self.max_in_flight, "expert_parameter_count": self.expert_parameter_count}
+             "max_in_flight": self.max_in_flight, "expert_parameter_count": self.expert_parameter_count,
+             "host_bytes": int(self.host_bytes)}
         d.update({k: int(getattr(self, k)) for k in self.FIELDS})
         d["gradients_at_peak"] = int(self.gradients_at_peak)
         d["total"] = int(self.total)
@@ -841,11 +849,14 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
         # two blocks gathered at a time (the one computing and the prefetched next)
         root = P - sum(_layer_count(config, sh, layer) for ch in chunks for layer in ch.layers)
         parameters = (owned + root + min(P - root, 2 * block)) * pb.param
+    optimizer, master = 2 * owned * pb.optimizer_state, (owned if zero else P) * pb.master
+    host = 0
+    if layout.offload:  # fp32 moments, master and owned-gradient copy in host memory (see the module doc)
+        optimizer, master, host = 0, 0, 16 * owned
     return MemoryBreakdown(
         layout=layout, precision=pb.name, pp_rank=pp_rank, parameter_count=P,
         parameters=parameters, gradients=gradients, gradient_shard=owned * pb.grad if zero else 0,
-        optimizer=2 * owned * pb.optimizer_state,
-        master_weights=(owned if zero else P) * pb.master,
+        optimizer=optimizer, master_weights=master, host_bytes=host,
         activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
         comm_buffers=peak.p2p + tp_gather + ring + exchange, workspace=peak.workspace, step_buffers=step_buffers,
         gradients_at_peak=gradients_at_peak, in_flight={chunks[c].stage: n for c, n in peak.in_flight.items()},

@@ -94,6 +94,9 @@ class SearchOptions:
     try_zero1: bool = True
     #: the ZeRO levels tried when dp > 1
     zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+    #: optimizer offload choices tried (``(False, True)``: also every layout with the fp32 master and
+    #: moments in host memory; not with bf16-pure, which has no fp32 master)
+    offload: tuple[bool, ...] = (False,)
     #: every valid KV replication factor (False: only the automatic, smallest one)
     all_kv_replications: bool = True
     kv_placement: str = "interleaved"
@@ -253,10 +256,11 @@ def _enumerate(config: DecoderConfig, world: int, *, devices_per_node: int, micr
                 for kv in kv_factors:
                     for ep, sp in ((e, s) for e in eps for s in sps):
                         for zero in _zero_levels(dp * cp, pp, schedule, options):
-                            for ckpt in options.activation_checkpointing:
+                            for ckpt, offload in ((c, o) for c in options.activation_checkpointing
+                                                  for o in options.offload):
                                 out.append((ParallelDegrees(tp=tp, pp=pp, dp=dp, vpp=vpp, kv_replication=kv,
                                                    sequence_parallel=sp, zero=zero, activation_checkpointing=ckpt,
-                                                   schedule=schedule, cp=cp, ep=ep), m))
+                                                   schedule=schedule, cp=cp, ep=ep, offload=offload), m))
     return out, reasons
 
 
@@ -438,6 +442,8 @@ def rank_layouts(config: DecoderConfig, world: int, device: DeviceSpec | str, *,
     candidates = []
     splits: dict[int, list[list[int]] | None] = {1: None}
     for layout, m in pairs:
+        if layout.offload and (precision == "bf16-pure" or (not spec.host_link_bw and spec.name != "cpu")):
+            continue  # no fp32 master to offload, or no host link to price it over
         n = layout.pp * layout.vpp
         if n not in splits:
             try:

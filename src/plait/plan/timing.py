@@ -76,8 +76,13 @@ NeuronLink), across nodes ``inter_node_bw`` (per device, one direction). Latency
   the forward's ``E + 1`` routing counts (:func:`plait.plan.moe.sequence_parallel_tp_bytes`),
   counted in ``tp_comm_s`` (synchronous in the backward, one small all-reduce per parameter).
 
+* Offload (``ParallelDegrees.offload``): the owned gradients to the host and the fp32 weights back
+  over the device's host link (``P_own * (g + 4)`` bytes, ``DeviceSpec.host_link_bw``), and the
+  host AdamW streaming 28 bytes per owned element at :data:`HOST_UPDATE_BW`, all exposed
+  (``offload_s``; :func:`offload_seconds`).
+
 ``total_s = (compute_s + tp_comm_s + ep_comm_s) / (1 - bubble_share) + pp_comm_s + (1 - dp_overlap) *
-dp_comm_s + cp_exposed_s``
+dp_comm_s + cp_exposed_s + offload_s``
 and ``mfu = model FLOPs of the step / (total_s * world * peak)`` with PaLM's model FLOPs
 (:func:`plait.models.flops.model_flops_per_token`: no recomputation, no padding).
 """
@@ -88,7 +93,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from plait.devices import DeviceSpec, peak_flops
+from plait.devices import GB, DeviceSpec, peak_flops
 from plait.models.decoder.config import DecoderConfig
 from plait.models.flops import model_flops_per_token
 from plait.pipeline.simulate import schedule_bubble
@@ -145,6 +150,7 @@ class TimeBreakdown:
     cp_exposed_s: float = 0.0     # the part of them not hidden behind the attention compute
     ep_comm_s: float = 0.0        # MoE: the expert all-to-alls of the slowest rank (dispatch and combine)
     ep_bytes: float = 0.0         # MoE: bytes that rank sends over its expert group in the step
+    offload_s: float = 0.0        # optimizer offload: gradients to the host, the host update, weights back
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -340,9 +346,13 @@ def estimate_step_time(config: DecoderConfig, layout: ParallelDegrees, device: D
         attention_s = layers * 12 * sh.q * S_full * B * S * m / (peak * efficiency)
         cp_exposed = max(0.0, cp_comm_s - attention_s)
 
+    offload_s = 0.0
+    if layout.offload:
+        owned = max_params / dp if layout.zero and dp > 1 else max_params
+        offload_s = offload_seconds(device, owned, pb.grad)
     stage_s = (compute_s + tp_comm_s + ep_comm_s) / (1 - bubble)
     dp_exposed = (1 - dp_overlap) * dp_comm_s
-    total = stage_s + pp_comm_s + dp_exposed + cp_exposed
+    total = stage_s + pp_comm_s + dp_exposed + cp_exposed + offload_s
     model_flops = float(model_flops_per_token(config, S_full)) * B * S_full * m * layout.dp
     mfu = model_flops / (total * world * peak)
     bubble_s = stage_s - compute_s - tp_comm_s - ep_comm_s
@@ -350,7 +360,26 @@ def estimate_step_time(config: DecoderConfig, layout: ParallelDegrees, device: D
                          bubble_share=bubble, total_s=total, mfu=mfu, bubble_s=bubble_s,
                          dp_exposed_s=dp_exposed, flops_per_rank=slowest_flops, model_flops=model_flops,
                          peak_flops=peak, efficiency=efficiency, cp_comm_s=cp_comm_s, cp_exposed_s=cp_exposed,
-                         ep_comm_s=ep_comm_s, ep_bytes=ep_bytes)
+                         ep_comm_s=ep_comm_s, ep_bytes=ep_bytes, offload_s=offload_s)
+
+
+#: host memory bandwidth one rank's AdamW update streams at (an assumption: a two-socket host's
+#: ~300 GB/s shared by 8 devices, less the other traffic); the update reads weight, gradient and
+#: both moments and writes weight and moments: 28 bytes per fp32 element
+HOST_UPDATE_BW = 25 * GB
+HOST_UPDATE_BYTES = 28
+
+
+def offload_seconds(device: DeviceSpec, owned: float, grad_bytes: int) -> float:
+    """Seconds optimizer offload adds to a step: the owned gradients to the host, the host AdamW
+    over them, the fp32 weights back (priced one after the other, none hidden: the update sits
+    between the step's backward and the next forward). A CPU device's host is its own memory:
+    the copies are priced as memory traffic."""
+    link = device.host_link_bw if device.name != "cpu" else HOST_UPDATE_BW
+    if not link:
+        raise ValueError(f"device {device.name!r} has no host_link_bw in the device table, needed to price "
+                         f"optimizer offload; pass a DeviceSpec with it")
+    return owned * (grad_bytes + 4) / link + owned * HOST_UPDATE_BYTES / HOST_UPDATE_BW
 
 
 def _dp_units(level: int, pb, microbatches: int) -> float:
