@@ -1,7 +1,8 @@
 """Two hosts on one machine (network namespaces joined by a veth pair, tests/netns.py): one
 ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d`` per host running ``plait train``
 gives, over 20 steps, the losses of the same recipe on one host with 4 ranks: TP=2 inside a host
-x DP=2 across the hosts, and PP=2 across the hosts (x DP=2 inside). A host that never joins ends
+x DP=2 across the hosts, PP=2 across the hosts (x DP=2 inside), and DP=4 with ZeRO-3 sharded
+inside each host and replicated across them (``parallel.shard_over: host``). A host that never joins ends
 the other's ``plait train --nnodes 2`` within ``launch.rdzv_timeout_s`` with an error naming the
 endpoint and the hosts missing. Skipped (with the reason printed) only where namespaces cannot be
 created.
@@ -29,7 +30,10 @@ ITEMS = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_atten
          "data.micro_batch_size=2", "scheduler.warmup_steps=2", f"train.steps={STEPS}", "train.log_every=1",
          "train.eval_every=1000", "train.sample_tokens=0", "checkpoint.save_final=false",
          "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false"]
-LAYOUTS = {"tp2-dp2": ["parallel.tp=2"], "pp2-dp2": ["parallel.pp=2", "parallel.microbatches=2"]}
+LAYOUTS = {"tp2-dp2": ["parallel.tp=2"], "pp2-dp2": ["parallel.pp=2", "parallel.microbatches=2"],
+           # hybrid sharding: ZeRO-3 over each host's 2 ranks, replicated across the hosts (on one host:
+           # sharded over all 4)
+           "dp4-zero3-hybrid": ["parallel.zero=3", "parallel.shard_over=host"]}
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

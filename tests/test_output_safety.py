@@ -440,3 +440,15 @@ def test_a_run_refused_after_the_claim_leaves_nothing_in_a_users_folder(tmp_path
     assert "seq_len" in capsys.readouterr().err
     assert sorted(p.name for p in mine.iterdir()) == []
     assert classify(mine, "run") == "empty"
+
+
+def test_a_folder_of_empty_folders_counts_as_empty(tmp_path):
+    """On a shared file system another host's ranks create the run's (empty) checkpoint folder
+    before global rank 0 claims the output directory: that must not make it 'not written by plait'.
+    A folder with anything in its subfolders is still refused."""
+    from plait.outputs.ownership import classify
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert classify(tmp_path / "run", "run") == "empty"
+    (tmp_path / "run" / "checkpoints" / "notes.txt").write_text("mine")
+    assert classify(tmp_path / "run", "run") == "foreign"

@@ -15,6 +15,12 @@ index ``d`` splits into ``(dp_expert, ep) = (d // ep, d % ep)``, so the expert v
 ``[pp, dp_expert, ep, cp, tp]``. The ``ep`` ranks of one expert group (consecutive DP indices)
 hold different experts and exchange tokens; the ``dp / ep`` ranks of one *expert-data-parallel*
 group hold the same experts and average their gradients.
+
+Hybrid sharding (``ranks_per_host``): ranks ``[h * n, (h + 1) * n)`` run on host ``h`` (torchrun's
+assignment, ``n = LOCAL_WORLD_SIZE``), and each dp x cp group splits into its members on one host
+(``dp_shard``: what ZeRO shards over with ``parallel.shard_over: host``) and the members at the
+same position of those host parts (``dp_replicate``: the ranks that hold the same shard, across
+hosts). Every host must hold the same number of members of every dp x cp group.
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ class ParallelMesh:
         rank_order: the strategy that places ranks on the grid (default row-major, TP fastest).
         create_groups: build ``torch.distributed`` groups (needs an initialised default group);
             ``False`` gives a pure rank-arithmetic mesh, useful for planning and tests.
+        ranks_per_host: ranks per host, for the hybrid-sharding groups ``dp_shard`` and
+            ``dp_replicate`` (``None``: not built).
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class ParallelMesh:
         kv_placement: str = "interleaved",
         rank_order: RankOrder | None = None,
         create_groups: bool = True,
+        ranks_per_host: int | None = None,
     ) -> None:
         _check_positive(world_size=world_size, tp=tp, pp=pp, cp=cp, kv_replication=kv_replication)
         if dp is None:
@@ -147,6 +156,9 @@ class ParallelMesh:
         if sorted(self._rank_at.values()) != list(range(world_size)):
             raise MeshError(f"rank order {self.rank_order!r} is not a bijection onto range({world_size})")
         self._coord_of = {r: c for c, r in self._rank_at.items()}
+        self.ranks_per_host = ranks_per_host
+        if ranks_per_host is not None:
+            self._check_hosts(ranks_per_host)
 
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         if create_groups:
@@ -195,8 +207,11 @@ class ParallelMesh:
             return self._dp_cp_group_ranks()
         if axis in ("ep", "dp_expert"):
             return self._expert_group_ranks(axis)
+        if axis in ("dp_shard", "dp_replicate"):
+            return self._host_group_ranks(axis)
         if axis not in AXES:
-            raise MeshError(f"unknown mesh axis {axis!r}; valid: {AXES + ('kv', 'tied', 'dp_cp', 'ep', 'dp_expert')}")
+            raise MeshError(f"unknown mesh axis {axis!r}; valid: "
+                            f"{AXES + ('kv', 'tied', 'dp_cp', 'ep', 'dp_expert', 'dp_shard', 'dp_replicate')}")
         others = [a for a in AXES if a != axis]
         groups = []
         for fixed in itertools.product(*(range(self.degrees[a]) for a in others)):
@@ -230,6 +245,36 @@ class ParallelMesh:
             groups.setdefault((c["pp"], c["cp"], c["tp"], within), []).append(r)
         return sorted(sorted(g) for g in groups.values())
 
+    def _host_parts(self, ranks_per_host: int) -> list[list[list[int]]]:
+        """Each dp x cp group cut into its members on each host, hosts in order."""
+        out = []
+        for g in self._dp_cp_group_ranks():
+            by_host: dict[int, list[int]] = {}
+            for r in g:
+                by_host.setdefault(r // ranks_per_host, []).append(r)
+            out.append([by_host[h] for h in sorted(by_host)])
+        return out
+
+    def _check_hosts(self, ranks_per_host: int) -> None:
+        _check_positive(ranks_per_host=ranks_per_host)
+        if self.world_size % ranks_per_host:
+            raise MeshError(f"world_size={self.world_size} is not a multiple of ranks_per_host={ranks_per_host}")
+        for parts in self._host_parts(ranks_per_host):
+            if len({len(p) for p in parts}) > 1:
+                raise MeshError(f"the data-parallel group {sorted(r for p in parts for r in p)} has "
+                                f"{[len(p) for p in parts]} members on its hosts; hybrid sharding needs the "
+                                f"same number on every host")
+
+    def _host_group_ranks(self, axis: str) -> list[list[int]]:
+        """``dp_shard``: a dp x cp group's members on one host; ``dp_replicate``: its members at the
+        same position of every host's part (see the module doc)."""
+        if self.ranks_per_host is None:
+            raise MeshError(f"axis {axis!r} needs ranks_per_host (hybrid sharding)")
+        groups: list[list[int]] = []
+        for parts in self._host_parts(self.ranks_per_host):
+            groups.extend(parts if axis == "dp_shard" else [list(r) for r in zip(*parts, strict=True)])
+        return sorted(groups)
+
     def _kv_group_ranks(self) -> list[list[int]]:
         groups: list[list[int]] = []
         for tp_group in self.group_ranks("tp"):
@@ -261,7 +306,8 @@ class ParallelMesh:
         # Every rank must create every group in the same order (a torch.distributed rule).
         # dp_cp is built only when cp > 1; otherwise it is the dp group (see group())
         for axis in AXES + ("kv", "tied") + (("dp_cp",) if self.cp > 1 else ()) + (
-                ("ep", "dp_expert") if self.ep > 1 else ()):
+                ("ep", "dp_expert") if self.ep > 1 else ()) + (
+                ("dp_shard", "dp_replicate") if self.ranks_per_host is not None else ()):
             mine: dist.ProcessGroup | None = None
             for ranks in self.group_ranks(axis):
                 group = dist.new_group(ranks)

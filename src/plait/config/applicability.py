@@ -70,14 +70,20 @@ def _sample(r) -> str | None:
     return None if r.train.sample_tokens > 0 else "train.sample_tokens is 0 (no sample is generated)"
 
 
-#: condition name -> (when the field applies, in words; the test)
+def _sharded(r) -> str | None:
+    level = r.parallel.zero_level()
+    return None if level >= 1 else "the ZeRO level is 0 (nothing is sharded)"
+
+
 def _zero3(r) -> str | None:
     level = r.parallel.zero_level()
     return None if level == 3 else f"the ZeRO level is {level} (the weights are whole on every rank)"
 
 
+#: condition name -> (when the field applies, in words; the test)
 CONDITIONS: dict[str, tuple[str, Condition]] = {
     "zero3": ("parallel.zero is 3", _zero3),
+    "sharded": ("parallel.zero is 1 or more", _sharded),
     "rows": ("data.format is 'sft' or 'preference'", _rows),
     "sft": ("data.format is 'sft'", _sft),
     "lora": ("lora.rank is set", _lora),

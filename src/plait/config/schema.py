@@ -200,6 +200,11 @@ class ParallelSection(Section):
                                   "gather them again for its backward (false: keep them until its backward; "
                                   "one all-gather per block saved, more memory)",
         json_schema_extra=applies_when("zero3"))
+    shard_over: Literal["dp", "host"] = Field(
+        default="dp", description="What ZeRO shards over: 'dp' (every data-parallel rank) or 'host' (hybrid: "
+                                  "the data-parallel ranks of one host, replicated across hosts; the "
+                                  "gradients are reduced inside the host, then across hosts)",
+        json_schema_extra=applies_when("sharded"))
     offload_optimizer: Bool = Field(
         default=False, description="Keep the fp32 master weights and AdamW moments in host memory and update "
                                    "them there (the device keeps the weights and gradients); any ZeRO level, "

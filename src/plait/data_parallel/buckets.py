@@ -65,6 +65,9 @@ class Bucket:
     deferred: bool = False
     expert: bool = False  #: holds expert-parallel parameters (their squares are added over the expert group)
     unit: int = -1  #: the ZeRO-3 gathering unit its parameters belong to (-1: no units were given)
+    #: hybrid sharding: the ranks holding the same owned chunk on other hosts, over which the chunk's
+    #: reduced gradient is summed after ``group``'s reduction (None: ``group`` is every replica)
+    replicas: GroupInfo | None = None
 
     @property
     def numel(self) -> int:
@@ -129,7 +132,7 @@ class BucketPlan:
 def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, bucket_numel: int, dp: GroupInfo,
                  sharded: bool, deferred_names: frozenset[str] = frozenset(),
                  expert_names: frozenset[str] = frozenset(), expert_dp: GroupInfo | None = None,
-                 unit_of: dict[str, int] | None = None) -> BucketPlan:
+                 unit_of: dict[str, int] | None = None, replicas: GroupInfo | None = None) -> BucketPlan:
     """Lay out ``params`` (name, parameter, decay, norm weight), given in registration order.
 
     ``bucket_numel`` caps a bucket (a larger parameter gets a bucket of its own). Buckets are
@@ -140,6 +143,9 @@ def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, b
     ``unit_of`` (ZeRO-3: parameter name -> gathering unit) closes a bucket wherever the unit
     changes, so that no bucket spans two units and a unit's parameters can be gathered and freed
     together; ``bucket_numel`` is then ignored (one bucket per unit and kind: one gather each).
+
+    ``replicas`` (hybrid sharding: ``dp`` is then the data-parallel ranks of one host) is the group
+    of the other hosts' ranks holding the same shards; it goes on every non-expert bucket.
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel={bucket_numel} must be positive")
@@ -167,7 +173,9 @@ def plan_buckets(params: list[tuple[str, torch.nn.Parameter, bool, float]], *, b
                 current = None
             if current is None:
                 current = Bucket(len(buckets), offset, offset, group, shards=count, shard=mine, deferred=is_deferred,
-                                 expert=is_expert, unit=unit)
+                                 expert=is_expert, unit=unit,
+                                 replicas=replicas if replicas is not None and replicas.size > 1 and not is_expert
+                                 else None)
                 buckets.append(current)
             entry = ParamEntry(name, param, offset, n, current.index, decay, weight)
             current.entries.append(entry)

@@ -165,6 +165,12 @@ class GradSync:
         for work in self._works:
             work.wait()
         self._works.clear()
+        # hybrid sharding: each owned chunk holds its host's sum; add the other hosts' (same chunk)
+        works = [all_reduce(self.shard_views[b.index], b.replicas.group, async_op=True)
+                 for b in self.bucket_plan.buckets if b.replicas is not None]
+        for work in works:
+            if work is not None:
+                work.wait()
         if self.zero and self.dp.size == 1 and self.shard_data.numel():
             self.shard_data.copy_(self.data)
         self._final.clear()

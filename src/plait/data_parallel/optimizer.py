@@ -100,12 +100,16 @@ class DistributedOptimizer:
                  ep: GroupInfo | None = None, expert_dp: GroupInfo | None = None,
                  expert_names: frozenset[str] = frozenset(), collectives: ShardCollectives | None = None,
                  prefetch_params: bool = False, reshard_after_forward: bool = True,
-                 values: PlaceholderValues | None = None, offload: bool = False) -> None:
+                 values: PlaceholderValues | None = None, offload: bool = False,
+                 hybrid: tuple[GroupInfo, GroupInfo] | None = None) -> None:
         """``zero``: the ZeRO level, 0-3 (``True`` is level 1); see docs/data_parallel.md.
         ``values``: the model was built with placeholders (:func:`plait.materialize.build_stages_deferred`);
         the optimizer fills the weights it keeps from them (under ZeRO-3 its owned chunks only).
         ``offload``: the fp32 master weights and AdamW moments live in host memory and are updated
-        there (see :meth:`step`); the device keeps the weights and the gradients only."""
+        there (see :meth:`step`); the device keeps the weights and the gradients only.
+        ``hybrid``: (the data-parallel ranks of this host, the ranks holding the same shards on the
+        other hosts): ZeRO shards over the first and replicates over the second (hybrid sharding;
+        ignored at level 0, where nothing is sharded)."""
         # expert parallelism: ``expert_names`` differ between the ``ep`` ranks and are reduced over
         # ``expert_dp`` (see GradSync); at ep=1 they are ordinary parameters
         if ep is None or ep.size == 1:
@@ -121,12 +125,17 @@ class DistributedOptimizer:
         #: the ZeRO level: 1 shards optimizer state, 2 also gradients, 3 also the weights
         self.level = level
         self.policy, self.dp, self.tp, self.pp, self.zero = policy, dp, tp, pp, level >= 1
+        if hybrid is not None and ep is not None:
+            raise ValueError("hybrid sharding does not work with expert parallelism yet")
+        shard_group, replicas = hybrid if hybrid is not None and self.zero else (dp, None)
+        #: the ranks that split the sharded states (the host's data-parallel ranks under hybrid sharding)
+        self.shard_group = shard_group
         if offload and policy.master_dtype != torch.float32:
             raise ValueError(f"offload keeps an fp32 master copy in host memory; this precision policy's master is "
                              f"{policy.master_dtype} (bf16-pure): use bf16-mixed or fp32")
         #: master weights and moments in host memory, updated there
         self.offload = offload
-        self.shards = dp.size if self.zero else 1
+        self.shards = shard_group.size if self.zero else 1
         params, seen = [], set()
         for module in modules:
             specs = shard_specs(module)
@@ -142,7 +151,8 @@ class DistributedOptimizer:
         deferred = _tied_names(modules, pp)
         bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=policy.grad_dtype).element_size()))
         units, unit_of = plan_units(modules) if level == 3 else ([], None)
-        self.bucket_plan: BucketPlan = plan_buckets(params, bucket_numel=bucket_numel, dp=dp, sharded=self.zero,
+        self.bucket_plan: BucketPlan = plan_buckets(params, bucket_numel=bucket_numel, dp=shard_group,
+                                                     sharded=self.zero, replicas=replicas,
                                                      deferred_names=deferred, expert_names=expert_names,
                                                      expert_dp=expert_dp, unit_of=unit_of)
         self.segments: list[Segment] = self.bucket_plan.owned_segments()
@@ -327,7 +337,7 @@ class DistributedOptimizer:
         if self.ep is not None and not self.zero:  # under ZeRO-1 the dp sum below covers the expert group
             dist.all_reduce(experts, group=self.ep.group)
         total = total + experts
-        for group in (self.tp, self.pp, self.dp if self.zero else None):
+        for group in (self.tp, self.pp, self.shard_group if self.zero else None):
             if group is not None and group.size > 1:
                 dist.all_reduce(total, group=group.group)
         return total.sqrt()

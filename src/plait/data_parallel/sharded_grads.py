@@ -175,6 +175,8 @@ class ShardedGradSync:
     def _complete(self, r: _Reduction) -> None:
         if r.work is not None:
             r.work.wait()
+        if r.bucket.replicas is not None:  # hybrid sharding: the host's sum, then the other hosts'
+            all_reduce(r.result, r.bucket.replicas.group)
         shard = self.shard_views[r.bucket.index]
         if self._rounds[r.bucket.index] == 0:
             shard.copy_(r.result)

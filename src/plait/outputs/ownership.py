@@ -48,6 +48,11 @@ def _entries(path: Path) -> list[str]:
     return sorted(n for n in os.listdir(path) if not n.startswith(".plait-"))
 
 
+def _empty_dir(path: Path) -> bool:
+    """A directory (not a link) holding nothing but plait's hidden bookkeeping files."""
+    return path.is_dir() and not path.is_symlink() and not _entries(path)
+
+
 def read_kind(path: str | Path) -> Kind | None:
     """The kind recorded in ``path``'s marker, or ``None`` when there is no readable marker."""
     try:
@@ -101,7 +106,9 @@ def classify(path: str | Path, kind: Kind) -> Literal["absent", "empty", "ours",
         return "absent"
     if not path.is_dir():
         return "foreign"
-    if not _entries(path):
+    if not _entries(path) or all(_empty_dir(path / n) for n in _entries(path)):
+        # only empty folders (another host's ranks of a multi-host job probe and create the run's
+        # subdirectories on a shared file system before rank 0 claims it): nothing to lose
         return "empty"
     found = read_kind(path)
     if found is not None:

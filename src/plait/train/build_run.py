@@ -46,6 +46,7 @@ from plait.activation_checkpointing import apply_activation_checkpointing
 from plait.checkpoint.contents import resume_target
 from plait.checkpoint.store import remove_incomplete
 from plait.checkpoint.writer import CheckpointWriter
+from plait.config.host_memory import processes_on_this_host
 from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
 from plait.context_parallel.apply import apply_context_parallel
@@ -97,9 +98,13 @@ from plait.train.watchdog import Watchdog
 
 
 def build_mesh(resolved: ResolvedRecipe, rank: int, world: int) -> ParallelMesh:
+    """The rank grid; with ``parallel.shard_over: host`` also the hybrid-sharding groups, hosts being
+    torchrun's ``LOCAL_WORLD_SIZE`` consecutive ranks (one host when it is not set)."""
     p = resolved.recipe.parallel
+    hybrid = p.shard_over == "host" and p.zero_level() >= 1
     return ParallelMesh(world, rank, tp=p.tp, pp=p.pp, dp=resolved.dp, cp=p.cp, ep=p.ep,
-                        kv_replication=resolved.kv_replication, kv_placement=p.kv_placement)
+                        kv_replication=resolved.kv_replication, kv_placement=p.kv_placement,
+                        ranks_per_host=processes_on_this_host(world) if hybrid else None)
 
 
 def stage_layers(resolved: ResolvedRecipe, config: DecoderConfig, vocab_size: int) -> list[list[int]]:
@@ -148,7 +153,9 @@ def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: Pa
                                 zero=p.zero_level(), bucket_mb=p.bucket_mb, overlap=p.overlap_grad_reduce,
                                 reshard_after_forward=p.reshard_after_forward, offload=p.offload_optimizer,
                                 ep=mesh.info("ep"), expert_dp=mesh.info("dp_expert"),
-                                expert_names=expert_parameter_names(modules), values=values)
+                                expert_names=expert_parameter_names(modules), values=values,
+                                hybrid=(mesh.info("dp_shard"), mesh.info("dp_replicate"))
+                                if mesh.ranks_per_host is not None else None)
 
 
 def build_runtime(stages: list[nn.Module], mesh: ParallelMesh, policy: PrecisionPolicy,

@@ -24,6 +24,9 @@ def check_zero(c: Checker) -> None:
     if c.ok("parallel.offload_optimizer", "precision") and p.offload_optimizer and r.precision.preset == "bf16-pure":
         c.add("parallel.offload_optimizer", True, "keeps an fp32 master copy in host memory, and precision.preset "
                                                   "bf16-pure has none; use bf16-mixed (or fp32)")
+    if c.ok("parallel.shard_over", "parallel.ep") and p.shard_over == "host" and p.ep > 1:
+        c.add("parallel.shard_over", "host", f"does not work with parallel.ep={p.ep} yet (expert parameters are "
+                                             f"sharded over their expert-data-parallel group); use shard_over: dp")
     if not c.ok("parallel.zero", "parallel.zero1") or p.zero_level() != 3:
         return
     if c.ok("parallel.schedule", "parallel.pp") and p.pp > 1 and p.schedule in _SPLIT_BACKWARD:
