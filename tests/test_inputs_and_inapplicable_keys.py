@@ -32,7 +32,7 @@ from plait.models.hf_io import save_hf_checkpoint
 
 #: a recipe where each condition fails, and one where it holds (on top of the schema's defaults)
 FAILS = {"rows": [], "sft": [], "lora": [], "bpe": ["data.tokenizer=TOKENIZER"], "pipeline": [],
-         "context_parallel": [], "tensor_parallel": [], "zero3": [],
+         "context_parallel": [], "tensor_parallel": [], "zero3": [], "sharded": [],
          "final_model": ["checkpoint.save_final=false"], "sample": ["train.sample_tokens=0"]}
 HOLDS = {"rows": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
          "sft": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
@@ -40,7 +40,8 @@ HOLDS = {"rows": ["data.format=sft", "train.objective=sft", "data.source=ROWS", 
                                                           "parallel.sequence_parallel=false",
                                                           "parallel.microbatches=2"],
          "context_parallel": ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false"],
-         "tensor_parallel": ["parallel.tp=2"], "final_model": [], "sample": [], "zero3": ["parallel.zero=3"]}
+         "tensor_parallel": ["parallel.tp=2"], "final_model": [], "sample": [], "zero3": ["parallel.zero=3"],
+         "sharded": ["parallel.zero=1"]}
 
 
 def _tagged_fields() -> list[tuple[str, str, str]]:
