@@ -29,7 +29,8 @@ STEPS = 4
 CASES = {
     "bf16-pure": (["parallel.dp=2", "precision.preset=bf16-pure"], 2, 3, 2e-3),
     "expert-parallel": (MOE + ["parallel.dp=2", "parallel.ep=2"], 2, 3, 1e-5),
-    "lora": pytest.param((["parallel.dp=2", "lora.rank=4"], 2, 3, 1e-5), marks=pytest.mark.slow),
+    "lora": (["parallel.dp=2", "lora.rank=4", "optimizer.lr=5e-3",
+              "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"], 2, 3, 1e-5),
     "compile": pytest.param((["parallel.dp=2", "train.compile=true"], 2, 3, 1e-5), marks=pytest.mark.slow),
     "zero-bubble-zero2": pytest.param((["parallel.pp=2", "parallel.dp=2", "parallel.schedule=zb-h1",
                                         "parallel.microbatches=4"], 4, 2, 1e-5), marks=pytest.mark.slow),
@@ -59,6 +60,9 @@ def test_level_matches_zero1(corpus, tmp_path, name):
     for r in runs[level]:
         m = r["memory"]
         assert m["grad_bytes"] < m["total_elements"] * 4, "the gradients must be sharded"
+        if any(o.startswith("lora.") for o in overrides):  # the frozen base is sharded too
+            base = sum(t.numel() for k, t in r["weights"].items() if not k.endswith((".A", ".B"))) * 4
+            assert 0 <= m["frozen_bytes"] * world - base < world * 4 * 64, (m["frozen_bytes"], base)
 
 
 def _problems(items: dict, world: int = 4) -> str:
@@ -100,9 +104,9 @@ def test_level_without_data_parallelism_warns():
     assert any("parallel.zero: 3" in w and "dp=1" in w for w in resolved.warnings)
 
 
-def test_lora_at_level_3_says_the_base_stays_whole():
+def test_lora_at_level_3_shards_the_base_without_a_warning():
     resolved = validate_recipe({"parallel": {"zero": 3, "dp": 2}, "lora": {"rank": 4}}, 2)
-    assert any("frozen base stays whole" in w for w in resolved.warnings)
+    assert not any("lora" in w for w in resolved.warnings), resolved.warnings
 
 
 def test_grpo_is_refused_at_level_3():

@@ -80,6 +80,22 @@ def _tied_names(modules: list[nn.Module], pp: GroupInfo | None) -> frozenset[str
     return frozenset().union(*(shared_across_stages(m) for m in modules))
 
 
+def _frozen_params(modules: list[nn.Module], trained: set[int]) -> list[tuple[str, nn.Parameter, bool, float]]:
+    """ZeRO-3: the parameters nobody trains (LoRA's frozen base), to be sharded and gathered like the
+    rest; none when they differ in dtype (then they stay whole, as before)."""
+    out, seen = [], set(trained)
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p, False, 0.0))
+    if len({p.dtype for _, p, _, _ in out}) > 1:
+        warnings.warn("ZeRO-3: the frozen parameters are of several dtypes; they stay whole on every rank",
+                      stacklevel=3)
+        return []
+    return out
+
+
 def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether 1-D view ``b`` starts where ``a`` ends, in the same storage."""
     return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
@@ -173,9 +189,12 @@ class DistributedOptimizer:
         #: ZeRO-3: the owned chunks of the weights and the units that gather them
         self.params: ShardedParams | None = None
         if level == 3:
+            frozen = _frozen_params(modules, seen)
+            frozen_plan = plan_buckets(frozen, bucket_numel=bucket_numel, dp=shard_group, sharded=True,
+                                       unit_of=unit_of) if frozen else None
             self.params = ShardedParams(self.bucket_plan, units, dtype=policy.param_dtype, device=device,
                                         collectives_of=self.grads.collectives_of,
-                                        reshard_after_forward=reshard_after_forward)
+                                        reshard_after_forward=reshard_after_forward, frozen_plan=frozen_plan)
             assert isinstance(self.grads, ShardedGradSync)
             self.grads.on_round_closed = self.params.after_round
         self._build_weights(device, values, modules)
@@ -514,7 +533,8 @@ class DistributedOptimizer:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank keeps between steps: optimizer state, master weights, the persistent weight
         and gradient buffers (ZeRO-3's and ZeRO-2's owned chunks; transient gathers not counted),
-        and buffer padding. ``host_bytes``: what of it lives in host memory (offload: the master,
+        and buffer padding. ``frozen_bytes``: ZeRO-3's owned chunks of the frozen parameters (LoRA's
+        base). ``host_bytes``: what of it lives in host memory (offload: the master,
         the moments and the host copy of the owned gradients), not on the device."""
         owned = sum(s.numel for s in self.segments)
         item = torch.empty((), dtype=self.policy.master_dtype).element_size()
@@ -526,7 +546,9 @@ class DistributedOptimizer:
         host = 0
         if self.offload:
             host = state + master + self.host_grad_data.numel() * self.host_grad_data.element_size()
+        frozen = self.params.frozen_data if self.params is not None else None
         return {"owned_elements": owned, "optimizer_state_bytes": state, "host_bytes": host,
+                "frozen_bytes": frozen.numel() * frozen.element_size() if frozen is not None else 0,
                 "weight_bytes": weights.numel() * weights.element_size(),
                 "grad_bytes": grads.numel() * grads.element_size(),
                 "expected_state_bytes": 2 * owned * item,

@@ -66,8 +66,9 @@ class Unit:
 
 
 def plan_units(modules: list[nn.Module]) -> tuple[list[Unit], dict[str, int]]:
-    """The units of a rank's stage modules and each trainable parameter's unit, keyed by the name
-    the optimizer gives it (first holder wins, as in :class:`~plait.data_parallel.optimizer.DistributedOptimizer`)."""
+    """The units of a rank's stage modules and each parameter's unit (frozen ones too), keyed by the
+    name the optimizer gives it (first holder wins, as in
+    :class:`~plait.data_parallel.optimizer.DistributedOptimizer`)."""
     units: list[Unit] = []
     unit_of: dict[str, int] = {}
     seen: set[int] = set()
@@ -81,7 +82,7 @@ def plan_units(modules: list[nn.Module]) -> tuple[list[Unit], dict[str, int]]:
             for p in block.parameters():
                 owner.setdefault(id(p), unit.index)
         for name, p in module.named_parameters():
-            if not p.requires_grad or id(p) in seen:
+            if id(p) in seen:
                 continue
             seen.add(id(p))
             unit_of[name] = owner.get(id(p), root.index)
@@ -92,32 +93,48 @@ class ShardedParams:
     """The ZeRO-3 parameter side of one rank (see the module doc)."""
 
     def __init__(self, plan: BucketPlan, units: list[Unit], *, dtype: torch.dtype, device: torch.device,
-                 collectives_of: Callable[[Bucket], ShardCollectives], reshard_after_forward: bool = True) -> None:
+                 collectives_of: Callable[[Bucket], ShardCollectives], reshard_after_forward: bool = True,
+                 frozen_plan: BucketPlan | None = None) -> None:
         self.bucket_plan, self.units, self.dtype, self.device = plan, units, dtype, device
         self.collectives_of, self.reshard_after_forward = collectives_of, reshard_after_forward
-        for b in plan.buckets:
+        #: frozen parameters (LoRA's base), sharded and gathered like the rest but never updated:
+        #: their buckets come after the trained ones, in their own dtype
+        self.frozen_plan = frozen_plan if frozen_plan is not None and frozen_plan.buckets else None
+        frozen = self.frozen_plan.buckets if self.frozen_plan is not None else []
+        self._all = list(plan.buckets) + frozen
+        #: every bucket's slot in the per-bucket lists (its index among the trained, then the frozen)
+        self._slot = {id(b): i for i, b in enumerate(self._all)}
+        self._frozen_of: dict[int, list[Bucket]] = {}
+        for b in self._all:
             units[b.unit].buckets.append(b)
+        for b in frozen:
+            self._frozen_of.setdefault(b.unit, []).append(b)
         #: the owned chunk of every bucket, in the weights' dtype: what the gathers send
         self.shard_data, self.shard_views = plan.owned_chunks(dtype, device)
+        frozen_dtype = frozen[0].entries[0].param.dtype if frozen else dtype
+        self.frozen_data, frozen_views = (self.frozen_plan.owned_chunks(frozen_dtype, device)
+                                          if self.frozen_plan is not None else (torch.empty(0), []))
+        self._views = list(self.shard_views) + list(frozen_views)
         #: per bucket, the tensor its gathered weights live in: allocated at each gather and given
         #: back at each release by resizing its storage, the same storage every time, so that what
         #: autograd saved from it in forward (``F.linear`` keeps ``weight.t()``, a view of it) reads
         #: the weights again once the bucket is gathered for backward, and frees them in between
         self._buffers: list[torch.Tensor] = []
-        for b in plan.buckets:
-            buf = torch.empty(b.numel, dtype=dtype, device=device)
+        for b in self._all:
+            buf = torch.empty(b.numel, dtype=self._views[self._slot[id(b)]].dtype, device=device)
             buf.untyped_storage().resize_(0)
             self._buffers.append(buf)
-        self._live = [False] * len(plan.buckets)
+        self._live = [False] * len(self._all)
         self._pending: dict[int, list[Handle]] = {}
         self._empty = torch.empty(0, dtype=dtype, device=device)
+        self._frozen_empty = torch.empty(0, dtype=frozen_dtype, device=device)
         self._blocks: dict[int, list[Unit]] = {}
         for u in units:
             if not u.root:
                 self._blocks.setdefault(u.stage, []).append(u)
         self._hooks: list[Any] = []
         #: every parameter's local shape (a freed parameter's own is ``(0,)``)
-        self._shapes = {id(e.param): e.param.shape for e in plan.entries}
+        self._shapes = {id(e.param): e.param.shape for b in self._all for e in b.entries}
 
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
@@ -128,7 +145,7 @@ class ShardedParams:
         parameters: from here on each exists only as its owner's chunk."""
         for b in self.bucket_plan.buckets:
             lo, hi = b.owned_range
-            chunk = self.shard_views[b.index]
+            chunk = self._views[self._slot[id(b)]]
             chunk.zero_()  # padding
             for e in b.entries:
                 a = max(lo, e.start)
@@ -136,8 +153,21 @@ class ShardedParams:
                     z = min(hi, e.end, e.start + ((a - e.start) // ADOPT_WINDOW + 1) * ADOPT_WINDOW)
                     fill(e, a, z, chunk[a - lo:z - lo])
                     a = z
+        for b in frozen_buckets(self):  # the frozen base: always built whole (not a placeholder)
+            lo, hi = b.owned_range
+            chunk = self._views[self._slot[id(b)]]
+            chunk.zero_()
             for e in b.entries:
-                e.param.data = self._empty
+                a, z = max(lo, e.start), min(hi, e.end)
+                if a < z:
+                    chunk[a - lo:z - lo].copy_(e.param.detach().reshape(-1)[a - e.start:z - e.start])
+        for b in self._all:
+            for e in b.entries:
+                e.param.data = self._freed(b)
+
+    def _freed(self, b: Bucket) -> torch.Tensor:
+        """What a freed parameter of ``b`` points at: an empty tensor of its dtype."""
+        return self._empty if self._slot[id(b)] < len(self.bucket_plan.buckets) else self._frozen_empty
 
     def register_hooks(self) -> None:
         """The forward and pre-backward hooks that gather and free the units.
@@ -148,7 +178,8 @@ class ShardedParams:
         for u in self.units:
             if not u.buckets:
                 continue
-            self._hooks.append(u.module.register_forward_pre_hook(lambda _m, _a, u=u: before(u)))
+            self._hooks.append(u.module.register_forward_pre_hook(
+                lambda _m, args, kwargs, u=u: before(u, args, kwargs), with_kwargs=True))
             self._hooks.append(u.module.register_forward_hook(lambda _m, _a, out, u=u: after(u, out)))
 
     # ------------------------------------------------------------------ gathering and freeing
@@ -157,24 +188,24 @@ class ShardedParams:
         return self._shapes.get(id(param), param.shape)
 
     def owned_values(self, b: Bucket) -> torch.Tensor:
-        return self.shard_views[b.index]
+        return self._views[self._slot[id(b)]]
 
     def _gather(self, b: Bucket) -> None:
         """Start filling bucket ``b``'s weights from their owners (nothing if already gathered)."""
-        if self._live[b.index]:
+        if self._live[self._slot[id(b)]]:
             return
-        full = self._buffers[b.index]
+        full = self._buffers[self._slot[id(b)]]
         full.untyped_storage().resize_(b.numel * full.element_size())
         size = b.numel // b.shards
-        full[b.shard * size:(b.shard + 1) * size].copy_(self.shard_views[b.index])
+        full[b.shard * size:(b.shard + 1) * size].copy_(self._views[self._slot[id(b)]])
         if b.group.size > 1:
-            self._pending[b.index] = self.collectives_of(b).gather(full, b.group)
-        self._live[b.index] = True
+            self._pending[self._slot[id(b)]] = self.collectives_of(b).gather(full, b.group)
+        self._live[self._slot[id(b)]] = True
         for e in b.entries:
             e.param.data = full[e.start - b.start:e.end - b.start].view(self._shapes[id(e.param)])
 
     def _wait(self, b: Bucket) -> None:
-        for work in self._pending.pop(b.index, ()):
+        for work in self._pending.pop(self._slot[id(b)], ()):
             work.wait()
 
     def gather_unit(self, u: Unit, *, wait: bool = True) -> None:
@@ -186,20 +217,20 @@ class ShardedParams:
 
     def release(self, b: Bucket) -> None:
         """Free bucket ``b``'s gathered weights (the owned chunk stays)."""
-        if not self._live[b.index]:
+        if not self._live[self._slot[id(b)]]:
             return
         self._wait(b)
         for e in b.entries:
-            e.param.data = self._empty
-        self._buffers[b.index].untyped_storage().resize_(0)
-        self._live[b.index] = False
+            e.param.data = self._freed(b)
+        self._buffers[self._slot[id(b)]].untyped_storage().resize_(0)
+        self._live[self._slot[id(b)]] = False
 
     def release_unit(self, u: Unit) -> None:
         for b in u.buckets:
             self.release(b)
 
     def release_all(self) -> None:
-        for b in self.bucket_plan.buckets:
+        for b in self._all:
             self.release(b)
 
     def gathered_buckets(self) -> int:
@@ -221,16 +252,17 @@ class ShardedParams:
 
     @torch.no_grad()
     def _take_owned(self, buckets: list[Bucket] | None = None) -> None:
-        for b in self.bucket_plan.buckets if buckets is None else buckets:
-            if self._live[b.index]:
+        for b in self.bucket_plan.buckets if buckets is None else buckets:  # the frozen ones never change
+            slot = self._slot[id(b)]
+            if self._live[slot]:
                 size = b.numel // b.shards
-                self.shard_views[b.index].copy_(self._buffers[b.index][b.shard * size:(b.shard + 1) * size])
+                self._views[slot].copy_(self._buffers[slot][b.shard * size:(b.shard + 1) * size])
 
     @contextmanager
     def bucket_gathered(self, b: Bucket, *, write_back: bool = False) -> Iterator[None]:
         """Bucket ``b``'s weights gathered for the duration (collective over its group); with
         ``write_back`` its owned chunk is taken from them afterwards (after loading them)."""
-        was = self._live[b.index]
+        was = self._live[self._slot[id(b)]]
         self._gather(b)
         self._wait(b)
         try:
@@ -247,8 +279,15 @@ class ShardedParams:
         at = u.position + step
         return blocks[at] if 0 <= at < len(blocks) else None
 
-    def _before_forward(self, u: Unit) -> None:
+    def _before_forward(self, u: Unit, args: tuple = (), kwargs: dict | None = None) -> None:
         self.gather_unit(u)
+        if u.index in self._frozen_of and torch.is_grad_enabled():
+            # a frozen weight delivers no gradient, so no round closing tells when the block's backward
+            # no longer needs it (a frozen norm's backward runs after every adapter's): the gradient of
+            # the block's input, computed last, does
+            for t in _tensors(list(args) + list((kwargs or {}).values())):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._after_backward(u, grad))
         nxt = blocks[0] if u.root and (blocks := self._blocks.get(u.stage)) else self._neighbour(u, 1)
         if nxt is not None and nxt is not u:
             self.gather_unit(nxt, wait=False)
@@ -272,11 +311,22 @@ class ShardedParams:
             self.gather_unit(prev, wait=False)
         return grad
 
+    def _after_backward(self, u: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """The block's input gradient is computed: its backward is over, its frozen weights are freed."""
+        for b in self._frozen_of.get(u.index, []):
+            self.release(b)
+        return grad
+
     def after_round(self, b: Bucket, complete: bool) -> None:
         """:class:`~plait.data_parallel.sharded_grads.ShardedGradSync`'s callback: a block's bucket
         whose backward is over is freed (a root stays gathered until the update)."""
         if complete and not self.units[b.unit].root:
             self.release(b)
+
+
+def frozen_buckets(params: ShardedParams) -> list[Bucket]:
+    """The buckets of ``params``'s frozen parameters (none without a frozen plan)."""
+    return params.frozen_plan.buckets if params.frozen_plan is not None else []
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

@@ -37,6 +37,3 @@ def check_zero(c: Checker) -> None:
         c.add("parallel.zero", 3, "does not work with train.objective grpo yet: each data-parallel rank decodes its "
                                   "own prompts for a different number of steps, and every decoding step gathers "
                                   "the weights over all of them; use zero: 2 (or 1)")
-    if c.ok("lora") and r.lora.rank:
-        c.warnings.append("parallel.zero: 3 with lora shards the adapters only; the frozen base stays whole on "
-                          "every rank (see docs/data_parallel.md)")
