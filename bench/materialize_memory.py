@@ -5,6 +5,7 @@ initialised block by block) with the eager alternative (every rank builds and in
 full model, then cuts its shard). Prints peak RSS growth over the bare runtime per rank.
 
     python bench/materialize_memory.py
+    python bench/materialize_memory.py --zero3   # ZeRO-3's shard-only build vs whole-then-adopt
 """
 
 from __future__ import annotations
@@ -46,7 +47,24 @@ def _worker(rank, world, eager):
     return (peak - base) / 2**20, shard / 2**20
 
 
+def _zero3_table() -> None:
+    """ZeRO-3's weight build at DP=2 (a 166M-parameter fp32 Llama): placeholders filled range by range
+    (plait's shard-only build) vs the whole local model built, then its owned chunks taken."""
+    from test_deferred_build import _peak_weight_build
+
+    print("| ZeRO-3 weight build (DP=2) | rank | weight shard MiB | peak RSS growth MiB | growth / shard |")
+    print("|---|---:|---:|---:|---:|")
+    for deferred in (True, False):
+        name = "shard only (plait.deferred)" if deferred else "whole local model, then adopt"
+        for rank, r in enumerate(run_distributed(_peak_weight_build, 2, deferred)):
+            growth, shard = r["growth"] / 2**20, r["shard"] / 2**20
+            print(f"| {name} | {rank} | {shard:.0f} | {growth:.0f} | {growth / shard:.2f} |")
+
+
 if __name__ == "__main__":
+    if "--zero3" in sys.argv:
+        _zero3_table()
+        sys.exit(0)
     print("| build | rank | shard MiB | peak RSS growth MiB | growth / shard |")
     print("|---|---:|---:|---:|---:|")
     for eager in (False, True):

@@ -46,7 +46,8 @@ EXACT = {
 
 
 #: the 8-rank cases take about a minute each on 2 cores: they run with `make test-slow`
-SLOW = {"pp2xtp2xdp2-zero1", "tp2xpp2xdp2-to-tp4xdp2", "tp2xdp2-zero1-to-dp2-zero3", "dp2-zero2-to-dp1"}
+SLOW = {"pp2xtp2xdp2-zero1", "tp2xpp2xdp2-to-tp4xdp2", "tp2xdp2-zero1-to-dp2-zero3", "dp2-zero2-to-dp1",
+        "dp2-zero2-offload-bf16-mixed"}
 
 
 def _params(names):

@@ -109,8 +109,9 @@ def _owned_after_build(rank, world, tp, pp, preset, hf_path):
     return out
 
 
-@pytest.mark.parametrize("tp,pp,preset,from_hf", [(2, 1, "fp32", False), (2, 1, "bf16-mixed", True),
-                                                  (1, 2, "fp32", True), (1, 2, "bf16-mixed", False)])
+@pytest.mark.parametrize("tp,pp,preset,from_hf", [
+    pytest.param(2, 1, "fp32", False, marks=pytest.mark.slow), (2, 1, "bf16-mixed", True), (1, 2, "fp32", True),
+    pytest.param(1, 2, "bf16-mixed", False, marks=pytest.mark.slow)])
 def test_owned_chunks_equal_those_of_a_whole_build(tmp_path, tp, pp, preset, from_hf):
     hf_path = None
     if from_hf:
@@ -161,7 +162,11 @@ def _peak_weight_build(rank, world, deferred):
             "model": config.num_parameters() * 4}
 
 
-def test_peak_build_memory_is_the_shard_not_the_local_model():
+def test_peak_build_memory_is_the_shard_not_the_local_model(monkeypatch):
+    # glibc maps every allocation above 1 MiB on its own (inherited by the spawned ranks), so the
+    # peak counts what the build holds, not the freed windows its heap keeps (measured without it:
+    # 1.06-1.29x, the spread being that retention)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     deferred = run_distributed(_peak_weight_build, 2, True)
     whole = run_distributed(_peak_weight_build, 2, False)
     for rank in range(2):

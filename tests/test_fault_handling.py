@@ -46,7 +46,8 @@ def _fit_worker(rank, world, recipe_yaml, prepared, signal_at, nan_at):
     def step(batch):
         lr = run_step(batch)
         calls["n"] += 1
-        weights.append({k: v.clone() for k, v in full_state_dict(stage, trainer.state.tp).items()})
+        with trainer.state.optimizer.weights_gathered():  # ZeRO-3 keeps only chunks between steps
+            weights.append({k: v.clone() for k, v in full_state_dict(stage, trainer.state.tp).items()})
         if calls["n"] == signal_at and rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return lr
@@ -72,13 +73,14 @@ def _run(corpus, out, items, signal_at=-1, nan_at=-1):
                            nan_at)
 
 
-def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues_exactly(corpus, tmp_path):
-    straight = _run(corpus, tmp_path / "straight", [])
-    stopped = _run(corpus, tmp_path / "stopped", [], signal_at=3)
+@pytest.mark.parametrize("layout", [[], ["parallel.zero=3"]], ids=["dp2", "dp2-zero3"])
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues_exactly(corpus, tmp_path, layout):
+    straight = _run(corpus, tmp_path / "straight", layout)
+    stopped = _run(corpus, tmp_path / "stopped", layout, signal_at=3)
     assert [r["signal"] for r in stopped] == [signal.SIGTERM] * 2, "both ranks stop at the same step boundary"
     assert all(len(r["weights"]) == 3 for r in stopped)
     assert (tmp_path / "stopped" / "checkpoints" / "step-00000003" / "manifest.json").is_file()
-    resumed = _run(corpus, tmp_path / "stopped", ["checkpoint.resume=auto"])
+    resumed = _run(corpus, tmp_path / "stopped", layout + ["checkpoint.resume=auto"])
     assert all(r["start"] == 3 for r in resumed)
     for r_straight, r_resumed in zip(straight, resumed, strict=True):
         for k, v in r_straight["weights"][-1].items():

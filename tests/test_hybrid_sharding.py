@@ -45,7 +45,8 @@ def test_host_groups_split_each_data_parallel_group():
         ParallelMesh(8, 0, create_groups=False).group_ranks("dp_shard")
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow),
+                                   3])
 def test_hybrid_levels_match_zero1_over_every_rank(corpus, tmp_path, monkeypatch, level):
     ref = run_recipe(corpus, tmp_path / "flat", BASE + ["parallel.zero=1"], 4, STEPS)
     monkeypatch.setenv("WORLD_SIZE", "4")
