@@ -42,12 +42,23 @@ SLOW_VARIANTS = frozenset({
     "tests/test_dp_parity.py::test_layout_matches_single_process[tp2xdp2-zero1]",
     "tests/test_checkpoint_resume.py::test_resume_is_bitwise_exact[dp2-zero1]",
     "tests/test_fault_handling.py::test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues_exactly[dp2]",
-    "tests/test_deferred_build.py::test_owned_chunks_equal_those_of_a_whole_build[1-2-fp32-True]",
     "tests/test_sft_training.py::test_lora_sft_trains_only_adapters_and_matches_under_tp_dp",
     # training parity of hybrid sharding and offload under ZeRO-3: the mesh groups, the rules and
     # offload in one process stay in the default suite
     "tests/test_hybrid_sharding.py::test_hybrid_levels_match_zero1_over_every_rank[3]",
     "tests/test_offload.py::test_offload_equals_the_update_on_the_device[dp2-zero3]",
+    # PP x DP at ZeRO-3 (the bitwise deferred build from Hugging Face under PP=2 stays), resharding
+    # across levels (exact ZeRO-3 resume stays), EP at ZeRO-3 (EP parity in test_moe_*), orpo under
+    # PP x DP (preference heads under another layout in test_post_training_resume), head padding
+    # and hf_path under PP (test_kv_replication, the deferred Hugging Face build), TP/PP init
+    # (test_init_and_model)
+    "tests/test_dp_parity.py::test_layout_matches_single_process[pp2xdp2-zero3-tied]",
+    "tests/test_checkpoint_resume.py::test_checkpoint_loads_under_another_layout[dp2-zero3-to-dp2-zero1]",
+    "tests/test_zero_levels.py::test_level_matches_zero1[expert-parallel]",
+    "tests/test_preference_training.py::test_reference_free_objectives_are_the_same_under_pp_dp[orpo-extra0]",
+    "tests/test_hf_parity.py::test_tp4_head_padding_matches_transformers_and_round_trips",
+    "tests/test_one_path.py::test_hf_path_is_read_under_pipeline_parallelism[layout0-2]",
+    "tests/test_materialize.py::test_tp2_pp2_initial_weights_equal_one_process[untied]",
     # peak-memory measurements (seconds of large builds); correctness of the builds stays
     "tests/test_deferred_build.py::test_peak_build_memory_is_the_shard_not_the_local_model",
     "tests/test_materialize.py::test_each_rank_allocates_only_its_shard",
