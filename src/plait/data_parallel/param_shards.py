@@ -143,7 +143,12 @@ class ShardedParams:
         ``[a, z)`` of a parameter's value into ``dest`` (read from the whole local weights the model
         was built with, or computed for this range only from a deferred build), then free the
         parameters: from here on each exists only as its owner's chunk."""
-        for b in self.bucket_plan.buckets:
+        def whole(e: ParamEntry, a: int, z: int, dest: torch.Tensor) -> None:
+            dest.copy_(e.param.detach().reshape(-1)[a - e.start:z - e.start])
+
+        trained = len(self.bucket_plan.buckets)
+        for b in self._all:  # the frozen base (after the trained buckets) is always built whole
+            read = fill if self._slot[id(b)] < trained else whole
             lo, hi = b.owned_range
             chunk = self._views[self._slot[id(b)]]
             chunk.zero_()  # padding
@@ -151,16 +156,8 @@ class ShardedParams:
                 a = max(lo, e.start)
                 while a < min(hi, e.end):  # in windows: a deferred build computes one window at a time
                     z = min(hi, e.end, e.start + ((a - e.start) // ADOPT_WINDOW + 1) * ADOPT_WINDOW)
-                    fill(e, a, z, chunk[a - lo:z - lo])
+                    read(e, a, z, chunk[a - lo:z - lo])
                     a = z
-        for b in frozen_buckets(self):  # the frozen base: always built whole (not a placeholder)
-            lo, hi = b.owned_range
-            chunk = self._views[self._slot[id(b)]]
-            chunk.zero_()
-            for e in b.entries:
-                a, z = max(lo, e.start), min(hi, e.end)
-                if a < z:
-                    chunk[a - lo:z - lo].copy_(e.param.detach().reshape(-1)[a - e.start:z - e.start])
         for b in self._all:
             for e in b.entries:
                 e.param.data = self._freed(b)
@@ -322,11 +319,6 @@ class ShardedParams:
         whose backward is over is freed (a root stays gathered until the update)."""
         if complete and not self.units[b.unit].root:
             self.release(b)
-
-
-def frozen_buckets(params: ShardedParams) -> list[Bucket]:
-    """The buckets of ``params``'s frozen parameters (none without a frozen plan)."""
-    return params.frozen_plan.buckets if params.frozen_plan is not None else []
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
