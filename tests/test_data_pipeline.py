@@ -201,7 +201,7 @@ def test_jsonl_missing_text_names_file_and_line(tmp_path):
     ({"source": "wikipedia"}, r"'wikipedia' is neither a built-in corpus \(shakespeare, bible\)"),
     ({"source": "EMPTYDIR"}, "contains no .txt or .jsonl files"),
     ({"source": "BLANK"}, "has no documents"),
-    ({"source": "CSV"}, "has suffix '.csv'"),
+    ({"source": "CSV"}, "x.csv: no column 'text'; the file has columns \\['a', 'b'\\]"),
     ({"val_fraction": 0.0}, "val_fraction=0.0 must be strictly between 0 and 1"),
     ({"vocab_size": 100}, "vocab_size=100 must be an integer >= 257"),
     ({"tokenizer": "missing.json"}, "tokenizer 'missing.json' is neither 'bpe' nor an existing tokenizer.json"),

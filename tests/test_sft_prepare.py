@@ -75,8 +75,11 @@ def test_refuses_a_foreign_directory_and_a_non_jsonl_source(tmp_path, task):
     with pytest.raises(DataError, match="does not replace what it did not write"):
         prepare_rows(paths["sft_train"], root / "tokenizer.json", settings, out_dir=foreign)
     assert (foreign / "notes.txt").read_text() == "keep me"
-    with pytest.raises(DataError, match="one .jsonl file"):
+    with pytest.raises(DataError, match="tokenizer.json:1: invalid JSON"):  # a .json file is read as rows
         prepare_rows(root / "tokenizer.json", root / "tokenizer.json", settings, out_dir=tmp_path / "x")
+    with pytest.raises(DataError, match="suffix '.yaml' is not a row file"):
+        (tmp_path / "rows.yaml").write_text("a: 1\n")
+        prepare_rows(tmp_path / "rows.yaml", root / "tokenizer.json", settings, out_dir=tmp_path / "x")
     with pytest.raises(DataError, match="needs the model's tokenizer.json"):
         prepare_rows(paths["sft_train"], root / "missing.json", settings, out_dir=tmp_path / "x")
     assert not (tmp_path / "x").exists()

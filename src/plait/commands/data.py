@@ -19,8 +19,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Tokenise SOURCE into memory-mapped train/val token shards with an index.json and the "
                     "tokenizer. Rerunning with the same inputs returns the existing directory at once.")
     prep.add_argument("source", metavar="SOURCE",
-                      help="a built-in corpus (shakespeare, bible), a .txt file, a .jsonl file with a 'text' field "
-                           "per line, a directory of .txt/.jsonl files, or a prepared directory (checked only)")
+                      help="a built-in corpus (shakespeare, bible), a .txt file, a .jsonl/.json file with a 'text' "
+                           "field per row, a .parquet/.csv/.arrow file with a 'text' column, a save_to_disk "
+                           "directory, a glob of files ('data/*.parquet'), a directory of .txt/.jsonl files, or a "
+                           "prepared directory (checked only)")
     prep.add_argument("--tokenizer", default="bpe", metavar="bpe|PATH",
                       help="'bpe' trains a byte-level BPE on the training documents (default), or the path of a "
                            "tokenizer.json (or a directory holding one)")
@@ -35,6 +37,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0, metavar="S", help="seed choosing the validation documents")
     prep.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N documents")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.add_argument("--workers", type=int, default=1, metavar="N",
+                      help="processes that tokenise (default 1; the shards are the same for any number)")
+    prep.add_argument("--field", action="append", default=[], metavar="NAME=COLUMN",
+                      help="read plait's field NAME (text, messages, prompt, completion, chosen, rejected, answer) "
+                           "from the file's COLUMN, as data.fields in a recipe; repeatable")
     task = sub.add_parser(
         "task", help="write the built-in arithmetic fine-tuning task (SFT, preference and prompt JSONL, train and "
                      "held out)",
@@ -182,7 +189,8 @@ def _prepare_rows(args: argparse.Namespace) -> int:
         return 2
     settings = RowsSettings(kind=args.format, seq_len=args.seq_len, packing=not args.no_packing,
                             truncation=args.truncation, train_on_prompt=args.train_on_prompt,
-                            skip_bad_rows=args.skip_bad_rows, val_fraction=args.val_fraction, seed=args.seed)
+                            skip_bad_rows=args.skip_bad_rows, val_fraction=args.val_fraction, seed=args.seed,
+                            fields=tuple(sorted(args.fields.items())))
     try:
         report = prepare_rows(args.source, args.tokenizer, settings, out_dir=args.out, cache_dir=args.cache_dir)
     except ValueError as exc:
@@ -207,8 +215,25 @@ def _inapplicable_options(args: argparse.Namespace) -> str | None:
             return (f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} fine-tuning rows: give --format sft or "
                     f"--format preference, or drop {given[0]} (--format text writes token shards)")
         return None
+    if args.workers != 1:
+        return f"--workers applies to --format text only (--format {args.format} tokenises in one process); drop it"
     if args.limit is not None:
         return f"--limit applies to --format text only (--format {args.format} reads every row); drop it"
+    return None
+
+
+def _parse_fields(args: argparse.Namespace) -> str | None:
+    """``--field NAME=COLUMN`` options into ``args.fields`` (a dict); a problem as one line, else None."""
+    from plait.data.dataset_files import FIELDS
+
+    args.fields = {}
+    for item in args.field:
+        name, sep, column = item.partition("=")
+        if not sep or not column:
+            return f"--field {item!r}: write NAME=COLUMN, e.g. --field text=body"
+        if name not in FIELDS:
+            return f"--field {item!r}: {name!r} is not one of plait's fields ({', '.join(FIELDS)})"
+        args.fields[name] = column
     return None
 
 
@@ -218,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
     if args.data_command != "prepare":
         print(f"plait data: unknown subcommand {args.data_command!r}; expected prepare or task", file=sys.stderr)
         return 2
-    problem = _inapplicable_options(args)
+    problem = _inapplicable_options(args) or _parse_fields(args)
+    if args.workers < 1:
+        problem = f"--workers {args.workers}: give a positive number of tokenising processes"
     if problem is not None:
         print(f"plait data prepare: {problem}", file=sys.stderr)
         return 2
@@ -240,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         path, reused = prepare_dataset_ex(args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                                           val_fraction=args.val_fraction, out_dir=args.out, seed=args.seed,
                                           progress=not args.no_progress, limit=args.limit,
-                                          cache_dir=args.cache_dir)
+                                          cache_dir=args.cache_dir, fields=args.fields, workers=args.workers)
         index = verify_prepared(path).index  # the same checks as plait train (a reused directory may be damaged)
     except ValueError as exc:  # DataError and argument errors: one line naming the file
         print(f"plait data prepare: {_one_line(exc)}", file=sys.stderr)

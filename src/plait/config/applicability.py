@@ -37,6 +37,10 @@ def _rows(r) -> str | None:
     return "data.format is 'text' (plain text has no rows to shape)"
 
 
+def _text(r) -> str | None:
+    return None if r.data.format == "text" else f"data.format is {r.data.format!r} (rows are read in one process)"
+
+
 def _sft(r) -> str | None:
     return None if r.data.format == "sft" else f"data.format is {r.data.format!r}"
 
@@ -86,6 +90,7 @@ CONDITIONS: dict[str, tuple[str, Condition]] = {
     "sharded": ("parallel.zero is 1 or more", _sharded),
     "rows": ("data.format is 'sft' or 'preference'", _rows),
     "sft": ("data.format is 'sft'", _sft),
+    "text": ("data.format is 'text'", _text),
     "lora": ("lora.rank is set", _lora),
     "bpe": ("data.tokenizer is 'bpe' (a BPE trained on the source)", _bpe),
     "pipeline": ("parallel.pp > 1", _pipeline),

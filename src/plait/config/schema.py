@@ -282,10 +282,39 @@ class SchedulerSection(Section):
                                                                      "fraction of optimizer.lr")
 
 
+#: plait's names for the columns it reads (``data.fields`` maps them to a file's own column names)
+FieldName = Literal["text", "messages", "prompt", "completion", "chosen", "rejected", "answer"]
+
+
+class MixtureSource(Section):
+    """One corpus of a weighted mixture (``data.sources``)."""
+
+    source: str = Field(min_length=1, description="A built-in corpus, a text or table file, a glob, a "
+                                                  "save_to_disk directory, or a prepared data directory")
+    weight: Float = Field(gt=0, description="Share of the training samples drawn from this source (the weights "
+                                            "are normalised to sum to 1)")
+    name: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._-]+$",
+                             description="Name in metrics (val_loss/<name>); null = the source's file or corpus name")
+    fields: dict[FieldName, str] = Field(default_factory=dict, description="Column names of this source's files")
+    limit: Int | None = Field(default=None, ge=1, description="Use only the first this many documents")
+
+
 class DataSection(Section):
     source: str = Field(default="shakespeare", min_length=1,
-                        description="Built-in corpus ('shakespeare', 'bible'), a .txt/.jsonl file, a directory "
-                                    "of them, or a prepared data directory")
+                        description="Built-in corpus ('shakespeare', 'bible'), a .txt/.jsonl/.json file, a "
+                                    ".parquet/.csv/.arrow file, a glob of such files, a save_to_disk directory, a "
+                                    "directory of .txt/.jsonl files, or a prepared data directory")
+    sources: list[MixtureSource] | None = Field(
+        default=None, min_length=2, description="A weighted mixture of corpora instead of data.source: a list of "
+                                                "{source, weight, name, fields, limit}; every step draws exactly "
+                                                "its share from each (text only)",
+        json_schema_extra=applies_when("text"))
+    fields: dict[FieldName, str] = Field(default_factory=dict,
+                                         description="Column names of the source's files, by plait's name: e.g. "
+                                                     "{text: body} reads the text from column 'body'")
+    num_workers: Int = Field(default=1, ge=1, le=256, description="Processes that tokenise a text source (the "
+                                                                  "prepared data is the same for any number)",
+                             json_schema_extra=applies_when("text"))
     tokenizer: str = Field(default="bpe", min_length=1, description="'bpe' = train a byte-level BPE on the source, or "
                                                                     "a path to a tokenizer.json")
     vocab_size: Int = Field(default=2048, ge=257, le=1 << 20, description="Size of the trained BPE (tokenizer: bpe)",

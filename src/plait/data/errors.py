@@ -11,3 +11,12 @@ from __future__ import annotations
 
 class DataError(ValueError):
     """Data that cannot be used: a bad source, a damaged or inconsistent prepared dataset, too little text."""
+
+
+class RowError(DataError):
+    """One malformed row of SFT, preference or prompt data; ``reason`` is a key of
+    :data:`plait.data.sft_rows.REASONS` (rows skipped with ``skip_bad_rows`` are counted by it)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason

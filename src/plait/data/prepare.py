@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,16 @@ from tqdm.auto import tqdm
 
 from plait import __version__ as plait_version
 from plait.data.corpora import CORPORA, corpus_documents, corpus_version
-from plait.data.errors import DataError
+from plait.data.dataset_files import (
+    check_columns,
+    expand_source,
+    is_glob,
+    is_saved_dataset,
+    read_records,
+    text_column_values,
+)
+from plait.data.errors import DataError, RowError
+from plait.data.parallel_tokenize import encode_in_order
 from plait.data.token_shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -52,7 +61,9 @@ from plait.data.tokenizer import (
 from plait.data.tokenizer import cache_dir as resolve_cache_dir
 from plait.data.tokenizer_files import copy_model_use_files, file_sha256, model_use_digests
 
-SOURCE_SUFFIXES = (".txt", ".jsonl")
+SOURCE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv", ".arrow")
+#: what a source directory is searched for (table files are named by a glob: a directory may hold others)
+DIRECTORY_SUFFIXES = (".txt", ".jsonl")
 _ENCODE_BATCH_DOCS, _ENCODE_BATCH_CHARS = 256, 4_000_000
 
 
@@ -89,9 +100,10 @@ def _txt_documents(path: Path) -> Iterator[str]:
             yield doc
 
 
-def _jsonl_documents(path: Path) -> Iterator[str]:
-    """One document per line: the line's ``text`` field; blank lines and empty texts are skipped."""
+def _jsonl_documents(path: Path, column: str = "text") -> Iterator[str]:
+    """One document per line: the line's text field (``column``); blank lines and empty texts are skipped."""
     lineno = 0
+    named = f"'{column}'" + (" (data.fields.text)" if column != "text" else "")
     try:
         with path.open(encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
@@ -101,33 +113,65 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataSourceError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or "text" not in record:
+                if not isinstance(record, dict) or column not in record:
                     found = f"keys {sorted(record)[:8]}" if isinstance(record, dict) else type(record).__name__
-                    raise DataSourceError(f"{path}:{lineno}: no 'text' field (found {found}); every JSONL line "
-                                          f"must be an object with a string 'text'")
-                text = record["text"]
+                    raise DataSourceError(f"{path}:{lineno}: no {named} field (found {found}); every JSONL line "
+                                          f"must be an object with a string {named}; name another field with "
+                                          f"data.fields: {{text: FIELD}}")
+                text = record[column]
                 if not isinstance(text, str):
-                    raise DataSourceError(f"{path}:{lineno}: 'text' is {type(text).__name__}, expected a string")
+                    raise DataSourceError(f"{path}:{lineno}: {named} is {type(text).__name__}, expected a string")
                 if text:
                     yield text
     except UnicodeDecodeError as exc:
         raise DataSourceError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason})") from None
 
 
-def _file_documents(path: Path) -> Iterator[str]:
-    return _txt_documents(path) if path.suffix.lower() == ".txt" else _jsonl_documents(path)
+def _table_documents(path: Path, fields: Mapping[str, str]) -> Iterator[str]:
+    """The text column of a Parquet, Arrow, CSV or JSON file, streamed; nulls and empty texts skipped."""
+    column = fields.get("text", "text")
+    values = (text_column_values(path, fields) if path.suffix.lower() != ".json" else
+              ((where, record.get("text") if isinstance(record, dict) else record)
+               for where, record in read_records(path, "text", fields)))
+    for where, value in values:
+        if isinstance(value, RowError):
+            raise value
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise DataSourceError(f"{where}: column {column!r} is {type(value).__name__}, expected a string; name "
+                                  f"the text column with data.fields: {{text: COLUMN}}")
+        if value:
+            yield value
+
+
+def _file_documents(path: Path, fields: Mapping[str, str] | None = None) -> Iterator[str]:
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return _txt_documents(path)
+    if suffix == ".jsonl":
+        return _jsonl_documents(path, (fields or {}).get("text", "text"))
+    return _table_documents(path, fields or {})
 
 
 def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "data"
 
 
-def resolve_source(source: str | Path) -> _Source:
+def resolve_source(source: str | Path, fields: Mapping[str, str] | None = None) -> _Source:
     """A built-in corpus name (preferred when it matches exactly; write ``./bible`` for a local path),
-    a .txt or .jsonl file, or a directory searched recursively for .txt/.jsonl files (sorted by path).
-    A prepared dataset is not a source to tokenise: :func:`prepared_source` finds it first."""
+    a text file (.txt, or a table file: .jsonl, .json, .parquet, .csv, .arrow), a glob of them, a
+    ``save_to_disk`` directory, or a directory searched recursively for such files (sorted by path).
+    ``fields`` names the text column (``{"text": "body"}``). A prepared dataset is not a source to
+    tokenise: :func:`prepared_source` finds it first."""
     source_str = str(source)
+    fields = dict(fields or {})
+    column = fields.get("text", "text")
+    column_key = [f"fields.text={column}"] if column != "text" else []  # old keys stay the same without a map
     if source_str in CORPORA:
+        if fields:
+            raise DataSourceError(f"data.fields {fields} does not apply to the built-in corpus {source_str!r} (it "
+                                  f"has no columns); remove data.fields")
         docs_cache: list[str] = []
 
         def corpus_docs() -> Iterator[str]:
@@ -137,26 +181,40 @@ def resolve_source(source: str | Path) -> _Source:
 
         return _Source(source_str, f"corpus {source_str}",
                        [f"corpus:{source_str}", corpus_version(source_str)], corpus_docs)
+    listed = expand_source(source_str, SOURCE_SUFFIXES)
+    if listed is not None:
+        for f in listed:
+            if f.suffix.lower() not in (".txt", ".jsonl"):
+                check_columns(f, "text", fields)  # a missing or mistyped column: before any reading
+        name = _safe_name(listed[0].parent.name if len(listed) > 1 or is_saved_dataset(listed[0].parent)
+                          else listed[0].stem)
+        if len(listed) == 1 and not is_glob(source_str) and not is_saved_dataset(listed[0].parent):
+            path = listed[0]
+            return _Source(name, str(path), [f"file{path.suffix.lower()}", _hash_file(path), *column_key],
+                           lambda: _file_documents(path, fields))
+        parts = ["files"] + [f"{f.name}:{_hash_file(f)}" for f in listed] + column_key
+        return _Source(name, source_str, parts,
+                       lambda: itertools.chain.from_iterable(_file_documents(f, fields) for f in listed))
     path = Path(source_str).expanduser()
     if not path.exists():
         raise DataSourceError(f"source {source_str!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an "
-                              f"existing .txt/.jsonl file or directory")
+                              f"existing file, directory or glob ({', '.join(SOURCE_SUFFIXES)})")
     if path.is_file():
-        if path.suffix.lower() not in SOURCE_SUFFIXES:
-            raise DataSourceError(f"source file {path} has suffix {path.suffix!r}; expected .txt (plain text) "
-                                  f"or .jsonl (a 'text' field per line)")
-        return _Source(_safe_name(path.stem), str(path),
-                       [f"file{path.suffix.lower()}", _hash_file(path)], lambda: _file_documents(path))
-    files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SOURCE_SUFFIXES),
+        raise DataSourceError(f"source file {path} has suffix {path.suffix!r}; expected .txt (plain text), .jsonl "
+                              f"or .json (a 'text' field per row), .parquet, .csv or .arrow (a 'text' column)")
+    files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DIRECTORY_SUFFIXES),
                    key=lambda p: p.relative_to(path).as_posix())
     if not files:
         if (path / INDEX_FILE).is_file():
             load_index(path)  # a prepared dataset's unreadable index: say what is wrong with it
+        tables = sorted({p.suffix.lower() for p in path.rglob("*") if p.suffix.lower() in SOURCE_SUFFIXES})
+        hint = (f"; it holds {', '.join(tables)} files: name them with a glob, e.g. {path}/*{tables[0]}"
+                if tables else "")
         raise DataSourceError(f"source directory {path} contains no .txt or .jsonl files and is not a prepared "
-                              f"dataset (no {INDEX_FILE})")
-    parts = ["dir"] + [f"{p.relative_to(path).as_posix()}:{_hash_file(p)}" for p in files]
+                              f"dataset (no {INDEX_FILE}){hint}")
+    parts = ["dir"] + [f"{p.relative_to(path).as_posix()}:{_hash_file(p)}" for p in files] + column_key
     return _Source(_safe_name(path.resolve().name), str(path), parts,
-                   lambda: itertools.chain.from_iterable(_file_documents(p) for p in files))
+                   lambda: itertools.chain.from_iterable(_file_documents(p, fields) for p in files))
 
 
 # --------------------------------------------------------------------------------------- tokenizer
@@ -242,6 +300,39 @@ def _single_document_cut(length: int, text: str, val_fraction: float) -> int:
     return cut
 
 
+def training_texts(source: str | Path, *, fields: Mapping[str, str] | None, val_fraction: float, seed: int,
+                   limit: int | None) -> Iterator[str]:
+    """The documents of ``source`` that :func:`prepare_dataset` would put in the training split
+    (the text a shared tokenizer may learn from), streamed."""
+    src = resolve_source(source, fields)
+
+    def documents() -> Iterator[str]:
+        return itertools.islice(src.documents(), limit)
+
+    lengths = [len(d) for d in documents()]
+    if not lengths:
+        raise DataSourceError(f"source {src.description} has no documents (no non-empty text)")
+    if len(lengths) == 1:
+        text = next(documents())
+        yield text[:_single_document_cut(lengths[0], text, val_fraction)]
+        return
+    held_out = choose_val_documents(lengths, val_fraction, seed)
+    for i, doc in enumerate(documents()):
+        if i not in held_out:
+            yield doc
+
+
+def source_name(source: str | Path, fields: Mapping[str, str] | None = None) -> str:
+    """The short name of a source (a corpus's name, a file's stem, a directory's name)."""
+    prepared = prepared_source(source)
+    return _safe_name(prepared.resolve().name) if prepared is not None else resolve_source(source, fields).name
+
+
+def source_key_parts(source: str | Path, fields: Mapping[str, str] | None = None) -> list[str]:
+    """What identifies a source's contents (hashes of its files, or a corpus's name and version)."""
+    return resolve_source(source, fields).key_parts
+
+
 # ----------------------------------------------------------------------------------------- prepare
 
 def _check_args(tokenizer: str, vocab_size: int, val_fraction: float, seed: int, limit: int | None,
@@ -289,7 +380,8 @@ def _existing(out_dir: Path, key: str) -> bool:
 def prepare_dataset(source: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048, val_fraction: float = 0.05,
                     out_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
                     limit: int | None = None, shard_tokens: int = SHARD_TOKENS,
-                    cache_dir: str | Path | None = None) -> Path:
+                    cache_dir: str | Path | None = None, fields: Mapping[str, str] | None = None,
+                    workers: int = 1) -> Path:
     """Tokenise ``source`` into train/val token shards; returns the prepared directory.
 
     ``source``: a built-in corpus (``shakespeare``, ``bible``), a .txt file (one document, or several
@@ -298,27 +390,32 @@ def prepare_dataset(source: str | Path, *, tokenizer: str = "bpe", vocab_size: i
     ``tokenizer``: ``"bpe"`` trains a byte-level BPE of ``vocab_size`` on the training documents; otherwise
     the path of a tokenizer.json (``vocab_size`` is then the tokenizer's own). ``limit`` keeps the first
     ``limit`` documents. ``shard_tokens`` sets the shard size (layout only, not part of the key).
-    ``cache_dir`` is plait's cache (default ``$PLAIT_CACHE`` or ``~/.cache/plait``): the default output
-    is ``<cache>/datasets/<name>-<key>`` and trained BPEs are kept in ``<cache>/tokenizers``.
+    ``fields`` names the text column of table files (``{"text": "body"}``); ``workers`` processes
+    tokenise (the shards are the same for any number). ``cache_dir`` is plait's cache (default
+    ``$PLAIT_CACHE`` or ``~/.cache/plait``): the default output is ``<cache>/datasets/<name>-<key>``
+    and trained BPEs are kept in ``<cache>/tokenizers``.
     Same inputs, same directory: a rerun returns it without work. Every problem with the source or
     the data is a :class:`~plait.data.errors.DataError` naming the file.
     """
     return prepare_dataset_ex(source, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                               out_dir=out_dir, seed=seed, progress=progress, limit=limit,
-                              shard_tokens=shard_tokens, cache_dir=cache_dir)[0]
+                              shard_tokens=shard_tokens, cache_dir=cache_dir, fields=fields, workers=workers)[0]
 
 
 def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048,
                        val_fraction: float = 0.05, out_dir: str | Path | None = None, seed: int = 0,
                        progress: bool = True, limit: int | None = None,
-                       shard_tokens: int = SHARD_TOKENS, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+                       shard_tokens: int = SHARD_TOKENS, cache_dir: str | Path | None = None,
+                       fields: Mapping[str, str] | None = None, workers: int = 1) -> tuple[Path, bool]:
     """``prepare_dataset`` that also says whether an existing directory was reused: ``(path, reused)``
     (a prepared source counts as reused)."""
     _check_args(tokenizer, vocab_size, val_fraction, seed, limit, shard_tokens)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be a positive integer (processes that tokenise)")
     prepared = prepared_source(source)
     if prepared is not None:
         return _use_prepared(prepared, tokenizer, out_dir), True
-    src = resolve_source(source)
+    src = resolve_source(source, fields)
     tok_spec_arg = str(tokenizer)
     if tok_spec_arg == "bpe":
         tok_path, tok_spec = None, f"bpe:{vocab_size}"
@@ -347,7 +444,7 @@ def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size
     try:
         index = _write(src, documents, lengths, tmp, key=key, tok_path=tok_path, tok_spec=tok_spec,
                        vocab_size=vocab_size, val_fraction=val_fraction, seed=seed, limit=limit,
-                       shard_tokens=shard_tokens, progress=progress, cache=cache)
+                       shard_tokens=shard_tokens, progress=progress, cache=cache, workers=workers)
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         if out.exists() and not any(out.iterdir()):
             out.rmdir()
@@ -374,7 +471,7 @@ def _summary(key_parts: list[str]) -> list[str]:
 
 def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[int], tmp: Path, *, key: str,
            tok_path: Path | None, tok_spec: str, vocab_size: int, val_fraction: float, seed: int,
-           limit: int | None, shard_tokens: int, progress: bool, cache: Path) -> dict:
+           limit: int | None, shard_tokens: int, progress: bool, cache: Path, workers: int) -> dict:
     """Tokenises every document into ``tmp``; returns the index (written by the caller)."""
     if len(lengths) == 1:
         val_docs: set[int] = set()
@@ -408,28 +505,29 @@ def _write(src: _Source, documents: Callable[[], Iterator[str]], lengths: list[i
     writers = {False: ShardWriter(tmp, "train", dtype, shard_tokens),
                True: ShardWriter(tmp, "val", dtype, shard_tokens)}
 
-    def encode(batch: list[tuple[bool, str]]) -> None:
-        encoded = tok.encode_batch([t for _, t in batch], add_special_tokens=False)
-        for (is_val, _), enc in zip(batch, encoded, strict=True):
-            ids = np.empty(len(enc.ids) + 1, dtype=dtype)
-            ids[:-1] = enc.ids
-            ids[-1] = eos_id
-            writers[is_val].add(ids)
+    def batches() -> Iterator[list[tuple[bool, str]]]:
+        batch: list[tuple[bool, str]] = []
+        chars = 0
+        for is_val, text in split_documents():
+            batch.append((is_val, text))
+            chars += len(text)
+            if len(batch) >= _ENCODE_BATCH_DOCS or chars >= _ENCODE_BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+        if batch:
+            yield batch
 
-    bar = tqdm(total=len(lengths) if cut is None else 2, unit="doc", desc=f"tokenising {src.name}",
-               disable=not progress, leave=False)
-    batch: list[tuple[bool, str]] = []
-    chars = 0
-    for is_val, text in split_documents():
-        batch.append((is_val, text))
-        chars += len(text)
-        if len(batch) >= _ENCODE_BATCH_DOCS or chars >= _ENCODE_BATCH_CHARS:
-            encode(batch)
-            bar.update(len(batch))
-            batch, chars = [], 0
-    if batch:
-        encode(batch)
-        bar.update(len(batch))
+    bar = tqdm(unit="tok", unit_scale=True, desc=f"tokenising {src.name}", disable=not progress, leave=False)
+    documents_done = 0
+    for encoded in encode_in_order(batches(), tok=tok, tokenizer_file=tmp / TOKENIZER_FILE, eos_id=eos_id,
+                                   dtype=dtype, workers=workers):
+        for is_val, ids, n in ((False, encoded.train, encoded.train_documents),
+                               (True, encoded.val, encoded.val_documents)):
+            if n:
+                writers[is_val].add(ids, documents=n)
+        documents_done += encoded.train_documents + encoded.val_documents
+        bar.update(encoded.tokens)
+        bar.set_postfix_str(f"{documents_done}/{len(lengths) if cut is None else 2} docs", refresh=False)
     bar.close()
     splits = {"train": writers[False].close(), "val": writers[True].close()}
 

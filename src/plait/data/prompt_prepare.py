@@ -33,8 +33,10 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +44,10 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from plait.data.chat_template import ChatTemplate, load_chat_template
-from plait.data.errors import DataError
+from plait.data.dataset_files import files_digest, read_records, row_source_files
+from plait.data.errors import DataError, RowError
 from plait.data.sft_prepare import INDEX_FILE, read_index, rows_directory, split_rows
-from plait.data.sft_rows import Message, RowError, json_lines, parse_conversation_before_reply
+from plait.data.sft_rows import Message, parse_conversation_before_reply
 from plait.data.sft_tokenize import plain_tokenizer
 from plait.data.token_shards import TOKENIZER_FILE
 from plait.data.tokenizer import cache_dir as resolve_cache_dir
@@ -115,17 +118,19 @@ def parse_prompt_row(record: object, where: str) -> PromptRow:
     return PromptRow(where, answer, row, prompt=prompt)
 
 
-def read_prompt_rows(path: str | os.PathLike) -> list[PromptRow]:
-    """The prompt rows of a JSONL file (blank lines passed over); the first malformed row, or a
-    file without rows, is a :class:`DataError`."""
-    source = Path(path).expanduser()
-    if not source.is_file():
-        raise DataError(f"{source}: no such file; give a .jsonl file of prompt rows")
+def read_prompt_rows(path: str | os.PathLike | Sequence[Path], fields: Mapping[str, str] | None = None,
+                     what: str = "data.source") -> list[PromptRow]:
+    """The prompt rows of a row source (a JSONL, JSON, Parquet, CSV or Arrow file, a ``save_to_disk``
+    directory, a glob, or a list of files; ``fields`` maps plait's column names to the files'; blank
+    JSONL lines passed over); the first malformed row, or a source without rows, is a :class:`DataError`."""
+    files = row_source_files(path, what) if isinstance(path, (str, os.PathLike)) else list(path)
+    source = files[0] if len(files) == 1 else Path(str(path))
     rows = []
-    for where, value in json_lines(source):
-        if isinstance(value, RowError):
-            raise value
-        rows.append(parse_prompt_row(value, where))
+    for one in files:
+        for where, value in read_records(one, "prompts", fields or {}):
+            if isinstance(value, RowError):
+                raise value
+            rows.append(parse_prompt_row(value, where))
     if not rows:
         raise DataError(f"{source}: no prompt rows (the file is empty or only blank lines); give a .jsonl of "
                         f"prompt/answer rows, e.g. prompts_train.jsonl from `plait data task`")
@@ -166,22 +171,19 @@ def _check_lengths(rows: list[PromptRow], ids: list[list[int]], *, seq_len: int,
                     f"grpo.max_new_tokens, or shorten or remove the row")
 
 
-def _key(source: Path, eval_source: Path | None, tokenizer: Path, template: ChatTemplate, settings: dict) -> str:
+def _digest(files: list[Path]) -> str:
+    return file_sha256(files[0]) if len(files) == 1 else files_digest(files)
+
+
+def _key(source: list[Path], eval_source: list[Path] | None, tokenizer: Path, template: ChatTemplate,
+         settings: dict) -> str:
     """Everything the directory depends on: the row files, every tokenizer file that travels with
     the model, the chat template as rendered and the settings."""
-    text = json.dumps({"source": file_sha256(source), "eval_source": file_sha256(eval_source) if eval_source else None,
+    text = json.dumps({"source": _digest(source), "eval_source": _digest(eval_source) if eval_source else None,
                        "tokenizer_files": model_use_digests(tokenizer), "template": template.text,
                        "bos_token": template.bos_token, "eos_token": template.eos_token, **settings,
                        "format": PROMPTS_FORMAT}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _jsonl_file(path: str | os.PathLike, field: str) -> Path:
-    p = Path(path).expanduser()
-    if not p.is_file() or p.suffix.lower() != ".jsonl":
-        raise DataError(f"{field} {str(path)!r}: data.format 'prompts' reads one .jsonl file of prompt rows (one "
-                        f"JSON object per line); give the path of such a file")
-    return p
 
 
 def prompts_index(directory: str | os.PathLike) -> dict | None:
@@ -203,21 +205,28 @@ def prepared_directory(data_format: str, source: str | os.PathLike) -> Path | No
 
 def prepare_prompts(source: str | os.PathLike, tokenizer: str | os.PathLike, *, seq_len: int, max_new_tokens: int,
                     val_fraction: float, seed: int, eval_source: str | os.PathLike | None = None,
-                    cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None) -> Path:
+                    cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
+                    fields: Mapping[str, str] | None = None) -> Path:
     """Prepare (or reuse) the prompts of ``source`` (a JSONL file) and return their directory; see
     the module doc. ``tokenizer`` is a ``tokenizer.json`` (its directory's
     ``tokenizer_config.json`` or ``chat_template.jinja`` gives the chat template); the directory
     is ``out_dir``, else one named by its key under ``cache_dir``'s ``datasets``."""
-    src = _jsonl_file(source, "data.source")
-    held = _jsonl_file(eval_source, "grpo.eval_source") if eval_source is not None else None
+    src_files = row_source_files(source, "data.source")
+    held_files = row_source_files(eval_source, "grpo.eval_source") if eval_source is not None else None
+    src = src_files[0] if len(src_files) == 1 else Path(str(source))
+    held = (held_files[0] if len(held_files) == 1 else Path(str(eval_source))) if held_files else None
     tok_path = Path(tokenizer).expanduser()
     if not tok_path.is_file():
         raise DataError(f"data.tokenizer {str(tokenizer)!r}: data.format 'prompts' needs the model's tokenizer.json "
                         f"(its chat template renders the prompts); no such file")
     template = load_chat_template(tok_path)
-    settings = {"seq_len": seq_len, "max_new_tokens": max_new_tokens, "val_fraction": val_fraction, "seed": seed}
-    key = _key(src, held, tok_path, template, settings)
-    default = resolve_cache_dir(cache_dir) / "datasets" / f"{src.stem}-prompts-{key}"
+    settings: dict[str, Any] = {"seq_len": seq_len, "max_new_tokens": max_new_tokens, "val_fraction": val_fraction,
+                                "seed": seed}
+    if fields:  # only when given: the keys of prompts prepared before data.fields existed stay the same
+        settings["fields"] = dict(sorted(fields.items()))
+    key = _key(src_files, held_files, tok_path, template, settings)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", src.stem).strip("._") or "prompts"
+    default = resolve_cache_dir(cache_dir) / "datasets" / f"{stem}-prompts-{key}"
     out = Path(out_dir).expanduser() if out_dir is not None else default
     found = prompts_index(out)
     if found is not None and found.get("key") == key:
@@ -228,17 +237,17 @@ def prepare_prompts(source: str | os.PathLike, tokenizer: str | os.PathLike, *, 
                         f"replace what it did not write: give an empty or new directory")
     tok = load_tokenizer_file(tok_path)
     template = load_chat_template(tok_path, tok)
-    rows = read_prompt_rows(src)
-    if held is None:
+    rows = read_prompt_rows(src_files, fields)
+    if held_files is None:
         train_rows, val_rows = split_rows(rows, val_fraction, seed)
     else:
-        train_rows, val_rows = rows, read_prompt_rows(held)
+        train_rows, val_rows = rows, read_prompt_rows(held_files, fields)
     splits = {"train": train_rows, "val": val_rows}
     ids = {name: _tokenize(part, tok, template) for name, part in splits.items()}
     _check_lengths(train_rows + val_rows, ids["train"] + ids["val"], seq_len=seq_len, max_new_tokens=max_new_tokens)
     index = {"format": PROMPTS_FORMAT, "key": key, "kind": "prompts", **settings,
              "source": str(src), "eval_source": str(held) if held is not None else None,
-             "eval_source_sha256": file_sha256(held) if held is not None else None,
+             "eval_source_sha256": _digest(held_files) if held_files else None,
              "template": template.source, "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
              "tokenizer_sha256": tokenizer_sha256(tok_path), "tokenizer_source": str(tok_path),
              "vocab_size": tokenizer_vocab_size(tok),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -37,6 +38,7 @@ from tokenizers import Tokenizer
 
 from plait.data.batch import PairCounts, TokenBatch
 from plait.data.chat_template import ChatTemplate, load_chat_template
+from plait.data.dataset_files import files_digest, row_source_files
 from plait.data.errors import DataError
 from plait.data.packing import IGNORE_INDEX, PackedRows, pack
 from plait.data.reference_table import batch_reference, pair_offsets
@@ -66,6 +68,7 @@ class RowsSettings:
     skip_bad_rows: bool = False
     val_fraction: float = 0.05
     seed: int = 0
+    fields: tuple[tuple[str, str], ...] = ()  # data.fields: plait's column names -> the files'
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,16 @@ def _hash_file(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _key(source: Path, tokenizer: Path, settings: RowsSettings, template: ChatTemplate) -> str:
-    """Everything the rows depend on: the source, every tokenizer file that travels with the model
+def _key(sources: list[Path], tokenizer: Path, settings: RowsSettings, template: ChatTemplate) -> str:
+    """Everything the rows depend on: the source files, every tokenizer file that travels with the model
     (their hashes, so a new chat_template.jinja or special token is a new key), the chat template's
-    text and special tokens as rendered, and the settings."""
-    text = json.dumps({"source": _hash_file(source), "tokenizer_files": model_use_digests(tokenizer),
+    text and special tokens as rendered, and the settings (the column map only when one is given,
+    so the keys of rows prepared before it existed stay the same)."""
+    source = _hash_file(sources[0]) if len(sources) == 1 else files_digest(sources)[:16]
+    shaping = {k: v for k, v in settings.__dict__.items() if k != "fields" or v}
+    text = json.dumps({"source": source, "tokenizer_files": model_use_digests(tokenizer),
                        "template": template.text, "bos_token": template.bos_token, "eos_token": template.eos_token,
-                       **settings.__dict__, "format": ROWS_FORMAT}, sort_keys=True)
+                       **shaping, "format": ROWS_FORMAT}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -139,10 +145,12 @@ def _write_split(out: Path, split: str, rows: PackedRows, kind: RowFormat) -> No
         np.save(out / f"{split}_chosen_targets.npy", _chosen_targets(rows.labels, rows.segment_ids))
 
 
-def _read_rows(source: Path, settings: RowsSettings) -> tuple[list[SFTRow] | list[PreferenceRow], Counter[str]]:
+def _read_rows(sources: list[Path],
+               settings: RowsSettings) -> tuple[list[SFTRow] | list[PreferenceRow], Counter[str]]:
+    fields = dict(settings.fields)
     if settings.kind == "sft":
-        return read_sft_rows(source, skip_bad_rows=settings.skip_bad_rows)
-    return read_preference_rows(source, skip_bad_rows=settings.skip_bad_rows)
+        return read_sft_rows(sources, skip_bad_rows=settings.skip_bad_rows, fields=fields)
+    return read_preference_rows(sources, skip_bad_rows=settings.skip_bad_rows, fields=fields)
 
 
 def read_index(directory: Path, data_format: str | None = None) -> dict | None:
@@ -180,18 +188,16 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
                  cache_dir: str | os.PathLike | None = None) -> RowsReport:
     """Prepare (or reuse) the rows of ``source`` (a JSONL file); see the module doc. ``tokenizer``
     is a ``tokenizer.json`` (its directory's ``tokenizer_config.json`` gives the chat template)."""
-    src = Path(source).expanduser()
-    if not src.is_file() or src.suffix.lower() != ".jsonl":
-        raise DataError(f"data.source {str(source)!r}: data.format {settings.kind!r} reads one .jsonl file "
-                        f"(one JSON object per line); give the path of such a file")
+    files = row_source_files(source)
+    src = files[0] if len(files) == 1 else Path(str(source))
     tok_path = Path(tokenizer).expanduser()
     if not tok_path.is_file():
         raise DataError(f"data.tokenizer {str(tokenizer)!r}: data.format {settings.kind!r} needs the model's "
                         f"tokenizer.json (its chat template renders the rows); no such file")
     template = load_chat_template(tok_path)  # the text and special tokens of tokenizer_config.json: for the key
-    key = _key(src, tok_path, settings, template)
+    key = _key(files, tok_path, settings, template)
     cache = resolve_cache_dir(cache_dir)
-    default = cache / "datasets" / f"{src.stem}-{settings.kind}-{key}"
+    default = cache / "datasets" / f"{_safe_stem(src)}-{settings.kind}-{key}"
     out = Path(out_dir).expanduser() if out_dir is not None else default
     found = _existing(out, key)
     if found is not None:
@@ -202,7 +208,7 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
                         f"replace what it did not write: give an empty or new directory")
     tok = load_tokenizer_file(tok_path)
     template = load_chat_template(tok_path, tok)
-    rows, skipped = _read_rows(src, settings)
+    rows, skipped = _read_rows(files, settings)
     train_rows, val_rows = split_rows(list(rows), settings.val_fraction, settings.seed)
     pad_id = 0
     counts: Counter[str] = Counter()
@@ -245,6 +251,11 @@ def prepare_rows(source: str | os.PathLike, tokenizer: str | os.PathLike, settin
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return _report(out, index, reused=False)
+
+
+def _safe_stem(path: Path) -> str:
+    """A directory-name stem of a source (a glob's characters replaced)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem).strip("._") or "rows"
 
 
 def _umask() -> int:

@@ -27,15 +27,15 @@ rows and are passed over.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from plait.data.errors import DataError
+from plait.data.dataset_files import read_records, row_source_files
+from plait.data.errors import RowError
 
 ROLES = ("system", "user", "assistant")
 # Why a row was refused; the keys of the counts returned with skip_bad_rows=True.
@@ -50,14 +50,6 @@ REASONS = {
     "empty_assistant": "an empty answer",
     "chosen_equals_rejected": "the two answers are equal",
 }
-
-
-class RowError(DataError):
-    """One malformed row; ``reason`` is a key of :data:`REASONS`."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -224,57 +216,39 @@ def parse_conversation_before_reply(value: object, field: str, where: str) -> tu
     return conversation
 
 
-def json_lines(path: Path) -> Iterator[tuple[str, object]]:
-    """``(file:line, JSON value)`` per non-blank line; RowError for bytes or text that do not parse."""
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield where, RowError(f"{where}: byte {exc.start} of the line ({raw[exc.start:exc.start + 1]!r}) "
-                                      f"is not UTF-8; re-encode the file as UTF-8", "bad_utf8")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as exc:
-                yield where, RowError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); write one JSON "
-                                      f"object per line", "bad_json")
-
-
 Row = TypeVar("Row", SFTRow, PreferenceRow)
 
 
-def _read(path: str | os.PathLike, parse: Callable[[object, str], Row],
-          skip_bad_rows: bool) -> tuple[list[Row], Counter[str]]:
-    source = Path(path)
-    if not source.is_file():
-        raise DataError(f"{source}: no such file; give a .jsonl file of rows")
+def _read(path: str | os.PathLike | Sequence[Path], parse: Callable[[object, str], Row], data_format: str,
+          skip_bad_rows: bool, fields: Mapping[str, str] | None) -> tuple[list[Row], Counter[str]]:
+    files = row_source_files(path) if isinstance(path, (str, os.PathLike)) else list(path)
     rows: list[Row] = []
     skipped: Counter[str] = Counter()
-    for where, value in json_lines(source):
-        try:
-            if isinstance(value, RowError):
-                raise value
-            rows.append(parse(value, where))
-        except RowError as exc:
-            if not skip_bad_rows:
-                raise
-            skipped[exc.reason] += 1
+    for source in files:
+        for where, value in read_records(source, data_format, fields or {}):
+            try:
+                if isinstance(value, RowError):
+                    raise value
+                rows.append(parse(value, where))
+            except RowError as exc:
+                if not skip_bad_rows:
+                    raise
+                skipped[exc.reason] += 1
     return rows, skipped
 
 
-def read_sft_rows(path: str | os.PathLike, *, skip_bad_rows: bool = False) -> tuple[list[SFTRow], Counter[str]]:
-    """The SFT rows of a JSONL file and the count of skipped rows per reason (empty unless skipping)."""
-    return _read(path, parse_sft_row, skip_bad_rows)
+def read_sft_rows(path: str | os.PathLike | Sequence[Path], *, skip_bad_rows: bool = False,
+                  fields: Mapping[str, str] | None = None) -> tuple[list[SFTRow], Counter[str]]:
+    """The SFT rows of a row source (a JSONL, JSON, Parquet, CSV or Arrow file, a ``save_to_disk``
+    directory, a glob, or a list of files; ``fields`` maps plait's column names to the files') and
+    the count of skipped rows per reason (empty unless skipping)."""
+    return _read(path, parse_sft_row, "sft", skip_bad_rows, fields)
 
 
-def read_preference_rows(path: str | os.PathLike, *,
-                         skip_bad_rows: bool = False) -> tuple[list[PreferenceRow], Counter[str]]:
-    """The preference rows of a JSONL file and the count of skipped rows per reason."""
-    return _read(path, parse_preference_row, skip_bad_rows)
+def read_preference_rows(path: str | os.PathLike | Sequence[Path], *, skip_bad_rows: bool = False,
+                         fields: Mapping[str, str] | None = None) -> tuple[list[PreferenceRow], Counter[str]]:
+    """The preference rows of a row source (as :func:`read_sft_rows`) and the count of skipped rows per reason."""
+    return _read(path, parse_preference_row, "preference", skip_bad_rows, fields)
 
 
 def describe_skipped(skipped: Counter[str]) -> str:

@@ -54,6 +54,7 @@ from plait.context_parallel.attention import ContextParallel
 from plait.context_parallel.batch import split_token_batch
 from plait.data.batch import TokenBatch
 from plait.data.loader import BatchLoader
+from plait.data.mixture import MixtureDataset, MixtureSampler, is_mixture
 from plait.data.prompt_prepare import PromptDataset
 from plait.data.sampler import GlobalBatchSampler
 from plait.data.sft_prepare import RowDataset
@@ -231,6 +232,9 @@ def open_datasets(recipe: Recipe, prepared_dir: str | Path) -> tuple[Dataset, Da
     training prompts and its evaluation prompts)."""
     if recipe.data.format == "prompts":
         return PromptDataset(prepared_dir, "train"), PromptDataset(prepared_dir, "val")
+    if recipe.data.format == "text" and is_mixture(prepared_dir):
+        return (MixtureDataset(prepared_dir, "train", recipe.data.seq_len),
+                MixtureDataset(prepared_dir, "val", recipe.data.seq_len))
     if recipe.data.format == "text":
         return (TokenDataset(prepared_dir, "train", recipe.data.seq_len),
                 TokenDataset(prepared_dir, "val", recipe.data.seq_len))
@@ -244,7 +248,7 @@ def objective_for(recipe: Recipe, head: PreferenceHead | GRPOHead | None, valida
     run, is made by :func:`plait.train.grpo.grpo_objective`)."""
     if isinstance(head, PreferenceHead):
         return PreferenceObjective(recipe.train.objective, head, validation)
-    text = recipe.data.format == "text"
+    text = recipe.data.format == "text" and not is_mixture(prepared_dir)  # a mixture: per-source val losses instead
     return NextTokenObjective(recipe.train.objective, validation, prepared_dir if text else None, vocab_size)
 
 
@@ -390,7 +394,9 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
         loader = state.objective.loader
         loader.step = state.start_step
     else:
-        sampler = GlobalBatchSampler(len(train_data), resolved.global_batch_size, r.run.seed)
+        sampler = (MixtureSampler(train_data.sizes, train_data.weights, resolved.global_batch_size, r.run.seed)
+                   if isinstance(train_data, MixtureDataset)
+                   else GlobalBatchSampler(len(train_data), resolved.global_batch_size, r.run.seed))
         loader = BatchLoader(train_data, sampler, dp_rank=state.dp.rank, dp=state.dp.size,
                              microbatches=p.microbatches, prefetch=r.data.prefetch, start_step=state.start_step)
     fpt = model_flops_per_token(config, r.data.seq_len, weight_gradients=lo.rank is None)  # a frozen base: 4N

@@ -14,6 +14,7 @@ from plait.config.load import parse_recipe_text
 from plait.config.schema import Recipe
 from plait.data.checks import check_model_vocab, check_samples, verify_prepared
 from plait.data.errors import DataError
+from plait.data.mixture import SourceSpec, load_mixture_index, prepare_mixture
 from plait.data.prepare import prepare_dataset
 from plait.data.prompt_prepare import (
     PromptDataset,
@@ -51,13 +52,24 @@ def prepare_data(recipe: Recipe, progress: bool = False) -> Path:
         return prepare_prompt_rows(recipe, report=progress)
     if d.format != "text":
         return prepare_fine_tuning_rows(recipe, report=progress)
-    path = prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                           out_dir=None, seed=recipe.run.seed, progress=progress, cache_dir=d.cache_dir)
-    data = verify_prepared(path)
-    check_samples(data, d.seq_len)
-    # the trainer builds the model from the same call, so this is the vocabulary it will have
-    check_model_vocab(data, recipe.model.to_model_config(data.vocab_size).vocab_size)
-    return path
+    if d.sources is not None:
+        mixture = prepare_mixture([SourceSpec(s.source, s.weight, s.name, tuple(sorted(s.fields.items())), s.limit)
+                                   for s in d.sources], tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                                  val_fraction=d.val_fraction, seed=recipe.run.seed, cache_dir=d.cache_dir,
+                                  progress=progress, workers=d.num_workers)
+        parts = [Path(p["directory"]) for p in load_mixture_index(mixture)["parts"]]
+    else:
+        mixture = None
+        parts = [prepare_dataset(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                                 val_fraction=d.val_fraction, out_dir=None, seed=recipe.run.seed, progress=progress,
+                                 cache_dir=d.cache_dir, fields={str(k): v for k, v in d.fields.items()},
+                                 workers=d.num_workers)]
+    for path in parts:
+        data = verify_prepared(path)
+        check_samples(data, d.seq_len)
+        # the trainer builds the model from the same call, so this is the vocabulary it will have
+        check_model_vocab(data, recipe.model.to_model_config(data.vocab_size).vocab_size)
+    return mixture if mixture is not None else parts[0]
 
 
 def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
@@ -72,7 +84,8 @@ def prepare_fine_tuning_rows(recipe: Recipe, *, report: bool = False) -> Path:
         kind: RowFormat = "preference" if d.format == "preference" else "sft"
         settings = RowsSettings(kind=kind, seq_len=d.seq_len, packing=d.packing, truncation=d.truncation,
                                 train_on_prompt=d.train_on_prompt, skip_bad_rows=d.skip_bad_rows,
-                                val_fraction=d.val_fraction, seed=recipe.run.seed)
+                                val_fraction=d.val_fraction, seed=recipe.run.seed,
+                                fields=tuple(sorted(d.fields.items())))
         result = prepare_rows(d.source, d.tokenizer, settings, cache_dir=d.cache_dir)
         path = result.directory
         if report:
@@ -109,7 +122,7 @@ def prepare_prompt_rows(recipe: Recipe, *, report: bool = False) -> Path:
     else:
         path = prepare_prompts(d.source, d.tokenizer, seq_len=d.seq_len, max_new_tokens=g.max_new_tokens,
                                val_fraction=d.val_fraction, seed=recipe.run.seed, eval_source=g.eval_source,
-                               cache_dir=d.cache_dir)
+                               cache_dir=d.cache_dir, fields={str(k): v for k, v in d.fields.items()})
     if report:
         print(f"data: {describe_prompts(path)} -> {path}", flush=True)
     check_rows_tokenizer(path, d.tokenizer)

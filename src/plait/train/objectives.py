@@ -16,6 +16,7 @@ from typing import Any
 
 from plait.comm.primitives import GroupInfo
 from plait.data.baseline import unigram_loss
+from plait.data.mixture import MixtureDataset
 from plait.pipeline.runtime import PipelineRuntime
 from plait.post_training.head import PreferenceHead
 from plait.train.evaluation import evaluate, evaluate_preference
@@ -53,8 +54,20 @@ class NextTokenObjective(Objective):
 
     def evaluate(self) -> dict[str, float]:
         v = self.validation
+        if isinstance(v.dataset, MixtureDataset):
+            return self._evaluate_mixture(v.dataset)
         val = evaluate(v.runtime, v.dataset, **v.batch_plan())
         return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+
+    def _evaluate_mixture(self, mixture: MixtureDataset) -> dict[str, float]:
+        """Each source's own validation split, scored as a plain one (``val_loss/<name>``); ``val_loss``
+        is their mean weighted by the mixture's weights (what the blend trains towards)."""
+        v = self.validation
+        per_source = {name: evaluate(v.runtime, part, **v.batch_plan())
+                      for name, part in zip(mixture.names, mixture.parts, strict=True)}
+        val = sum(w * per_source[n] for n, w in zip(mixture.names, mixture.weights, strict=True))
+        return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0)),
+                **{f"val_loss/{name}": loss for name, loss in per_source.items()}}
 
     def summary_lines(self, final: dict[str, Any]) -> list[str]:
         if self.baseline_of is None:

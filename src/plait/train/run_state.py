@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from plait.comm.primitives import GroupInfo
 from plait.config.resolve import ResolvedRecipe
 from plait.config.schema import Recipe
+from plait.data.mixture import MixtureDataset
 from plait.data.prompt_prepare import PromptDataset
 from plait.data.sft_prepare import RowDataset
 from plait.data.token_shards import TokenDataset
@@ -28,7 +29,7 @@ from plait.precision import PrecisionPolicy
 from plait.train.plugins import Objective, StepPlugin
 
 #: a split of the run's data: text sequences, or fine-tuning rows
-Dataset = TokenDataset | RowDataset | PromptDataset
+Dataset = TokenDataset | MixtureDataset | RowDataset | PromptDataset
 
 
 @dataclass
