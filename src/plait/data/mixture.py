@@ -12,7 +12,8 @@ The blend (:class:`MixtureSampler`) is a pure function of ``(seed, step)``, like
 sampler, so resuming needs only the step, in any layout. Weights are turned into whole counts
 per period of :data:`PERIOD` samples (largest remainders: source ``i`` has ``c_i`` positions, the
 counts sum to the period); positions are interleaved by their ideal times ``(j + 1/2) / c_i``, so
-every prefix of the period holds within one sample of each source's share. Global sample ``k``
+every prefix of the period holds within two samples of each source's share (one global batch
+holds its share of each source up to that rounding). Global sample ``k``
 is position ``k mod PERIOD`` of period ``k // PERIOD``; its source ``s`` and its ordinal
 ``o = period * c_s + j`` within that source; the source's ``o``-th sample is
 ``perm_{s,e}[o mod n_s]`` in the source's epoch ``e = o // n_s`` (a permutation drawn from
@@ -269,9 +270,11 @@ def _shared_tokenizer(specs: Sequence[SourceSpec], *, tokenizer: str, vocab_size
                       seed: int, cache: Path, progress: bool) -> str:
     """The tokenizer every source is prepared with: ``tokenizer``'s file, a prepared source's own
     (with ``bpe``), or one BPE trained on every source's training documents, cached by their key."""
+    prepared = [p for p in (prepared_source(s.source) for s in specs) if p is not None]
+    if len(prepared) > 1:
+        check_same_tokenizer([(p.name, p) for p in prepared])
     if tokenizer != "bpe":
         return tokenizer
-    prepared = [p for p in (prepared_source(s.source) for s in specs) if p is not None]
     if prepared:
         return str(prepared[0] / TOKENIZER_FILE)  # the others must match it (checked when they are prepared)
     digest = hashlib.sha256()

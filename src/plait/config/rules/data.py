@@ -9,6 +9,8 @@ from pathlib import Path
 from plait.config.rules.checker import Checker
 from plait.config.schema import PREFERENCE_OBJECTIVES
 from plait.data.corpora import CORPORA
+from plait.data.dataset_files import check_columns, expand_source, row_source_files
+from plait.data.errors import DataError
 from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
 from plait.data.prompt_prepare import prepared_directory
 from plait.data.token_shards import TOKENIZER_FILE
@@ -40,11 +42,13 @@ def check_fine_tuning(c: Checker) -> None:
     if c.ok("data.tokenizer") and d.tokenizer == "bpe" and not (check_paths and prepared_directory(d.format, d.source)):
         c.add("data.tokenizer", "bpe", f"data.format {d.format!r} needs the model's tokenizer.json (its chat "
                                        f"template renders the rows), e.g. '<model.hf_path>/tokenizer.json'")
-    if check_paths and c.ok("data.source") and prepared_directory(d.format, d.source) is None:
-        source = Path(d.source).expanduser()
-        if not (source.is_file() and source.suffix.lower() == ".jsonl"):
-            c.add("data.source", d.source, f"data.format {d.format!r} reads one .jsonl file of rows (or a "
-                                           f"directory prepared from one); give its path")
+    if (check_paths and c.ok("data.source") and d.sources is None  # a mixture of rows is refused by its own rule
+            and prepared_directory(d.format, d.source) is None):
+        try:  # the files exist and hold the columns the format reads (JSON is checked row by row later)
+            for f in row_source_files(d.source):
+                check_columns(f, d.format, {str(k): v for k, v in d.fields.items()})
+        except DataError as e:
+            c.add("data.source", d.source, f"data.format {d.format!r}: {' '.join(str(e).split())}")
 
 
 def check_data(c: Checker) -> None:
@@ -57,7 +61,9 @@ def check_data(c: Checker) -> None:
             if tokens is not None and c.ok("model.hf_path"):
                 _check_vocab_fits(c, arch, tokens)
         return
-    if check_paths and c.ok("data.source"):
+    if d.sources is not None:
+        _check_mixture(c)
+    elif check_paths and c.ok("data.source"):
         _check_source(c)
     if check_paths and c.ok("data.tokenizer") and d.tokenizer != "bpe":
         tokens = _check_tokenizer_file(c)
@@ -91,22 +97,52 @@ def _text_sniff(path: Path, size: int = 1 << 16) -> str | None:
     return None
 
 
-def _check_source(c: Checker) -> None:
-    """``data.source``: a built-in corpus, an existing directory, or a readable .txt/.jsonl file."""
-    source = c.r.data.source
+def _check_mixture(c: Checker) -> None:
+    """``data.sources`` replaces ``data.source`` and ``data.fields`` (each source has its own), and
+    each of its sources is checked as ``data.source`` would be."""
+    d = c.r.data
+    default = type(d)()
+    if d.source != default.source:
+        c.add("data.source", d.source, "is given together with data.sources; keep one: data.source for one corpus, "
+                                       "data.sources for a mixture")
+    if d.fields:
+        c.add("data.fields", d.fields, "does not apply to data.sources; give each source its own "
+                                       "data.sources[i].fields")
+    if c.check_paths:
+        for i, entry in enumerate(d.sources or []):
+            _check_source(c, entry.source, f"data.sources.{i}.source", {str(k): v for k, v in entry.fields.items()})
+
+
+def _check_source(c: Checker, source: str | None = None, field: str = "data.source",
+                  fields: dict[str, str] | None = None) -> None:
+    """``data.source``: a built-in corpus, an existing directory, a glob, or a readable text or
+    table file whose columns hold the text (the schema of Parquet, Arrow and CSV files is read)."""
+    if source is None:
+        source = c.r.data.source
+        fields = {str(k): v for k, v in c.r.data.fields.items()}
     if source in CORPORA:
         return
-    path = Path(source).expanduser()
+    try:
+        listed = expand_source(source, SOURCE_SUFFIXES)
+        for f in listed or []:
+            if f.suffix.lower() in (".parquet", ".arrow", ".csv"):
+                check_columns(f, "text", fields or {})
+    except DataError as e:
+        c.add(field, source, " ".join(str(e).split()))
+        return
+    if listed is not None and len(listed) != 1:
+        return
+    path = listed[0] if listed else Path(source).expanduser()
     if not path.exists():
-        c.add("data.source", source, f"not a built-in corpus ({', '.join(CORPORA)}) and no such file or directory")
+        c.add(field, source, f"not a built-in corpus ({', '.join(CORPORA)}) and no such file, directory or glob")
     elif path.is_file():
         kinds = " or ".join(SOURCE_SUFFIXES)
         if path.suffix.lower() not in SOURCE_SUFFIXES:
             what = f"a {path.suffix!r} file" if path.suffix else "a file without a suffix"
-            c.add("data.source", source, f"is {what}; a source file must be {kinds} (plain text, or a 'text' field "
-                                         f"per JSON line): convert it, or give a directory of such files")
-        elif (why := _text_sniff(path)) is not None:
-            c.add("data.source", source, f"{why}; a {path.suffix} source must be UTF-8 text")
+            c.add(field, source, f"is {what}; a source file must be {kinds} (plain text, a 'text' field per JSON "
+                                 f"row, or a text column): convert it, or give a directory of such files")
+        elif path.suffix.lower() in (".txt", ".jsonl", ".json") and (why := _text_sniff(path)) is not None:
+            c.add(field, source, f"{why}; a {path.suffix} source must be UTF-8 text")
 
 
 def _check_tokenizer_file(c: Checker) -> int | None:
