@@ -33,7 +33,8 @@ def tokenizer(tmp_path_factory):
     """One BPE for every format, so equal texts give equal tokens."""
     root = tmp_path_factory.mktemp("tok")
     (root / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return prepare_dataset(root / "a.jsonl", vocab_size=300, progress=False, cache_dir=root / "cache") / "tokenizer.json"
+    prepared = prepare_dataset(root / "a.jsonl", vocab_size=300, progress=False, cache_dir=root / "cache")
+    return prepared / "tokenizer.json"
 
 
 def _prepare(source, tokenizer, tmp_path, **kw):

@@ -33,7 +33,8 @@ from plait.models.hf_io import save_hf_checkpoint
 #: a recipe where each condition fails, and one where it holds (on top of the schema's defaults)
 FAILS = {"rows": [], "sft": [], "lora": [], "bpe": ["data.tokenizer=TOKENIZER"], "pipeline": [],
          "context_parallel": [], "tensor_parallel": [], "zero3": [], "sharded": [],
-         "final_model": ["checkpoint.save_final=false"], "sample": ["train.sample_tokens=0"]}
+         "final_model": ["checkpoint.save_final=false"], "sample": ["train.sample_tokens=0"],
+         "text": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"]}
 HOLDS = {"rows": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
          "sft": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
          "lora": ["lora.rank=4"], "bpe": [], "pipeline": ["parallel.pp=2", "parallel.tp=1",
@@ -41,7 +42,7 @@ HOLDS = {"rows": ["data.format=sft", "train.objective=sft", "data.source=ROWS", 
                                                           "parallel.microbatches=2"],
          "context_parallel": ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false"],
          "tensor_parallel": ["parallel.tp=2"], "final_model": [], "sample": [], "zero3": ["parallel.zero=3"],
-         "sharded": ["parallel.zero=1"]}
+         "sharded": ["parallel.zero=1"], "text": []}
 
 
 def _tagged_fields() -> list[tuple[str, str, str]]:
@@ -69,7 +70,7 @@ def _other_value(section_name: str, name: str) -> str:
     if isinstance(default, bool):
         return str(not default).lower()
     if isinstance(default, int):
-        return str(default + 300)
+        return str(default + (3 if name == "num_workers" else 300))
     if isinstance(default, float):
         return str(0.25 if default == 0 else default / 2 if default < 1 else default + 1.0)
     if isinstance(default, list):
@@ -78,6 +79,8 @@ def _other_value(section_name: str, name: str) -> str:
         return "DIRECTORY/other" if "{" in default else "other prompt"
     if default is None and name == "pipeline_cuts":
         return "[model.layers.2]"
+    if default is None and name == "sources":
+        return "[{source: shakespeare, weight: 1}, {source: bible, weight: 1}]"
     raise AssertionError(f"no other value for {section_name}.{name} (default {default!r})")
 
 

@@ -73,7 +73,8 @@ def _mixture_items(cache, out):
 
 def test_mixture_trains_the_same_under_dp_and_after_a_resume(tmp_path):
     cache = tmp_path / "cache"
-    base = _mixture_items(cache, tmp_path / "a") + ["train.steps=4", "data.global_batch_size=8", "data.micro_batch_size=8"]
+    base = _mixture_items(cache, tmp_path / "a") + ["train.steps=4", "data.global_batch_size=8",
+                                                    "data.micro_batch_size=8"]
     prepared = str(prepare_data(load_recipe(DEFAULT_RECIPE, base)))
     mixture = MixtureDataset(prepared, "train", 32)
     assert mixture.names == ["shakespeare", "kjv"] and mixture.weights == [0.75, 0.25]
