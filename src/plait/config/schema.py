@@ -329,12 +329,13 @@ class DataSection(Section):
     cache_dir: str | None = Field(default=None, description="Where prepared data is cached; null "
                                                             "= $PLAIT_CACHE or ~/.cache/plait")
     format: Literal["text", "sft", "preference", "prompts"] = Field(
-        default="text", description="'text': plain documents, every token a target; 'sft': a .jsonl of "
+        default="text", description="'text': plain documents, every token a target; 'sft': rows (a .jsonl, "
+                                    ".json, .parquet, .csv or .arrow file, a save_to_disk directory or a glob) of "
                                     "conversations ('messages') or prompt/completion rows, rendered with the "
                                     "tokenizer's chat template, loss on the assistant tokens only; "
-                                    "'preference': a .jsonl of prompt/chosen/rejected rows, each pair kept "
-                                    "in one row (train.objective dpo, ipo, orpo or simpo); 'prompts': a .jsonl "
-                                    "of prompt rows with an answer, completed by the policy and scored by a "
+                                    "'preference': prompt/chosen/rejected rows, each pair kept "
+                                    "in one row (train.objective dpo, ipo, orpo or simpo); 'prompts': "
+                                    "prompt rows with an answer, completed by the policy and scored by a "
                                     "reward (train.objective grpo, see the grpo section)")
     packing: Bool = Field(default=True, description="sft: pack several samples into each row (attention and "
                                                     "positions stay within a sample); false = one sample per row",
