@@ -6,8 +6,8 @@ tokenizer (a 8192-token byte-level BPE trained once on the corpora), at equal wo
 plait with ``workers=W`` (spawned processes, batches written in order), datasets with
 ``load_dataset("parquet") + map(batched=True, num_proc=W)`` writing its Arrow cache. Each run is
 a fresh subprocess; the runs alternate and repeat; the table prints the median seconds, MB/s of
-text, the peak RSS of the main process and the ratio (datasets time / plait time: > 1 means
-plait is faster).
+text, the peak RSS of the main process (VmHWM; worker processes not included) and the ratio
+(datasets time / plait time: > 1 means plait is faster).
 
     python bench/bench_prepare.py               # ~200 MB, workers 1 and 2, 2 repeats
     python bench/bench_prepare.py --mb 20 --repeats 1
@@ -26,17 +26,20 @@ import tempfile
 import time
 from pathlib import Path
 
+#: the child's own peak RSS: VmHWM starts anew at exec (ru_maxrss would keep the forking parent's)
+PEAK = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
+
 PLAIT_SIDE = """
-import sys, time, resource
+import sys, time
 from plait.data.prepare import prepare_dataset
 t = time.perf_counter()
 prepare_dataset(sys.argv[1], tokenizer=sys.argv[2], out_dir=sys.argv[3], progress=False, workers=int(sys.argv[4]),
                 cache_dir=sys.argv[5])
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
+print(time.perf_counter() - t, PEAK)
+""".replace("PEAK", PEAK)
 
 DATASETS_SIDE = """
-import sys, time, resource
+import sys, time
 import datasets
 from tokenizers import Tokenizer
 datasets.disable_progress_bars()
@@ -50,8 +53,8 @@ def encode(batch):
 out = ds.map(encode, batched=True, batch_size=256, num_proc=int(sys.argv[4]) if int(sys.argv[4]) > 1 else None,
              remove_columns=["text"])
 assert len(out) == len(ds)
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
+print(time.perf_counter() - t, PEAK)
+""".replace("PEAK", PEAK)
 
 
 def _corpus(root: Path, megabytes: float) -> tuple[Path, Path]:
