@@ -244,7 +244,9 @@ def _batches(path: Path, columns: list[str] | None) -> Iterator[pa.RecordBatch]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
-            yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+            # no pre-buffering: pyarrow would otherwise read every row group's column chunks ahead
+            reader = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
+            yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=columns)
         elif suffix == ".arrow":
             for batch in _arrow_reader(path):
                 yield batch.select(columns) if columns is not None else batch
