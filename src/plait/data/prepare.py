@@ -414,6 +414,12 @@ def prepare_dataset_ex(source: str | Path, *, tokenizer: str = "bpe", vocab_size
         raise ValueError(f"workers={workers!r} must be a positive integer (processes that tokenise)")
     prepared = prepared_source(source)
     if prepared is not None:
+        if fields:
+            raise DataSourceError(f"data.fields {dict(fields)} does not apply to {prepared}, a prepared dataset "
+                                  f"(its text is already tokenised); remove data.fields")
+        if limit is not None:
+            raise DataSourceError(f"limit={limit} does not apply to {prepared}, a prepared dataset (its split is "
+                                  f"already made); remove the limit")
         return _use_prepared(prepared, tokenizer, out_dir), True
     src = resolve_source(source, fields)
     tok_spec_arg = str(tokenizer)
