@@ -302,3 +302,23 @@ def text_column_values(path: Path, fields: Mapping[str, str]) -> Iterator[tuple[
         for value in batch.column(0).to_pylist():
             row += 1
             yield f"{path}:row {row}", value
+
+
+def check_row_source(spec: str | os.PathLike, data_format: str, fields: Mapping[str, str],
+                     what: str = "data.source") -> None:
+    """Before launch: the files of a row source exist, tables hold the columns ``data_format``
+    reads, and the first row of each JSON file parses and holds them (its other rows are checked
+    when the rows are prepared); a problem is a :class:`DataError`."""
+    for path in row_source_files(spec, what):
+        if check_columns(path, data_format, fields) is not None:
+            continue
+        for where, value in read_records(path, data_format, fields):
+            if isinstance(value, RowError):
+                raise value
+            keys = sorted(value) if isinstance(value, dict) else []
+            if not any(all(f in keys for f in option) for option in NEEDED[data_format]):
+                found = f"keys {keys[:8]}" if isinstance(value, dict) else f"a JSON {type(value).__name__}"
+                needed = " or ".join("+".join(o) for o in NEEDED[data_format])
+                raise DataFileError(f"{where}: the first row holds {found}; data.format {data_format!r} reads "
+                                    f"{needed} (map other names with data.fields)")
+            break

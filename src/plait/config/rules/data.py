@@ -9,7 +9,7 @@ from pathlib import Path
 from plait.config.rules.checker import Checker
 from plait.config.schema import PREFERENCE_OBJECTIVES
 from plait.data.corpora import CORPORA
-from plait.data.dataset_files import check_columns, expand_source, row_source_files
+from plait.data.dataset_files import check_columns, check_row_source, expand_source
 from plait.data.errors import DataError
 from plait.data.prepare import SOURCE_SUFFIXES, prepared_source
 from plait.data.prompt_prepare import prepared_directory
@@ -44,9 +44,8 @@ def check_fine_tuning(c: Checker) -> None:
                                        f"template renders the rows), e.g. '<model.hf_path>/tokenizer.json'")
     if (check_paths and c.ok("data.source") and d.sources is None  # a mixture of rows is refused by its own rule
             and prepared_directory(d.format, d.source) is None):
-        try:  # the files exist and hold the columns the format reads (JSON is checked row by row later)
-            for f in row_source_files(d.source):
-                check_columns(f, d.format, {str(k): v for k, v in d.fields.items()})
+        try:  # the files exist and hold the columns the format reads (JSON: its first row)
+            check_row_source(d.source, d.format, {str(k): v for k, v in d.fields.items()})
         except DataError as e:
             c.add("data.source", d.source, f"data.format {d.format!r}: {' '.join(str(e).split())}")
 

@@ -8,11 +8,11 @@ the other formats: :func:`plait.config.rules.data.check_fine_tuning`.)
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from plait.config.problems import divisors
 from plait.config.rules.checker import Checker
 from plait.config.schema import DataSection, TrainSection
+from plait.data.dataset_files import check_row_source
+from plait.data.errors import DataError
 from plait.post_training.rewards import load_reward
 
 
@@ -140,9 +140,9 @@ def _check_eval_source(c: Checker) -> None:
                                                    "one of them")
     if not c.check_paths:
         return
-    path = Path(g.eval_source).expanduser()
-    if not (path.is_file() and path.suffix.lower() == ".jsonl"):
-        what = "no such file" if not path.exists() else "not a .jsonl file"
-        c.add("grpo.eval_source", g.eval_source, f"{what}; give a .jsonl file of held-out prompt rows (e.g. "
+    try:
+        check_row_source(g.eval_source, "prompts", {str(k): v for k, v in d.fields.items()}, "grpo.eval_source")
+    except DataError as e:
+        c.add("grpo.eval_source", g.eval_source, f"{' '.join(str(e).split())}; give held-out prompt rows (e.g. "
                                                  f"prompts_heldout.jsonl from `plait data task`), or null to hold "
                                                  f"out data.val_fraction of data.source")
