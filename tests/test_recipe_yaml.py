@@ -23,6 +23,8 @@ def _literals(annotation: Any) -> list[Any]:
     """Every ``Literal`` value inside a field annotation (through ``Optional``/``Annotated``)."""
     if typing.get_origin(annotation) is Literal:
         return list(typing.get_args(annotation))
+    if typing.get_origin(annotation) is dict:  # the keys of a mapping (data.fields) are not values of the field
+        return []
     return [v for arg in typing.get_args(annotation) for v in _literals(arg)]
 
 

@@ -91,9 +91,9 @@ def test_format_objective_and_tokenizer_are_checked_before_launch(task, items, f
     assert field in err.value.fields, str(err.value)
 
 
-def test_sft_source_must_be_a_jsonl_file(task):
+def test_sft_source_must_be_a_row_file_not_a_directory(task):
     root, _ = task
-    with pytest.raises(RecipeError, match="reads one .jsonl file"):
+    with pytest.raises(RecipeError, match="is a directory; name its row files with a glob"):
         check_recipe(None, ["data.format=sft", "train.objective=sft", f"data.source={root}",
                             f"data.tokenizer={root / 'tokenizer.json'}"])
 

@@ -143,14 +143,14 @@ def test_a_tokenizer_without_end_of_text_is_refused(tmp_path):
     assert "end-of-text" in message(problems([f"data.tokenizer={path}"]), "data.tokenizer")
 
 
-@pytest.mark.parametrize("name,content", [("corpus.csv", b"text\nhello\n"), ("corpus.parquet", b"PAR1\x00\x00"),
+@pytest.mark.parametrize("name,content", [("corpus.parquet", b"PAR1\x00\x00"), ("corpus.yaml", b"a: 1"),
                                           ("corpus", b"hello"), ("corpus.txt", b"\x00\x01\x02binary"),
                                           ("corpus.jsonl", b"\xff\xfe{\x00")])
 def test_a_source_file_of_an_unsupported_type_is_refused(tmp_path, name, content):
     path = tmp_path / name
     path.write_bytes(content)
     text = message(problems([f"data.source={path}"]), "data.source")
-    assert ".txt" in text or "UTF-8 text" in text
+    assert ".txt" in text or "UTF-8 text" in text or "cannot be read as parquet" in text
 
 
 def test_model_vocab_size_smaller_than_the_tokenizer_file_is_refused(tmp_path):

@@ -99,18 +99,17 @@ def expand_source(spec: str, suffixes: Sequence[str] = TABLE_SUFFIXES) -> list[P
 
 
 def row_source_files(spec: str | os.PathLike, what: str = "data.source") -> list[Path]:
-    """The files of a row source: a table or JSON file, a ``save_to_disk`` directory, a glob, or a
-    directory (every table and JSON file below it, in path order)."""
+    """The files of a row source: a table or JSON file, a ``save_to_disk`` directory or a glob (a
+    plain directory is refused: it may hold rows of several kinds)."""
     files = expand_source(str(spec))
     if files is not None:
         return files
     path = Path(spec).expanduser()
-    if path.is_dir():
-        found = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TABLE_SUFFIXES),
-                       key=lambda p: p.relative_to(path).as_posix())
-        if found:
-            return found
-        raise DataFileError(f"{what} {str(spec)!r}: the directory holds no {', '.join(TABLE_SUFFIXES)} files")
+    if path.is_dir():  # a directory may hold rows of several kinds (train, held out, preference): name them
+        kinds = sorted({p.suffix.lower() for p in path.rglob("*") if p.suffix.lower() in TABLE_SUFFIXES})
+        example = f"{path}/*{kinds[0]}" if kinds else f"{path}/*.jsonl"
+        raise DataFileError(f"{what} {str(spec)!r} is a directory; name its row files with a glob (e.g. "
+                            f"{example}) or give one file")
     if path.is_file():
         raise DataFileError(f"{what} {str(spec)!r}: suffix {path.suffix!r} is not a row file; give a "
                             f"{', '.join(TABLE_SUFFIXES)} file, a save_to_disk directory or a glob")
