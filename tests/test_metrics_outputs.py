@@ -160,22 +160,40 @@ def test_jsonl_sink_writes_flushed_lines(tmp_path):
     assert len(path.read_text().splitlines()) == 3
 
 
-def test_tensorboard_sink_writes_readable_scalars(tmp_path):
+def test_tensorboard_sink_writes_readable_scalars_under_grouped_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from plait.train.loggers import TensorBoardSink
 
     sink = TensorBoardSink(tmp_path / "tb")
     for step, loss in [(1, 3.0), (2, 2.5), (3, 2.0)]:
-        sink.log(step, {"loss": loss, "lr": 0.1 * step, "note": "text is skipped"})
+        sink.log(step, {"loss": loss, "lr": 0.1 * step, "note": "text is skipped", "tokens_per_s": 100.0 * step})
+    sink.log(3, {"val_loss": 2.25, "val_loss/kjv": 2.5, "mfu": torch.tensor(0.25)})
     sink.close()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert set(acc.Tags()["scalars"]) == {"loss", "lr"}
-    events = acc.Scalars("loss")
+    assert set(acc.Tags()["scalars"]) == {"train/loss", "train/lr", "perf/tokens_per_s", "perf/mfu", "val/loss",
+                                          "val/loss/kjv"}
+    events = acc.Scalars("train/loss")
     assert [e.step for e in events] == [1, 2, 3]
     assert [e.value for e in events] == pytest.approx([3.0, 2.5, 2.0])
-    assert [e.value for e in acc.Scalars("lr")] == pytest.approx([0.1, 0.2, 0.3])
+    assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([0.1, 0.2, 0.3])
+    assert [(e.step, e.value) for e in acc.Scalars("val/loss/kjv")] == [(3, 2.5)]
+    assert acc.Scalars("perf/mfu")[0].value == pytest.approx(0.25)
+
+
+def test_grouped_metric_names():
+    from plait.train.metric_names import grouped_name, grouped_scalars
+
+    assert [grouped_name(k) for k in ("loss", "lr", "grad_norm", "rewards/accuracy", "skipped_steps")] == [
+        "train/loss", "train/lr", "train/grad_norm", "train/rewards/accuracy", "train/skipped_steps"]
+    assert [grouped_name(k) for k in ("val_loss", "val_perplexity", "val_loss/web", "val_rewards/margin",
+                                      "val_exact_match")] == [
+        "val/loss", "val/perplexity", "val/loss/web", "val/rewards/margin", "val/exact_match"]
+    assert [grouped_name(k) for k in ("tokens_per_s", "mfu", "peak_memory_gb", "data_wait_share", "compile_s")] == [
+        "perf/tokens_per_s", "perf/mfu", "perf/peak_memory_gb", "perf/data_wait_share", "perf/compile_s"]
+    assert grouped_scalars({"step": 3, "loss": torch.tensor(1.5), "flag": True, "note": "x", "lr": 1}) == {
+        "train/loss": 1.5, "train/lr": 1.0}
 
 
 def test_progress_sink_and_multisink(tmp_path):

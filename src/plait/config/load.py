@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError as RuamelYAMLError
 from ruamel.yaml.error import YAMLWarning
@@ -35,7 +36,7 @@ from ruamel.yaml.tag import Tag
 
 from plait.config.parse import parse_recipe_partial
 from plait.config.problems import Problem, RecipeError, Verbatim, suggest
-from plait.config.schema import SECTIONS, Recipe
+from plait.config.schema import SECTIONS, Recipe, nested_settings
 
 # ---------------------------------------------------------------------- YAML 1.2 core schema
 _TAG = "tag:yaml.org,2002:"
@@ -367,10 +368,15 @@ _RecipeDumper.add_implicit_resolver(_TAG + "float", _CORE["float"], list("-+0123
 
 # ---------------------------------------------------------------------- overrides
 def _field_type(parts: list[str]) -> tuple[bool, bool]:
-    """``(is_str, nullable)`` for the schema field at ``section.field`` (False, False if unknown)."""
-    if len(parts) != 2 or parts[0] not in SECTIONS:
+    """``(is_str, nullable)`` for the schema field at ``section.field`` or at a field of a settings
+    model below one (``logging.wandb.name``); ``(False, False)`` if unknown."""
+    if len(parts) < 2 or parts[0] not in SECTIONS:
         return False, False
-    info = SECTIONS[parts[0]].model_fields.get(parts[1])
+    model: type[BaseModel] | None = SECTIONS[parts[0]]
+    for part in parts[1:-1]:
+        outer = model.model_fields.get(part) if model is not None else None
+        model = nested_settings(outer.annotation) if outer is not None else None
+    info = model.model_fields.get(parts[-1]) if model is not None else None
     if info is None:
         return False, False
     annotation = info.annotation

@@ -27,6 +27,7 @@ from plait.models.errors import ModelConfigError
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
 from plait.moe.section import MoeSection
 from plait.precision import KNOBS
+from plait.tracking.settings import MlflowSettings, WandbSettings
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -522,6 +523,11 @@ class LoggingSection(Section):
     tensorboard: Bool = Field(default=True, description="Write TensorBoard event files")
     progress_bar: Bool = Field(default=True, description="Show a progress bar on the terminal")
     plot: Bool = Field(default=True, description="Plot the loss curves to loss.png at the end")
+    wandb: WandbSettings | None = Field(default=None, description="Log to Weights & Biases (the fields below; "
+                                                                  "e.g. {project: my-project, mode: offline}); "
+                                                                  "null = off")
+    mlflow: MlflowSettings | None = Field(default=None, description="Log to MLflow (the fields below; e.g. "
+                                                                    "{tracking_uri: http://host:5000}); null = off")
 
 
 class LaunchSection(Section):
@@ -573,7 +579,7 @@ def _type_name(annotation: Any) -> str:
     if args and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         return " \\| ".join(_type_name(a) for a in rest) + " \\| null"
-    if origin is dict:
+    if origin is dict or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
         return "mapping"
     return getattr(annotation, "__name__", str(annotation))
 
@@ -597,6 +603,14 @@ def _default_text(value: Any) -> str:
     return f"`{value}`"
 
 
+def nested_settings(annotation: Any) -> type[BaseModel] | None:
+    """The settings model of a field that holds one (``logging.wandb``: ``WandbSettings | None``), else None."""
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
 def reference_markdown() -> str:
     """The field reference of every section as Markdown tables (the source of docs/recipes.md)."""
     out = []
@@ -611,5 +625,11 @@ def reference_markdown() -> str:
             condition = field_condition(cls, field_name)
             applies = f" *Takes effect only when {CONDITIONS[condition][0]}.*" if condition else ""
             out.append(f"| `{name}.{field_name}` | {kind} | {_default_text(default)} | {f.description}{applies} |")
+            nested = nested_settings(f.annotation)
+            for sub_name, sub in (nested.model_fields.items() if nested else ()):
+                sub_bounds = _bounds(sub)
+                sub_kind = _type_name(sub.annotation) + (f" ({sub_bounds})" if sub_bounds else "")
+                sub_default = _default_text(sub.get_default(call_default_factory=True))
+                out.append(f"| `{name}.{field_name}.{sub_name}` | {sub_kind} | {sub_default} | {sub.description} |")
         out.append("")
     return "\n".join(out)

@@ -34,7 +34,7 @@ Kind = Literal["run", "checkpoints", "hf-model"]
 
 #: what a run writes into its output directory (a directory holding only these is a run directory)
 RUN_ENTRIES = frozenset({"recipe.yaml", "metrics.jsonl", "tensorboard", "loss.png", "summary.txt", "sample.txt",
-                         "tokenizer.json", "final", "checkpoints"})
+                         "tokenizer.json", "final", "checkpoints", "wandb", "mlruns"})
 _KIND_TEXT = {"run": "a plait run directory", "checkpoints": "a plait checkpoint directory",
               "hf-model": "a Hugging Face model directory written by plait"}
 

@@ -78,6 +78,7 @@ from plait.plan.pipeline_split import partition_for
 from plait.post_training.grpo_head import GRPOHead
 from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy, policy_for
+from plait.tracking.sinks import tracker_sinks
 from plait.train.agreement import RankAgreement, StopSignals
 from plait.train.checkpointing import RunCheckpoints, restore
 from plait.train.compile import compile_stages, use_compile_cache
@@ -294,9 +295,11 @@ def measure_peak_once(recipe: Recipe, rank: int, world: int, device: torch.devic
     return float(value[0])
 
 
-def metric_sinks(recipe: Recipe, out: Path, start_step: int) -> MultiSink:
+def metric_sinks(resolved: ResolvedRecipe, out: Path, start_step: int) -> MultiSink:
     """The writing rank's sinks. A resumed run continues the run's ``metrics.jsonl`` from its start
-    step (records past it, from steps trained again now, are dropped); a fresh run starts it anew."""
+    step (records past it, from steps trained again now, are dropped); a fresh run starts it anew.
+    The trackers (W&B, MLflow) come after the local files, so those are written first."""
+    recipe = resolved.recipe
     lg = recipe.logging
     out.mkdir(parents=True, exist_ok=True)
     sinks: list[MetricsSink] = []
@@ -308,6 +311,7 @@ def metric_sinks(recipe: Recipe, out: Path, start_step: int) -> MultiSink:
         sinks.append(JsonlSink(metrics, append=resumed))
     if lg.tensorboard:
         sinks.append(TensorBoardSink(out / "tensorboard"))
+    sinks += tracker_sinks(resolved, start_step)
     sinks.append(ProgressSink(recipe.train.steps, enabled=lg.progress_bar, initial=start_step))
     return MultiSink(sinks)
 
@@ -403,6 +407,6 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     peak = measure_peak_once(r, rank, world, device)  # before the sinks start their threads
     return Run(state=state, loader=loader, checkpoints=checkpoints, export=final_export_for(state, checkpoints),
                watchdog=watchdog, signals=StopSignals(agreement), metrics=RunningMetrics(device),
-               sinks=metric_sinks(r, out, state.start_step) if rank == 0 else None,
+               sinks=metric_sinks(resolved, out, state.start_step) if rank == 0 else None,
                host_syncs=HostSyncDetector(device, steps=3 if t.detect_host_syncs else 0),
                peak_flops=peak, flops_per_token=fpt, out=out)

@@ -24,6 +24,8 @@ from typing import Any, TextIO
 import torch
 from tqdm.auto import tqdm
 
+from plait.train.metric_names import grouped_scalars
+
 
 def _number(value: Any) -> Any:
     """A plain Python number from a tensor / numpy scalar / number (other values pass through)."""
@@ -105,7 +107,8 @@ def keep_metrics_through(path: str | os.PathLike, step: int) -> int:
 
 
 class TensorBoardSink(MetricsSink):
-    """Each numeric metric becomes a TensorBoard scalar with the metric's name as its tag."""
+    """Each numeric metric becomes a TensorBoard scalar tagged with its grouped name (``train/loss``,
+    ``val/loss``, ``perf/tokens_per_s``: :mod:`plait.train.metric_names`), as in W&B and MLflow."""
 
     def __init__(self, logdir: str | os.PathLike, *, flush_secs: int = 30) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and optional for users
@@ -115,10 +118,8 @@ class TensorBoardSink(MetricsSink):
         self._closed = False
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            value = _number(value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(name, float(value), global_step=int(step))
+        for name, value in grouped_scalars(metrics).items():
+            self._writer.add_scalar(name, value, global_step=int(step))
 
     def flush(self) -> None:
         if not self._closed:
