@@ -183,7 +183,7 @@ def test_tensorboard_sink_writes_readable_scalars_under_grouped_tags(tmp_path):
 
 
 def test_grouped_metric_names():
-    from plait.train.metric_names import grouped_name, grouped_scalars
+    from plait.tracking.metric_names import grouped_name, grouped_scalars
 
     assert [grouped_name(k) for k in ("loss", "lr", "grad_norm", "rewards/accuracy", "skipped_steps")] == [
         "train/loss", "train/lr", "train/grad_norm", "train/rewards/accuracy", "train/skipped_steps"]

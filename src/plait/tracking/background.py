@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, TextIO, cast
 
-from plait.train.loggers import MetricsSink
-from plait.train.metric_names import grouped_scalars
+from plait.tracking.metric_names import grouped_scalars
+from plait.tracking.sink import MetricsSink
 
 
 class TrackerClient(Protocol):

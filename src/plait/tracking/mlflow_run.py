@@ -3,7 +3,7 @@
 Talks to the tracking store through an explicit :class:`mlflow.MlflowClient` (no fluent, global
 active run). The resolved recipe becomes the run's parameters (``section.field``, as MLflow
 params are flat) and its ``recipe.yaml`` artifact; the trainer's records are logged under the
-grouped names (:mod:`plait.train.metric_names`) at the optimizer step. A resumed plait run
+grouped names (:mod:`plait.tracking.metric_names`) at the optimizer step. A resumed plait run
 continues the same MLflow run (its id is kept in the run directory) and does not log the
 parameters again (MLflow refuses to change one; the resumed layout's recipe is logged as
 ``recipe-step-<S>.yaml``).

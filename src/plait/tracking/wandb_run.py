@@ -1,7 +1,7 @@
 """Weights & Biases as a metrics destination (``logging.wandb``).
 
 The run is opened with the resolved recipe as its config and logs the trainer's records under
-the grouped names (:mod:`plait.train.metric_names`) at the optimizer step. W&B's own console
+the grouped names (:mod:`plait.tracking.metric_names`) at the optimizer step. W&B's own console
 capture is off (plait writes its logs itself, and wrapping the terminal of a multi-process launch
 garbles it); plait prints one line saying where the run went instead. A resumed plait run
 continues the same W&B run (its id is kept in the run directory).

@@ -78,7 +78,6 @@ from plait.plan.pipeline_split import partition_for
 from plait.post_training.grpo_head import GRPOHead
 from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy, policy_for
-from plait.tracking.sinks import tracker_sinks
 from plait.train.agreement import RankAgreement, StopSignals
 from plait.train.checkpointing import RunCheckpoints, restore
 from plait.train.compile import compile_stages, use_compile_cache
@@ -96,6 +95,7 @@ from plait.train.reference_precompute import attach_precomputed_reference
 from plait.train.run import Run
 from plait.train.run_state import Dataset, RunState
 from plait.train.running_metrics import RunningMetrics
+from plait.train.trackers import tracker_sinks
 from plait.train.watchdog import Watchdog
 
 

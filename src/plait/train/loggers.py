@@ -24,7 +24,8 @@ from typing import Any, TextIO
 import torch
 from tqdm.auto import tqdm
 
-from plait.train.metric_names import grouped_scalars
+from plait.tracking.metric_names import grouped_scalars
+from plait.tracking.sink import MetricsSink
 
 
 def _number(value: Any) -> Any:
@@ -32,25 +33,6 @@ def _number(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
     return value
-
-
-class MetricsSink:
-    """Interface of a metrics destination."""
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        raise NotImplementedError
-
-    def flush(self) -> None:
-        """Make everything logged so far visible to readers."""
-
-    def close(self) -> None:
-        """Flush and release the destination; ``log`` must not be called afterwards."""
-
-    def __enter__(self) -> MetricsSink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class JsonlSink(MetricsSink):
@@ -108,7 +90,7 @@ def keep_metrics_through(path: str | os.PathLike, step: int) -> int:
 
 class TensorBoardSink(MetricsSink):
     """Each numeric metric becomes a TensorBoard scalar tagged with its grouped name (``train/loss``,
-    ``val/loss``, ``perf/tokens_per_s``: :mod:`plait.train.metric_names`), as in W&B and MLflow."""
+    ``val/loss``, ``perf/tokens_per_s``: :mod:`plait.tracking.metric_names`), as in W&B and MLflow."""
 
     def __init__(self, logdir: str | os.PathLike, *, flush_secs: int = 30) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and optional for users
