@@ -273,3 +273,11 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_tracker_settings_mistakes_name_the_field_and_the_fix():
+    assert "did you mean 'project'?" in _problems(["logging.wandb.projct=p"])
+    text = _problems(["logging.wandb=offline"])
+    assert "logging.wandb: 'offline'" in text and "fields: project, entity, name, tags, mode, dir" in text
+    assert "must be a list" in _problems(["logging.wandb.tags=x"])
+    assert "must be one of 'online', 'offline' or 'disabled'" in _problems(["logging.wandb.mode=offlin"])

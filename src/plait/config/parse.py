@@ -10,17 +10,25 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from plait.config.problems import Problem, suggest
-from plait.config.schema import SECTIONS, Recipe
+from plait.config.schema import SECTIONS, Recipe, nested_settings
 
 
 def _field_default(section: str, name: str) -> tuple[bool, Any]:
     cls = SECTIONS.get(section)
     info = cls.model_fields.get(name) if cls is not None else None
     return (info is not None, None if info is None else info.default)
+
+
+def _nested_model(loc: list[str]) -> type[BaseModel] | None:
+    """The settings model held by the field at ``section.field`` (``logging.wandb``), else ``None``."""
+    if len(loc) != 2 or loc[0] not in SECTIONS:
+        return None
+    info = SECTIONS[loc[0]].model_fields.get(loc[1])
+    return nested_settings(info.annotation) if info is not None else None
 
 
 def _type_text(err: ErrorDetails) -> str:
@@ -33,7 +41,7 @@ def _type_text(err: ErrorDetails) -> str:
         "bool_parsing": "must be true or false (write true or false; yes/no/on/off are text)",
         "string_type": "must be a string", "string_too_short": "must not be empty",
         "dict_type": "must be a mapping", "model_type": "must be a mapping of fields",
-        "model_attributes_type": "must be a mapping of fields",
+        "model_attributes_type": "must be a mapping of fields", "list_type": "must be a list, e.g. [a, b]",
     }
     if kind in texts:
         return texts[kind]
@@ -69,7 +77,20 @@ def problems_from_validation_error(error: ValidationError) -> tuple[list[Problem
             if guess:
                 broken.add(f"{loc[0]}.{guess}")
             continue
+        nested = _nested_model(loc[:-1]) if err["type"] == "extra_forbidden" and len(loc) == 3 else None
+        if nested is not None:
+            names = list(nested.model_fields)
+            guess = suggest(loc[2], names)
+            hint = f"did you mean '{guess}'? " if guess else ""
+            problems.append(Problem(path, value, f"unknown field of {'.'.join(loc[:2])}; {hint}valid: "
+                                                 f"{', '.join(names)}"))
+            broken.add(".".join(loc[:2]))
+            continue
         text = _type_text(err)
+        settings = _nested_model(loc) if err["type"] in ("model_type", "model_attributes_type") else None
+        if settings is not None:
+            first = next(iter(settings.model_fields))
+            text += f" (fields: {', '.join(settings.model_fields)}; e.g. {path}.{first}=...)"
         if len(loc) == 2:
             known, default = _field_default(*loc)
             if known and default is None and err["type"] != "literal_error":
