@@ -91,7 +91,7 @@ def unreachable_problem(url: str) -> str | None:
             return None
     except OSError as e:
         reason = e.strerror or type(e).__name__
-        return f"nothing answers at {host}:{port} ({reason}); start the server or fix the address"
+        return f"nothing answers at {host}:{port} ({reason})"
 
 
 __all__ = ["CONNECT_TIMEOUT_S", "file_store_path", "is_file_store", "scheme_of", "tracking_uri_for",

@@ -88,7 +88,8 @@ def _check_wandb(c: Checker, w: WandbSettings) -> None:
         return
     problem = unreachable_problem(base)
     if problem:
-        c.add("logging.wandb.mode", shown, f"the W&B server {base}: {problem}; {offline}")
+        c.add("logging.wandb.mode", shown, f"the W&B server {base}: {problem}; check the network (or "
+                                           f"$WANDB_BASE_URL), {offline}")
 
 
 def _check_mlflow(c: Checker, m: MlflowSettings) -> None:
@@ -123,7 +124,7 @@ def _check_mlflow(c: Checker, m: MlflowSettings) -> None:
     elif scheme in ("http", "https"):
         problem = unreachable_problem(uri)
         if problem:
-            c.add(field, uri, problem)
+            c.add(field, uri, f"{problem}; start the server or fix the address")
     elif scheme != "databricks" and not installed("sqlalchemy"):
         c.add(field, uri, "a database store needs SQLAlchemy (pip install mlflow, the full package); or use a "
                           "file:///path store or an http(s):// server")
