@@ -5,7 +5,8 @@ building a model; if a family's plan split a projection differently (other head 
 replication, vocabulary rows, MLP split), its estimates would silently drift from what it trains.
 Each family's tiny model is built on the meta device, its real ``parallelize`` applied for one TP
 rank (rank arithmetic only: no process group), and every local width the planner uses is read
-back from the parameters: q/k/v/o projections, the dense MLP, the embedding and the output head.
+back from the parameters: q/k/v/o projections (or one fused q/k/v projection, GPT-NeoX's), the
+dense MLP (gated or plain), the embedding and the output head.
 A family record whose shapes ignore the TP degree is caught (the negative control).
 """
 
@@ -32,7 +33,10 @@ FAMILY_FIELDS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     # layer 1 is dense: its MLP is the plan's split one
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[1]),
+    "gpt_neox": dict(partial_rotary_factor=0.5),
 }
+#: families without grouped-query attention: their configs take one K/V head per query head
+NO_GQA = {"gpt_neox"}
 #: name -> (tp, query heads, KV heads, head_dim)
 HEADS = {
     "tp1": (1, 4, 2, 16),
@@ -45,6 +49,7 @@ HEADS = {
 
 def _config(family: str, heads: str) -> DecoderConfig:
     _, nq, nkv, hd = HEADS[heads]
+    nkv = nq if family in NO_GQA else nkv
     return FAMILIES[family].config_cls(vocab_size=101, hidden_size=nq * hd, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
                                        max_position_embeddings=64, **FAMILY_FIELDS[family])
@@ -64,19 +69,29 @@ def _parallel_model(config: DecoderConfig, tp: int, rank: int) -> tuple[DecoderF
 def _mismatches(model: DecoderForCausalLM, config: DecoderConfig, sh: LocalShapes, tp: int) -> list[str]:
     """Every local width of ``sh`` that differs from the parameters ``model`` holds."""
     hd = config.head_dim
-    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    embed, head = model.decoder.embedding.weight, model.head.weight
     found: dict[str, set] = {"tp": {tp}, "hidden": {embed.shape[1], head.shape[1]},
                              "vocab": {embed.shape[0], head.shape[0]}, "q": set(), "kv": set(), "q_heads": set(),
                              "intermediate": set()}
-    for block in model.model.layers:
-        attn = block.self_attn
-        found["q"] |= {attn.q_proj.weight.shape[0], attn.o_proj.weight.shape[1]}
-        found["kv"] |= {attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]}
-        found["q_heads"].add(attn.q_proj.weight.shape[0] // hd)
+    for block in model.decoder.layers:
+        if hasattr(block, "self_attn"):
+            attn = block.self_attn
+            found["q"] |= {attn.q_proj.weight.shape[0], attn.o_proj.weight.shape[1]}
+            found["kv"] |= {attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]}
+            found["q_heads"].add(attn.q_proj.weight.shape[0] // hd)
+        else:  # one fused projection, [q, k, v] per head: a third of its rows each
+            attn = block.attention
+            fused = attn.query_key_value.weight.shape[0]
+            assert fused % 3 == 0, fused
+            found["q"] |= {fused // 3, attn.dense.weight.shape[1]}
+            found["kv"] |= {fused // 3}
+            found["q_heads"].add(fused // 3 // hd)
         mlp = getattr(block, "mlp", None)
         if hasattr(mlp, "gate_proj"):  # a dense MLP (Mixtral's blocks have none, Qwen3-MoE's sparse ones an MoE layer)
             found["intermediate"] |= {mlp.gate_proj.weight.shape[0], mlp.up_proj.weight.shape[0],
                                       mlp.down_proj.weight.shape[1]}
+        elif hasattr(mlp, "dense_h_to_4h"):  # a plain MLP
+            found["intermediate"] |= {mlp.dense_h_to_4h.weight.shape[0], mlp.dense_4h_to_h.weight.shape[1]}
     (q_heads,) = found["q_heads"] or {0}
     (vocab,) = found["vocab"] if len(found["vocab"]) == 1 else {-1}
     found["head_padding"] = {q_heads * tp != config.num_attention_heads}

@@ -1,7 +1,8 @@
 """``plait import-nxdt``: NxDT configs (tests/fixtures/nxdt) become plait recipes that validate.
 
-The three fixtures are NxDT-style configs written for these tests (Llama 3 8B pre-training, a
-Llama 2 SFT, a Mistral with its architecture in a config.json). Each test checks what the
+The four fixtures are NxDT-style configs written for these tests (Llama 3 8B pre-training, a
+Llama 2 SFT, a Mistral with its architecture in a config.json, NxDT's Megatron GPT in GPT-NeoX's
+shape). Each test checks what the
 import maps, what it reports as ignored or not mapped, and that plait's own validation accepts
 the written recipe for its world size. No training runs here.
 """
@@ -23,6 +24,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nxdt"
 LLAMA3 = FIXTURES / "llama3_8b_pretrain.yaml"
 SFT = FIXTURES / "llama2_7b_sft.yaml"
 MISTRAL = FIXTURES / "mistral_7b_pretrain.yaml"
+NEOX = FIXTURES / "megatron_gpt_neox.yaml"
 
 
 def _import(path: Path, **changes):
@@ -87,6 +89,15 @@ EXPECTED = {
         "train.activation_checkpointing": "off", "precision.preset": "manual", "precision.param_dtype": "bf16",
         "precision.master_weights": True, "precision.grad_dtype": "fp32", "precision.stochastic_rounding": False,
         "scheduler.min_lr_ratio": pytest.approx(0.1), "data.tokenizer": "/shared/models/mistral-7b/tokenizer.json",
+    }, {"model.optim.sched.constant_steps"}),
+    NEOX: (32, {
+        "model.family": "gpt_neox", "model.num_hidden_layers": 16, "model.hidden_size": 2048,
+        "model.intermediate_size": 8192, "model.num_attention_heads": 8, "model.num_key_value_heads": 8,
+        "model.vocab_size": 50304, "model.layer_norm_eps": 1e-5, "model.partial_rotary_factor": 0.25,
+        "model.use_parallel_residual": True, "model.hidden_act": "gelu", "model.attention_bias": True,
+        "model.tie_word_embeddings": False, "parallel.tp": 8, "parallel.dp": 4, "parallel.sequence_parallel": True,
+        "train.activation_checkpointing": "selective", "train.checkpoint_modules": ["attention.core"],
+        "precision.preset": "bf16-mixed",
     }, {"model.optim.sched.constant_steps"}),
 }
 
@@ -156,6 +167,50 @@ def test_written_recipe_validates(path: Path, tmp_path: Path, capsys) -> None:
     resolved = validate_recipe(load_recipe(out), world, check_paths=False)
     assert resolved.world_size == world
     assert main(["config", "validate", str(out), "--nproc", str(world), "--no-path-checks"]) == 0
+
+
+def test_megatron_gpt_is_gpt_neox_and_its_defaults_are_reported() -> None:
+    """NxDT's Megatron GPT with layer norms is plait's gpt_neox (no rms_norm_eps, whatever its name);
+    what gpt_neox cannot be (megatron_gpt_config.yaml's learned absolute positions and tied embeddings,
+    a post-norm block, a SwiGLU MLP) is reported, and the recipe written still validates."""
+    fields = _fields(_import(NEOX))
+    assert "model.rms_norm_eps" not in fields and fields["model.layer_norm_eps"] == 1e-5
+    result = _import(NEOX, **{"model.position_embedding_type": "learned_absolute",
+                              "model.share_embeddings_and_output_weights": True, "model.activation": "swiglu",
+                              "model.transformer_block_type": "post_ln", "model.has_bias": False,
+                              "model.use_scaled_init_method": True, "model.ffn_dropout": 0.1})
+    unmapped = _by_kind(result, "not mapped")
+    assert "rotary" in unmapped["model.position_embedding_type"]
+    assert "untied" in unmapped["model.share_embeddings_and_output_weights"]
+    assert "GeLU" in unmapped["model.activation"] and "gpt_j or pre_ln" in unmapped["model.transformer_block_type"]
+    assert "MLP biases" in unmapped["model.has_bias"] and "1/sqrt" in unmapped["model.use_scaled_init_method"]
+    assert "inside the MLP" in unmapped["model.ffn_dropout"]
+    assert _fields(result)["model.tie_word_embeddings"] is False
+    validate_recipe(result.recipe, result.world_size, check_paths=False)
+    llama = _import(LLAMA3, **{"model.rotary_percentage": 0.5, "model.transformer_block_type": "pre_ln"})
+    assert "whole heads" in _by_kind(llama, "not mapped")["model.rotary_percentage"]
+    assert "pre-norm" in _by_kind(llama, "ignored")["model.transformer_block_type"]
+
+
+def test_pythia_config_json_gives_gpt_neox(tmp_path: Path) -> None:
+    """An HF-style NxDT config whose model_config is a released Pythia config.json (rotary_pct,
+    rotary_emb_base, no attention_bias key, no KV heads) maps to gpt_neox with transformers' values."""
+    import json
+
+    pythia = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_act": "gelu",
+              "hidden_size": 768, "intermediate_size": 3072, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
+              "num_attention_heads": 12, "num_hidden_layers": 12, "rotary_emb_base": 10000, "rotary_pct": 0.25,
+              "tie_word_embeddings": False, "use_parallel_residual": True, "vocab_size": 50304}
+    (tmp_path / "config.json").write_text(json.dumps(pythia))
+    result = _import(MISTRAL, **{"model.model_config": str(tmp_path / "config.json"), "model.max_position_embeddings":
+                                 2048, "data.seq_length": 2048})
+    fields = _fields(result)
+    assert fields["model.family"] == "gpt_neox" and fields["model.partial_rotary_factor"] == 0.25
+    assert fields["model.rope_theta"] == 10000 and fields["model.attention_bias"] is True
+    assert fields["model.num_key_value_heads"] == 12 and fields["model.use_parallel_residual"] is True
+    assert "model.rms_norm_eps" not in fields and "model.sliding_window" not in fields
+    resolved = validate_recipe(result.recipe, result.world_size, check_paths=False)
+    assert resolved.model_config(50304).num_parameters() == 162322944  # Pythia-160M
 
 
 # ---------------------------------------------------------------------- values plait refuses

@@ -50,6 +50,8 @@ def _config(family: str, **changes):
     if family == "qwen3_moe":
         kw.update(intermediate_size=24, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, head_dim=8,
                   mlp_only_layers=[0])
+    if family == "gpt_neox":  # no grouped-query attention; half of each head rotates
+        kw.update(num_key_value_heads=4, partial_rotary_factor=0.5)
     return FAMILIES[family].config_cls(**{**kw, **changes})
 
 
@@ -66,7 +68,7 @@ def _cached(model):
     return greedy, sampled
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_neox"])
 def test_cached_equals_uncached_for_every_family(family):
     model = build_model(_config(family), single_process_mesh(), seed=1)
     assert _cached(model) == _reference(model)
@@ -174,6 +176,7 @@ HF = {
                                                             num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(intermediate_size=24, moe_intermediate_size=8,
                                                                 num_experts=4, num_experts_per_tok=2, head_dim=8)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(num_key_value_heads=4, rotary_pct=0.5)),
 }
 
 

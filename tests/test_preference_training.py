@@ -135,6 +135,7 @@ def _tables(task) -> list:
     return sorted((root / "cache").rglob("reference/*/*.npy"))
 
 
+@pytest.mark.slow  # 17 s: three LoRA DPO runs; the default suite checks each reference mode's loss elsewhere
 def test_lora_dpo_references_adapters_off_frozen_and_precompute_give_the_same_losses(task, tmp_path):
     """On a LoRA run the three reference modes are the same initial model: adapters_off (no second
     copy), frozen (a second copy) and precompute (scored once, stored with the prepared rows and

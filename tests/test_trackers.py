@@ -48,6 +48,41 @@ def _wandb_records(run_file: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ end to end
+def test_the_tracker_sinks_of_a_recipe_send_grouped_metrics_and_the_resolved_recipe(tmp_path, monkeypatch):
+    """The sinks ``build_run`` makes, fed records directly (the two-rank training run below is slow)."""
+    from mlflow import MlflowClient
+
+    from plait.train.trackers import tracker_sinks
+
+    store = tmp_path / "mlstore"
+    resolved = validate_recipe(load_recipe(DEFAULT_RECIPE, [
+        f"run.output_dir={tmp_path / 'run'}", "logging.wandb={project: quick, mode: offline}",
+        f"logging.mlflow.tracking_uri={store.as_uri()}", "parallel.tp=1", "parallel.sequence_parallel=false"]), 1)
+    out = io.StringIO()
+    sinks = tracker_sinks(resolved, 0, stream=out)
+    assert [s.label for s in sinks] == ["W&B", "MLflow"]
+    for step in (1, 2):
+        for sink in sinks:
+            sink.log(step, {"loss": 3.0 / step, "tokens_per_s": 100.0 * step, "val_loss/web": 2.5})
+    for sink in sinks:
+        sink.close()
+    assert "warning" not in out.getvalue() and out.getvalue().count("started") == 2
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    history = [rec["history"] for rec in records if rec["type"] == "history"]
+    assert [(h["step"]["num"], h["item"]["train/loss"], h["item"]["perf/tokens_per_s"], h["item"]["val/loss/web"])
+            for h in history] == [(1, 3.0, 100.0, 2.5), (2, 1.5, 200.0, 2.5)]
+    header = next(rec["run"] for rec in records if rec["type"] == "run")
+    assert header["project"] == "quick" and header["config"]["update"]["parallel"]["tp"] == 1
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=store.as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("plait").experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "perf/tokens_per_s")] == [
+        (1, 100.0), (2, 200.0)]
+    assert run.data.params["data.seq_len"] == "128" and run.info.status == "FINISHED"
+
+
+@pytest.mark.slow  # two training runs of two ranks (30 s); the test above covers the sinks alone
 def test_wandb_and_mlflow_get_every_metric_and_the_recipe_and_a_resume_continues_their_runs(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 

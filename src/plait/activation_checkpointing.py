@@ -37,9 +37,12 @@ from plait.tensor_parallel.random import RNGState, TensorParallelRNG
 MODES = ("off", "full", "selective")
 _ALIASES = {"none": "off"}
 
-#: what ``"selective"`` checkpoints when no names are given: the weight-free parts of the block,
-#: whose saved activations are large and cheap to recompute (what :mod:`plait.plan.memory` models)
+#: what ``"selective"`` checkpoints when no names are given and the model config does not say
+#: (its ``selective_checkpoint_modules``): the weight-free parts of Llama's block, whose saved
+#: activations are large and cheap to recompute (what :mod:`plait.plan.memory` models)
 DEFAULT_SELECTIVE = ("self_attn.core", "mlp.act")
+#: the block submodules of Llama's block, for a config that does not name its own
+_LLAMA_BLOCK = ("input_layernorm", "self_attn", "self_attn.core", "post_attention_layernorm", "mlp", "mlp.act")
 
 _BLOCK_NAME = re.compile(r"(?:^|\.)layers\.\d+$")
 _WRAPPED = "_plait_checkpointed"
@@ -50,13 +53,18 @@ _CHECKPOINT_RNG = "_checkpoint_rng"
 def checkpointable_names(config: Any) -> list[str]:
     """Module names inside one decoder block that ``"selective"`` may checkpoint (block-relative).
 
-    The same names exist before and after the tensor-parallel swap. ``self_attn.core`` is rotary,
-    SDPA and attention dropout; ``mlp.act`` is the SwiGLU product. Every family plait ships (Llama,
-    Qwen3, Mistral) has these submodules; the list takes the model config so that a family whose
-    block differs can be told apart.
+    The same names exist before and after the tensor-parallel swap. In Llama's block (and the
+    families built on it) ``self_attn.core`` is rotary, SDPA and attention dropout and ``mlp.act``
+    the SwiGLU product; a family whose block differs names its own in its config's
+    ``checkpointable_modules`` (GPT-NeoX: ``attention``, ``attention.core``, ``mlp.act`` its GeLU).
     """
-    del config  # the shipped families' blocks share these submodules
-    return ["input_layernorm", "self_attn", "self_attn.core", "post_attention_layernorm", "mlp", "mlp.act"]
+    return list(getattr(config, "checkpointable_modules", _LLAMA_BLOCK))
+
+
+def default_selective(config: Any) -> tuple[str, ...]:
+    """What ``"selective"`` checkpoints without names: the config's ``selective_checkpoint_modules``
+    (the weight-free parts of its block), :data:`DEFAULT_SELECTIVE` for a config that names none."""
+    return tuple(getattr(config, "selective_checkpoint_modules", DEFAULT_SELECTIVE))
 
 
 def decoder_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -69,7 +77,8 @@ def apply_activation_checkpointing(modules: list[nn.Module], mode: str, names: l
 
     ``mode``: ``"off"`` (nothing; ``"none"`` is accepted too), ``"full"`` (each decoder block) or
     ``"selective"`` (the submodules ``names`` of each block, relative to the block; default
-    :data:`DEFAULT_SELECTIVE`; valid names: :func:`checkpointable_names`). Returns the number of
+    :func:`default_selective` of the first module's config; valid names: :func:`checkpointable_names`).
+    Returns the number of
     modules wrapped. Each module's ``rng_tracker`` (set by :mod:`plait.materialize` and
     ``parallelize``) is replayed on recomputation. Applying it twice to one module is an error.
     """
@@ -84,7 +93,8 @@ def apply_activation_checkpointing(modules: list[nn.Module], mode: str, names: l
         return 0
     selected: list[str] = []
     if mode == "selective":
-        selected = list(DEFAULT_SELECTIVE if names is None else names)
+        config = getattr(modules[0], "config", None) if modules else None
+        selected = list(default_selective(config) if names is None else names)
         if not selected:
             raise ValueError("activation checkpointing mode='selective' with names=[] checkpoints nothing; "
                              "give module names or use mode='off'")

@@ -26,6 +26,7 @@ from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
 from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
 from plait.moe.section import MoeSection
+from plait.nn.mlp import ACTIVATIONS
 from plait.precision import KNOBS
 from plait.tracking.settings import MlflowSettings, WandbSettings
 
@@ -39,7 +40,9 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "rope_scaling", "attention_bias", "tie_word_embeddings", "sliding_window",
                # Mixture-of-Experts families (mixtral, qwen3_moe); null = the family's default
                "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-               "decoder_sparse_step", "mlp_only_layers")
+               "decoder_sparse_step", "mlp_only_layers",
+               # gpt_neox; null = the family's default
+               "layer_norm_eps", "partial_rotary_factor", "use_parallel_residual", "hidden_act")
 #: ``train.objective`` values that train on preference pairs, and those of them measured against a reference
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
@@ -105,6 +108,16 @@ class ModelSection(Section):
                                                                            "sparse")
     mlp_only_layers: list[Int] | None = Field(default=None, description="qwen3_moe: layers with a dense MLP "
                                                                          "(e.g. [0, 1]: the first two)")
+    layer_norm_eps: Float | None = Field(default=None, gt=0, description="gpt_neox: epsilon of the layer norms; "
+                                                                          "null = 1e-5")
+    partial_rotary_factor: Float | None = Field(default=None, gt=0, le=1,
+                                                description="gpt_neox: share of each head's dimensions that rotate "
+                                                            "(Hugging Face's rotary_pct); null = 0.25")
+    use_parallel_residual: Bool | None = Field(default=None, description="gpt_neox: x + attn(ln1(x)) + "
+                                                                         "mlp(ln2(x)) (true) or sequential "
+                                                                         "attention then MLP (false); null = true")
+    hidden_act: Literal[ACTIVATIONS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="gpt_neox: the MLP's activation (Hugging Face's hidden_act); null = 'gelu'")
 
     def arch_values(self) -> dict[str, Any]:
         """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""
@@ -142,7 +155,10 @@ class ModelSection(Section):
         cls = self.config_class()
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in self.arch_values().items() if k != "vocab_size"}
-        foreign = [k for k, v in fields.items() if k not in known and v is not None]
+        # a field the family lacks counts when it is set to something else than its default (a written
+        # recipe holds every field; model.rms_norm_eps at its default says nothing to a layer-norm family)
+        foreign = [k for k, v in fields.items() if k not in known and v is not None
+                   and v != type(self).model_fields[k].default]
         if foreign:
             raise ModelConfigError(f"model.{foreign[0]}={fields[foreign[0]]!r} is not a field of model.family="
                                    f"{self.family!r}; remove it or choose a family that has it")
@@ -417,7 +433,8 @@ class CheckpointSection(Section):
                                                        "(at most one in flight)")
 
 
-LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 
 
 def _attention_targets() -> list[LoraTarget]:

@@ -81,7 +81,7 @@ class ContextParallelAttention:
         if dropout_p:
             raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism; "
                              f"set model.attention_dropout to 0")
-        b, s, _ = q.shape
+        b, s = q.shape[:2]  # [batch, seq, heads*head_dim] or [batch, seq, heads, head_dim] projections
         q, k, v = rotated_heads(q, k, v, cos, sin)
         split, segments = (self.cp.split(s * self.cp.size), None) if mask is None else self._packed(mask, s)
         if self.cp.mode == "ring":

@@ -110,10 +110,11 @@ class LayerKVCache:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor:
-        """Attention of the new positions (``[batch, n, heads*head_dim]`` projections) over the
-        cached ones and themselves; returns ``[batch, n, q_heads*head_dim]``."""
+        """Attention of the new positions (``[batch, n, heads*head_dim]`` projections, or
+        ``[batch, n, heads, head_dim]`` ones) over the cached ones and themselves; returns
+        ``[batch, n, q_heads*head_dim]``."""
         s = self.shared
-        b, n, _ = q.shape
+        b, n = q.shape[:2]
         q, k, v = rotated_heads(q, k, v, cos, sin)
         if self.keys is None or self.values is None:
             shape = (b, k.shape[1], s.max_len, k.shape[3])

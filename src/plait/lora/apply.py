@@ -154,9 +154,13 @@ def _check_adaptable(proj: Projection) -> None:
         if proj.module.gather_output:
             raise LoraApplyError(f"{proj.name} gathers its output (gather_output=True); LoRA supports the "
                                  f"sharded-output layers of attention and the MLP only")
-        if type(proj.container) not in LORA_CLASS and type(proj.container) not in BASE_CLASS:
+        # a container that calls the projection as a module lets its LoRA class add the adapter; one
+        # that reads the weight into a fused matmul must be one whose LoRA twin adds it (LORA_CLASS)
+        calls_module = getattr(type(proj.container), "calls_its_projections", False)
+        if not calls_module and type(proj.container) not in LORA_CLASS and type(proj.container) not in BASE_CLASS:
             raise LoraApplyError(f"{proj.name} sits in a {type(proj.container).__name__}, whose fused projection "
-                                 f"LoRA does not know; supported: ParallelSelfAttention, ParallelGatedMLP")
+                                 f"LoRA does not know; supported: ParallelSelfAttention, ParallelGatedMLP, "
+                                 f"ParallelFusedSelfAttention, ParallelDenseMLP")
 
 
 def _swap_class(module: nn.Module, mapping: dict[type[nn.Module], type[nn.Module]]) -> None:

@@ -39,7 +39,7 @@ PREFIX = "base_model.model."
 #: LoRA run from a random initialisation), named by ``base_model_name_or_path``
 BASE_SUBDIR = "base"
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*\.layers\.\d+\.(?:self_attn|mlp)\.(?P<target>\w+))"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*\.layers\.\d+\.(?:self_attn|attention|mlp)\.(?P<target>\w+))"
                   r"\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -123,7 +123,7 @@ def save_peft_adapter(modules: list[nn.Module], directory: str | os.PathLike[str
 
 def _check_every_block(modules: list[nn.Module]) -> None:
     config = getattr(modules[0], "config", None) if modules else None
-    layers = {proj.name.split(".self_attn.")[0].split(".mlp.")[0] for proj, _ in adapted(modules)}
+    layers = {match.group(1) for proj, _ in adapted(modules) if (match := _LAYER.search(proj.name))}
     expected = getattr(config, "num_hidden_layers", None)
     if expected is not None and len(layers) != expected:
         raise PeftAdapterError(

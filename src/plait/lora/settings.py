@@ -6,14 +6,18 @@ import math
 from dataclasses import dataclass
 
 #: projections whose output features are sharded under tensor parallelism (B is sharded like them)
-COLUMN_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLUMN_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query_key_value", "dense_h_to_4h")
 #: projections whose input features are sharded under tensor parallelism (A is sharded like them)
-ROW_TARGETS = ("o_proj", "down_proj")
-#: every projection a decoder block has, in Hugging Face's order
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROW_TARGETS = ("o_proj", "down_proj", "dense", "dense_4h_to_h")
+#: every projection a decoder block may have, by Hugging Face's names: separate q/k/v and a gated MLP
+#: (Llama and the families built on it), or one fused q/k/v projection and a plain MLP (GPT-NeoX);
+#: a model has the ones its blocks hold (checked against the built model, ``config/rules/lora.py``)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 #: the submodule of a decoder block that holds each projection
 CONTAINER_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+                "query_key_value": "attention", "dense": "attention", "dense_h_to_4h": "mlp", "dense_4h_to_h": "mlp"}
 
 
 class LoraSettingsError(ValueError):

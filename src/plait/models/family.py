@@ -55,6 +55,9 @@ class ModelFamily:
     config alone: what the planner (:mod:`plait.plan`) prices.
     ``hf_name``: plait parameter name -> Hugging Face tensor name (the identity for families whose
     plait names are Hugging Face's).
+    ``hf_ignored``: regular expressions of checkpoint tensor names that are not parameters (buffers
+    an older checkpoint carries, such as GPT-NeoX's causal-mask ``attention.bias``), skipped when
+    reading and converting; rotary ``inv_freq`` tables are skipped for every family.
     ``recipes``: ready recipe files shipped with the family.
     """
 
@@ -67,4 +70,5 @@ class ModelFamily:
     units: Callable[[Any], list[Unit]]
     local_shapes: Callable[[Any, int, int], LocalShapes]
     hf_name: Callable[[str], str] = same_name
+    hf_ignored: tuple[str, ...] = field(default=())
     recipes: tuple[Path, ...] = field(default=())

@@ -53,12 +53,19 @@ from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 PathLike = str | os.PathLike
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-#: tensors that old checkpoints carry but that are recomputed, never loaded
+#: tensors that old checkpoints carry but that are recomputed, never loaded (a family adds its own:
+#: ``ModelFamily.hf_ignored``)
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the model the config describes."""
+
+
+def ignored_tensor(config: DecoderConfig, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a buffer that is never read into ``config``'s model: a
+    rotary ``inv_freq`` table, or one of the family's ``hf_ignored`` patterns."""
+    return bool(_IGNORED.match(name)) or any(re.match(p, name) for p in family_of(config).hf_ignored)
 
 
 # ---------------------------------------------------------------------------------- config
@@ -148,7 +155,7 @@ def _sources(config: Any, names: list[str], weights: dict[str, Path]) -> dict[st
         raise CheckpointMismatchError(f"{len(missing)} tensor(s) the config needs are missing from the "
                                       f"checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}{hint}")
     used = set(src.values()) | ({"lm_head.weight"} if c.tie_word_embeddings else set())
-    unexpected = sorted(k for k in weights if k not in used and not _IGNORED.match(k))
+    unexpected = sorted(k for k in weights if k not in used and not ignored_tensor(c, k))
     if unexpected:
         raise CheckpointMismatchError(f"the checkpoint has tensor(s) the config does not describe: "
                                       f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}; "

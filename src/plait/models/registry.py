@@ -17,6 +17,7 @@ from typing import Any
 from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
 from plait.models.family import ModelFamily
+from plait.models.gpt_neox.family import FAMILY as GPT_NEOX
 from plait.models.llama.family import FAMILY as LLAMA
 from plait.models.mistral.family import FAMILY as MISTRAL
 from plait.models.mixtral.family import FAMILY as MIXTRAL
@@ -29,6 +30,7 @@ _FAMILIES = (
     MISTRAL,
     MIXTRAL,
     QWEN3_MOE,
+    GPT_NEOX,
 )
 
 #: ``{family name: ModelFamily}``, read-only

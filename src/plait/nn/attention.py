@@ -48,11 +48,37 @@ def segment_ids_of(mask: torch.Tensor) -> torch.Tensor | None:
     return getattr(mask, SEGMENT_IDS_ATTR, None)
 
 
+def split_fused_heads(qkv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``[batch, seq, heads, head_dim]`` queries, keys and values of a fused projection laid out
+    head by head, ``[q, k, v]`` of ``head_dim`` each per head (GPT-NeoX's ``query_key_value``), as
+    views of ``qkv`` (``[batch, seq, heads * 3 * head_dim]``): nothing is copied."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.view(b, s, -1, 3 * head_dim).split(head_dim, dim=-1)
+    return q, k, v
+
+
+def _seq_major(table: torch.Tensor) -> torch.Tensor:
+    """A rotary table (``[seq, d]``, or ``[batch, 1, seq, d]`` from position ids) broadcast over the
+    heads of ``[batch, seq, heads, d]`` tensors."""
+    return table.unsqueeze(-2) if table.dim() == 2 else table.transpose(1, 2)
+
+
 def rotated_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[batch, seq, heads*head_dim]`` projections as ``[batch, heads, seq, head_dim]``, with the
-    rotary embedding applied to the queries and keys."""
-    b, s, _ = q.shape
+    """The projections as ``[batch, heads, seq, head_dim]``, with the rotary embedding applied to the
+    queries and keys.
+
+    Projections are ``[batch, seq, heads*head_dim]`` (``head_dim`` read from the rotary table) or
+    ``[batch, seq, heads, head_dim]``; the latter may come with a table narrower than the head
+    (partial rotary: the leading dimensions of each head rotate, see
+    :func:`~plait.nn.rotary.apply_rotary`).
+    """
+    if q.dim() == 4:
+        # rotated as [batch, seq, heads, head_dim], so the new q and k keep that memory layout and
+        # SDPA's output comes back in it: [batch, seq, heads*head_dim] is then a view, not a copy
+        q, k = apply_rotary(q, k, _seq_major(cos), _seq_major(sin))
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    b, s = q.shape[:2]
     hd = cos.shape[-1]
     q = q.view(b, s, -1, hd).transpose(1, 2)
     k = k.view(b, s, -1, hd).transpose(1, 2)
@@ -64,10 +90,12 @@ def rotated_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin,
                      dropout_p: float = 0.0, window: int | None = None,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotary + causal grouped-query attention on ``[batch, seq, heads*head_dim]`` projections.
+    """Rotary + causal grouped-query attention on ``[batch, seq, heads*head_dim]`` projections (or
+    ``[batch, seq, heads, head_dim]`` ones, see :func:`rotated_heads`).
 
-    The head counts are read from the shapes (``head_dim`` from the rotary table), so the same
-    function serves the full model and a tensor-parallel shard holding a subset of the heads.
+    The head counts are read from the shapes (``head_dim`` from the rotary table, or from the
+    projections when they are 4-D), so the same function serves the full model and a
+    tensor-parallel shard holding a subset of the heads.
     ``dropout_p`` is SDPA's dropout on the attention weights; the caller decides (training mode,
     which generator) since this function cannot know. ``window``: each query sees at most that
     many positions (itself included); ``None`` or a window at least the sequence length is full
@@ -75,7 +103,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin
     :func:`document_causal_mask` (the window, if any, is applied on top of it). Returns
     ``[batch, seq, q_heads*head_dim]``.
     """
-    b, s, _ = q.shape
+    b, s = q.shape[:2]
     q, k, v = rotated_heads(q, k, v, cos, sin)
     gqa = q.shape[1] != k.shape[1]
     windowed = window is not None and window < s

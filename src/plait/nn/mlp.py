@@ -1,4 +1,5 @@
-"""The gated feed-forward block (SwiGLU): ``down(silu(gate(x)) * up(x))``."""
+"""The feed-forward blocks: gated (SwiGLU, ``down(silu(gate(x)) * up(x))``) and plain
+(``dense_4h_to_h(act(dense_h_to_4h(x)))``, GPT-NeoX's GeLU MLP)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,38 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project_in(x)
         return self.down_proj(self.act(gate, up))
+
+
+#: ``hidden_act`` values of a plain MLP (Hugging Face's names) -> the module computing them. ``gelu``
+#: is the exact (erf) GeLU; ``gelu_new``, ``gelu_pytorch_tanh`` and ``gelu_fast`` its tanh approximation
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu")
+
+
+def activation(name: str) -> nn.Module:
+    """The activation module Hugging Face's ``hidden_act`` ``name`` stands for (see :data:`ACTIVATIONS`)."""
+    if name == "gelu":
+        return nn.GELU()
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return nn.GELU(approximate="tanh")
+    if name == "relu":
+        return nn.ReLU()
+    if name == "silu":
+        return nn.SiLU()
+    raise ValueError(f"hidden_act={name!r} is not supported; valid: {', '.join(map(repr, ACTIVATIONS))}")
+
+
+class DenseMLP(nn.Module):
+    """The plain (ungated) feed-forward block with Hugging Face's GPT-NeoX names: ``dense_h_to_4h``,
+    the activation ``act`` (a module of its own, so selective activation checkpointing can name
+    ``mlp.act``) and ``dense_4h_to_h``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "gelu", *, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.dense_h_to_4h = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.act = activation(act)
+        self.dense_4h_to_h = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))

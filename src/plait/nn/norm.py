@@ -1,8 +1,10 @@
-"""Root-mean-square normalisation, over the hidden size or over each attention head."""
+"""Normalisation layers: root-mean-square (over the hidden size or over each attention head) and
+layer norm with a bias."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -45,3 +47,27 @@ class HeadRMSNorm(RMSNorm):
     def norm_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         return rms_norm(x.view(*shape[:-1], -1, self.head_dim), weight, self.eps).view(shape)
+
+
+class LayerNorm(nn.Module):
+    """Layer norm over the last dimension with a learned weight and bias (GPT-NeoX's
+    ``input_layernorm``, ``post_attention_layernorm`` and ``final_layer_norm``).
+
+    ``torch.nn.functional.layer_norm`` in the input's dtype, as ``torch.nn.LayerNorm`` computes it
+    (its kernels accumulate the statistics in fp32 for bf16 inputs), so fp32 results match
+    Hugging Face's bit for bit.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

@@ -1,8 +1,11 @@
-"""Rotary position embeddings (RoPE), including Llama 3's long-context frequency scaling.
+"""Rotary position embeddings (RoPE), including Llama 3's long-context frequency scaling and
+partial rotary (GPT-NeoX: only the leading dimensions of each head rotate).
 
 The functions read a *rope config*: any object with ``head_dim``, ``rope_theta``, ``rope_type``
 (``"default"`` or ``"llama3"``) and ``rope_scaling`` (the ``llama3`` mapping or ``None``), which
-every family's config provides under Hugging Face's names.
+every family's config provides under Hugging Face's names. The rotated width is ``head_dim``
+unless a narrower ``dim`` is given; tables of that width then rotate the first ``dim`` dimensions
+of each head and pass the others through (:func:`apply_rotary`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ class RopeConfig(Protocol):
     def rope_type(self) -> str: ...
 
 
-def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
-    """Inverse rotary frequencies, including Llama 3's long-context frequency scaling."""
-    dim = config.head_dim
+def rope_inv_freq(config: RopeConfig, dim: int | None = None) -> torch.Tensor:
+    """Inverse rotary frequencies of a rotated width ``dim`` (default ``config.head_dim``), including
+    Llama 3's long-context frequency scaling."""
+    dim = config.head_dim if dim is None else dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_type != "llama3":
         return inv_freq
@@ -43,24 +47,28 @@ def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Produces the cos/sin tables for a sequence; the frequencies are a non-persistent buffer."""
+    """Produces the cos/sin tables for a sequence; the frequencies are a non-persistent buffer.
+
+    ``dim``: the rotated width of each head (default ``config.head_dim``; smaller for partial rotary).
+    """
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: RopeConfig, device=None) -> None:
+    def __init__(self, config: RopeConfig, device=None, dim: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        self.dim = config.head_dim if dim is None else dim
+        self.register_buffer("inv_freq", rope_inv_freq(config, self.dim).to(device), persistent=False)
 
     def reset_buffers(self) -> None:
         """Recompute the frequency table (after materialising a model built on the meta device)."""
-        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        self.inv_freq = rope_inv_freq(self.config, self.dim).to(self.inv_freq.device)
 
     def forward(self, x: torch.Tensor, seq_len: int,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of shape ``[seq, head_dim]`` for positions ``0..seq_len-1``, or, given
+        """``(cos, sin)`` of shape ``[seq, dim]`` for positions ``0..seq_len-1``, or, given
         ``position_ids [batch, seq]`` (a packed row restarts them in each sample), of shape
-        ``[batch, 1, seq, head_dim]`` (broadcast over the heads)."""
+        ``[batch, 1, seq, dim]`` (broadcast over the heads)."""
         inv_freq = self.inv_freq.float()
         if position_ids is None:
             pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
@@ -77,5 +85,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate ``q`` and ``k`` of shape ``[batch, heads, seq, head_dim]``."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """Rotate ``q`` and ``k`` of shape ``[batch, heads, seq, head_dim]``. Tables narrower than
+    ``head_dim`` (partial rotary) rotate the leading ``cos.shape[-1]`` dimensions of each head and
+    leave the rest as they are."""
+    width = cos.shape[-1]
+    if width == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return _rotate_leading(q, cos, sin, width), _rotate_leading(k, cos, sin, width)
+
+
+def _rotate_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
+    rot, rest = x[..., :width], x[..., width:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)

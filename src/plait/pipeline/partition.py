@@ -47,7 +47,8 @@ def unit_costs(model_config: DecoderConfig, units: list[Unit], seq_len: int | No
 
     ``kind="params"``: parameter count. Embedding and head are ``vocab * hidden`` each (the head
     counts even when tied to the embedding: its matmul and its gradient still run on its stage),
-    the final norm ``hidden``, a block its attention, MLP and two norms.
+    the final norm its parameters (``final_norm_parameters()``: ``hidden`` for an RMSNorm, twice that
+    for a layer norm with a bias), a block its ``layer_parameters()``.
     ``kind="flops"``: training FLOPs per token (forward + backward = 3 x forward). Matmul units
     cost 6 x their parameters; a block adds ``12 * heads * head_dim * seq_len`` for attention
     scores and values (``seq_len`` required); the head costs ``6 * vocab * hidden``; the embedding
@@ -64,7 +65,8 @@ def unit_costs(model_config: DecoderConfig, units: list[Unit], seq_len: int | No
     costs = []
     for unit in units:
         if kind == "params":
-            cost = {"embedding": v * h, "block": block, "norm": h, "head": v * h}.get(unit.kind, 0)
+            cost = {"embedding": v * h, "block": block, "norm": c.final_norm_parameters(),
+                    "head": v * h}.get(unit.kind, 0)
         else:
             assert seq_len is not None  # kind == "flops": checked above
             cost = {"block": 6 * block + 12 * q * c.attention_span(seq_len), "head": 6 * v * h}.get(unit.kind, 0)

@@ -1,25 +1,72 @@
-"""The decoder block the planner's per-layer parameter counts describe: Llama's.
+"""The decoder block the planner's per-layer counts describe: the family's own, from its config.
 
-:mod:`plait.plan.memory` and :mod:`plait.plan.moe` count a block's parameters from its config:
-q/k/v and output projections with Llama's optional biases, a gated MLP with its optional biases
-(or a family's MoE layer), two RMSNorms, and what a family adds to that block (Qwen3's q/k norms,
-found from its exact ``layer_parameters``). Every shipped family builds on that block; the local
-widths come from the family itself (``ModelFamily.local_shapes``).
+:mod:`plait.plan.memory` and :mod:`plait.plan.timing` price a dense block from its
+:class:`~plait.models.decoder.shapes.BlockShape` (``config.block_shape()``: separate or fused
+q/k/v, a gated or a plain MLP, RMS or layer norms, their biases) at the local widths the family's
+plan builds (``ModelFamily.local_shapes``), plus what the family adds to those parts (Qwen3's q/k
+norms, found from its exact ``layer_parameters``). The Mixture-of-Experts families are built on
+Llama's block; their sparse layers are priced in :mod:`plait.plan.moe` from it (:func:`llama_block`).
 """
 
 from __future__ import annotations
 
 from plait.models.decoder.config import DecoderConfig
+from plait.models.decoder.shapes import BlockShape, LocalShapes
 from plait.models.llama.config import LlamaConfig
+from plait.models.registry import family_of
+
+
+def block_of(config: DecoderConfig) -> BlockShape:
+    """The parts of ``config``'s dense block (its family's ``block_shape()``)."""
+    return config.block_shape()
 
 
 def llama_block(config: DecoderConfig) -> LlamaConfig:
-    """``config`` as the Llama-family config whose block the counts price; a family of another block
-    is refused by name (its counts are not written yet) rather than priced as a Llama."""
+    """``config`` as the Llama-family config whose block an MoE family's counts price; another block is
+    refused by name rather than priced as a Llama's."""
     if not isinstance(config, LlamaConfig):
-        raise ValueError(f"plait.plan prices Llama's decoder block; model family {type(config).family!r} "
-                         f"({type(config).__name__}) has another, which the planner cannot price yet")
+        raise ValueError(f"plait.plan prices the sparse layers of Llama's decoder block; model family "
+                         f"{type(config).family!r} ({type(config).__name__}) has another")
     return config
 
 
-__all__ = ["llama_block"]
+def block_parameter_count(block: BlockShape, sh: LocalShapes) -> int:
+    """Local parameters of one dense block's parts at the widths ``sh``: the q/k/v projections (one
+    fused projection holds the same rows), their biases (sharded like them), the output projection
+    and its replicated bias, the MLP (``mlp_matrices`` weights; the column biases sharded, the last
+    one replicated), two norms (weight, and bias for a layer norm; replicated)."""
+    h, q, kv, i = sh.hidden, sh.q, sh.kv, sh.intermediate
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if block.qkv_bias else 0) + (h if block.o_bias else 0)
+    m = block.mlp_matrices
+    mlp = m * h * i + (((m - 1) * i + h) if block.mlp_bias else 0)
+    return attn + mlp + norm_parameter_count(block, sh)
+
+
+def bias_parameter_count(block: BlockShape, sh: LocalShapes) -> int:
+    """The biases among :func:`block_parameter_count` (no autocast copy of them is kept for backward)."""
+    m = block.mlp_matrices
+    return (((sh.q + 2 * sh.kv) if block.qkv_bias else 0) + (sh.hidden if block.o_bias else 0)
+            + (((m - 1) * sh.intermediate + sh.hidden) if block.mlp_bias else 0))
+
+
+def norm_parameter_count(block: BlockShape, sh: LocalShapes) -> int:
+    """The two norms of one block (replicated on every TP rank)."""
+    return 2 * block.norm_parameters * sh.hidden
+
+
+def qkv_weight_sizes(block: BlockShape, sh: LocalShapes) -> list[int]:
+    """Elements of the local q/k/v weights: one fused ``(q + 2 kv) x h`` or three."""
+    if block.fused_qkv:
+        return [sh.hidden * (sh.q + 2 * sh.kv)]
+    return [sh.hidden * sh.q, sh.hidden * sh.kv]
+
+
+def extra_parameters(config: DecoderConfig) -> int:
+    """Parameters a family's dense block has beyond its :class:`BlockShape`'s parts (Qwen3's per-head
+    q/k norm weights): small tensors replicated on every TP rank, read by no matmul."""
+    full = family_of(config).local_shapes(config, 1, 1)
+    return config.layer_parameters() - block_parameter_count(block_of(config), full)
+
+
+__all__ = ["bias_parameter_count", "block_of", "block_parameter_count", "extra_parameters", "llama_block",
+           "norm_parameter_count", "qkv_weight_sizes"]

@@ -48,7 +48,8 @@ parallelism one). The other activation-phase fields, at that same peak:
   buffer, ``.grad`` tensors were freed by ``zero_grad`` and existed only after a chunk's first
   backward; they no longer are.
 * ``weight_copies``: autocast's bf16 copies of the matmul weights, saved for backward once per
-  in-flight micro-batch (``2 * matmul params`` per chunk); 0 without autocast.
+  in-flight micro-batch (``2 * matmul weights`` per chunk: biases are cast but not kept); 0 without
+  autocast.
 * ``logits``: last stage only, per in-flight micro-batch: what the loss saves for backward. At
   ``T = 1`` (``F.cross_entropy`` on ``logits.float()``) the fp32 log-softmax, ``4 * B * S * V'``;
   the chunked vocab-parallel loss (:mod:`plait.tensor_parallel.cross_entropy`, ``T > 1`` or
@@ -134,12 +135,19 @@ from dataclasses import dataclass, field
 
 from plait.context_parallel.plan import attention_workspace_bytes, ring_buffer_bytes
 from plait.models.decoder.config import DecoderConfig
-from plait.models.decoder.shapes import LocalShapes
-from plait.models.llama.config import LlamaConfig
+from plait.models.decoder.shapes import BlockShape, LocalShapes
 from plait.models.registry import family_of
 from plait.pipeline.schedules import compute_order
 from plait.pipeline.tasks import Forward, WeightGrad
-from plait.plan.block import llama_block
+from plait.plan.block import (
+    bias_parameter_count,
+    block_of,
+    block_parameter_count,
+    extra_parameters,
+    llama_block,
+    norm_parameter_count,
+    qkv_weight_sizes,
+)
 from plait.plan.degrees import ParallelDegrees
 from plait.plan.moe import (
     MoEShape,
@@ -208,13 +216,16 @@ def local_shapes(config: DecoderConfig, layout: ParallelDegrees) -> LocalShapes:
 
 
 def layer_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: int | None = None) -> int:
-    """Local parameters of one decoder layer (Llama's block, :mod:`plait.plan.block`): q/k/v
-    (+ biases), o (+ replicated bias), gate/up (+ biases), down (+ replicated bias), two RMSNorm
-    weights.
+    """Local parameters of one decoder layer (the family's block, :mod:`plait.plan.block`): q/k/v,
+    separate or fused (+ biases), o (+ replicated bias), the MLP's column projections (+ biases) and
+    its row projection (+ replicated bias), two norms (weights, and biases for layer norms), and what
+    the family adds to those parts.
 
-    MoE families (:mod:`plait.plan.moe`): decoder layer ``layer``'s own feed-forward part, a sparse
-    layer's router and shared expert whole and ``experts / ep`` whole experts, a dense layer's
-    tensor-parallel MLP; ``layer`` is then required."""
+    MoE families (:mod:`plait.plan.moe`, Llama's block): decoder layer ``layer``'s own feed-forward
+    part, a sparse layer's router and shared expert whole and ``experts / ep`` whole experts, a dense
+    layer's tensor-parallel MLP; ``layer`` is then required."""
+    if moe_shape(config) is None:
+        return block_parameter_count(block_of(config), sh) + family_extra_parameters(config)
     c, h = llama_block(config), sh.hidden
     attn = h * sh.q + 2 * h * sh.kv + sh.q * h
     if c.attention_bias:
@@ -222,12 +233,10 @@ def layer_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: int | N
     if c.o_proj_bias:
         attn += h
     moe = moe_shape(c)
-    if moe is not None:
-        if layer is None:
-            raise ValueError("an MoE model's layers differ: give the decoder layer")
-        return attn + 2 * h + family_extra_parameters(c) + ffn_parameter_count(c, moe, sh, layer)
-    mlp = 3 * h * sh.intermediate + ((2 * sh.intermediate + h) if c.mlp_bias else 0)
-    return attn + mlp + 2 * h + family_extra_parameters(c)
+    assert moe is not None
+    if layer is None:
+        raise ValueError("an MoE model's layers differ: give the decoder layer")
+    return attn + 2 * h + family_extra_parameters(c) + ffn_parameter_count(c, moe, sh, layer)
 
 
 def ffn_parameter_count(config: DecoderConfig, moe: MoEShape, sh: LocalShapes, layer: int) -> int:
@@ -250,17 +259,25 @@ def layer_expert_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: 
 
 
 def family_extra_parameters(config: DecoderConfig) -> int:
-    """Parameters a family's block adds to Llama's (Qwen3's per-head q/k norm weights): small
-    tensors replicated on every TP rank, read by no matmul. For an MoE family, whose
-    ``layer_parameters`` counts experts, the part besides the feed-forward layer."""
+    """Parameters a family's block adds to the parts of its :class:`BlockShape` (Qwen3's per-head
+    q/k norm weights): small tensors replicated on every TP rank, read by no matmul. For an MoE
+    family, whose ``layer_parameters`` counts experts, the part besides the feed-forward layer."""
     if moe_shape(config) is not None:
         return attention_extra_parameters(config)
-    return config.layer_parameters() - LlamaConfig.layer_parameters(llama_block(config))
+    return extra_parameters(config)
 
 
 def layer_matmul_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: int | None = None) -> int:
     """The part of :func:`layer_parameter_count` that matmuls read (everything but the norms)."""
-    return layer_parameter_count(config, sh, layer) - 2 * sh.hidden - family_extra_parameters(config)
+    return (layer_parameter_count(config, sh, layer) - norm_parameter_count(block_of(config), sh)
+            - family_extra_parameters(config))
+
+
+def layer_weight_copy_count(config: DecoderConfig, sh: LocalShapes) -> int:
+    """Elements of a dense layer's matmul weights that autocast copies to the compute dtype and
+    keeps for backward: :func:`layer_matmul_parameter_count` without the biases (cast too, but not
+    saved: a bias's gradient needs no input)."""
+    return layer_matmul_parameter_count(config, sh) - bias_parameter_count(block_of(config), sh)
 
 
 @dataclass(frozen=True)
@@ -322,7 +339,7 @@ def chunk_parameter_count(config: DecoderConfig, sh: LocalShapes, chunk: Chunk) 
     if chunk.first or (chunk.last and config.tie_word_embeddings):
         n += embed
     if chunk.last:
-        n += sh.hidden + (0 if config.tie_word_embeddings else embed)
+        n += config.final_norm_parameters() + (0 if config.tie_word_embeddings else embed)
     return n
 
 
@@ -347,7 +364,7 @@ def _largest_weights(config: DecoderConfig, sh: LocalShapes, chunks: list[Chunk]
     moe = moe_shape(config)
     dense_layers = any(moe is None or not moe.is_sparse(layer) for ch in chunks for layer in ch.layers)
     if any(ch.layers for ch in chunks):
-        sizes += [sh.hidden * sh.q, sh.hidden * sh.kv]
+        sizes += qkv_weight_sizes(block_of(config), sh)
     if dense_layers:
         sizes.append(sh.hidden * sh.intermediate)
     if any(ch.first or ch.last for ch in chunks):
@@ -383,8 +400,8 @@ def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, preci
                            seq_len: int, layer: int | None = None) -> int:
     """Bytes one decoder layer saves for backward per micro-batch (per TP rank).
 
-    ``activation_checkpointing="none"`` (what plait's Llama saves; flash/memory-efficient SDPA,
-    so no ``S x S`` score matrix)::
+    ``activation_checkpointing="none"`` (what plait's blocks save; flash/memory-efficient SDPA,
+    so no ``S x S`` score matrix), for Llama's block::
 
         2 norms      2 * B*S'*h*(4 + r) + 2 * 4*B*S'     fp32 input (the residual itself when
                                                          r = 4, else an fp32 copy), the
@@ -401,16 +418,25 @@ def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, preci
                      + B*S*c*q with padding heads        the masked output copy
         MLP          4 * B*S*i*c                         gate, up, silu(gate), silu(gate)*up
 
-    ``"selective"`` (plait's default names ``self_attn.core`` and ``mlp.act``) recomputes the
-    attention core (rotary, SDPA) and the SwiGLU product in backward. The checkpointed modules'
-    inputs stay alive (the q/k/v projections, gate and up) and so do their outputs, which the
-    next matmul saves as its input (``o_proj``, or the padding-head mask's product, and
-    ``down_proj``): attention keeps ``B*S*c*(2q + 2k)`` and the MLP ``3*B*S*i*c``. What selective
-    saves per layer is therefore only the logsumexp, the padding-head copy and ``silu(gate)``
-    (``B*S*i*c``): with flash / memory-efficient SDPA there is no ``S x S`` matrix to drop.
-    Measured equal to the live tensors of a real checkpointed forward (tests). ``"full"`` keeps
-    only the layer input, ``B*S'*h*r`` (the one layer being recomputed is added once, by
-    :func:`estimate_memory`).
+    Another block (its :class:`~plait.models.decoder.shapes.BlockShape`, GPT-NeoX's) changes these
+    terms: a layer norm saves its input as it is and two fp32 numbers per token (mean and rstd),
+    ``B*S'*h*r + 8*B*S'``, and with the parallel residual both norms read (and save) the same input,
+    counted once; one fused q/k/v projection is one matmul input (``n_in = 1``) and its output
+    ``B*S*c*(q + 2k)`` stays alive through the views of it the attention keeps (v), beside the
+    rotated q and k and the output, ``B*S*c*(2q + k)``; a plain MLP saves its activation's input and
+    output, ``2 * B*S*i*c`` (ReLU only its output, which the next matmul saves: ``B*S*i*c``).
+
+    ``"selective"`` (the config's default names, Llama's ``self_attn.core`` and ``mlp.act``)
+    recomputes the attention core (rotary, SDPA) and the MLP's activation in backward. The
+    checkpointed modules' inputs stay alive (the q/k/v projections, gate and up) and so do their
+    outputs, which the next matmul saves as its input (``o_proj``, or the padding-head mask's
+    product, and ``down_proj``): attention keeps ``B*S*c*(2q + 2k)`` (a fused projection the same:
+    its ``q + 2k`` output and the ``q`` output) and the gated MLP ``3*B*S*i*c`` (a plain one
+    ``2*B*S*i*c``, no saving). What selective saves per layer is therefore only the logsumexp, the
+    rotated q and k of a fused projection, the padding-head copy and ``silu(gate)`` (``B*S*i*c``):
+    with flash / memory-efficient SDPA there is no ``S x S`` matrix to drop. Measured equal to the
+    live tensors of a real checkpointed forward (tests). ``"full"`` keeps only the layer input,
+    ``B*S'*h*r`` (the one layer being recomputed is added once, by :func:`estimate_memory`).
 
     A sparse layer of an MoE family (``layer`` given): the MLP's terms (its matmul input and the
     SwiGLU tensors) are replaced by the MoE block's, :func:`plait.plan.moe.moe_activation_bytes`
@@ -422,6 +448,7 @@ def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, preci
     """
     pb = precision_bytes(precision)
     sh = local_shapes(config, layout)
+    block = block_of(config)
     B, S, h = micro_batch_size, seq_len, sh.hidden
     S_r = _replicated_seq(layout, seq_len)
     r, c = pb.residual, pb.compute
@@ -430,8 +457,8 @@ def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, preci
     if layout.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing={layout.activation_checkpointing!r} is not valid; "
                          f"valid: {', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
-    norms = 2 * (B * S_r * h * (4 + r) + 4 * B * S_r)
-    n_in, n_mlp = (3, 2) if (pb.autocast and sh.tp == 1) else (1, 1)
+    norms = _block_norm_bytes(block, B * S_r, h, r)
+    n_in, n_mlp = _matmul_inputs(block, pb, sh.tp)
     moe = moe_shape(config)
     sparse = moe is not None and layer is not None and moe.is_sparse(layer)
     if sparse:
@@ -439,16 +466,51 @@ def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, preci
     matmul_in = (n_in + n_mlp) * B * S_r * h * c
     if layout.activation_checkpointing == "selective":
         attn = B * S * c * (2 * sh.q + 2 * sh.kv)
-        mlp = 3 * B * S * sh.intermediate * c
+        mlp = (3 if block.gated_mlp else 2) * B * S * sh.intermediate * c
     else:
         attn = B * S * c * (2 * sh.q + 2 * sh.kv) + 4 * B * sh.q_heads * S
+        if block.fused_qkv:  # the fused output (v's storage), rotated q and k, the output
+            attn = B * S * c * ((sh.q + 2 * sh.kv) + (sh.q + sh.kv) + sh.q) + 4 * B * sh.q_heads * S
         if sh.head_padding:
             attn += B * S * c * sh.q
-        mlp = 4 * B * S * sh.intermediate * c
+        mlp = _mlp_bytes(block, B * S, sh.intermediate, c)
     if sparse:
         assert moe is not None
         mlp = moe_activation_bytes(moe, h, B * S_r, sh.ep, compute=c, residual=r, autocast=pb.autocast)
     return norms + matmul_in + attn + mlp
+
+
+def _norm_bytes(block: BlockShape, tokens: int, h: int, r: int) -> tuple[int, int]:
+    """``(input part, the rest)`` one norm saves for ``tokens`` tokens: an RMSNorm its fp32 input
+    (``4``), the normalised tensor (``r``) and the rsqrt; a layer norm its input as it is (``r``) and
+    the mean and rstd (fp32)."""
+    if block.norm == "layer":
+        return tokens * h * r, 8 * tokens
+    return tokens * h * 4, tokens * h * r + 4 * tokens
+
+
+def _block_norm_bytes(block: BlockShape, tokens: int, h: int, r: int) -> int:
+    """The two norms of a block: with the parallel residual they read the same input, which is saved
+    once when the norm keeps it as it is (a layer norm; an RMSNorm when the residual is fp32)."""
+    inp, rest = _norm_bytes(block, tokens, h, r)
+    shared = block.parallel_residual and (block.norm == "layer" or r == 4)
+    return (1 if shared else 2) * inp + 2 * rest
+
+
+def _matmul_inputs(block: BlockShape, pb: PrecisionBytes, tp: int) -> tuple[int, int]:
+    """Copies of the attention's and the MLP's input that their first matmuls save: one each, except
+    at ``T = 1`` under autocast, where every ``nn.Linear`` casts its own (separate q/k/v: 3; a gated
+    MLP's gate and up: 2)."""
+    own_copies = pb.autocast and tp == 1
+    return (3 if own_copies and not block.fused_qkv else 1), (2 if own_copies and block.gated_mlp else 1)
+
+
+def _mlp_bytes(block: BlockShape, tokens: int, i: int, c: int) -> int:
+    """What a dense MLP saves without checkpointing: gate, up, silu(gate) and the product (SwiGLU);
+    the activation's input and output (plain MLP; ReLU keeps only its output)."""
+    if block.gated_mlp:
+        return 4 * tokens * i * c
+    return (1 if block.activation == "relu" else 2) * tokens * i * c
 
 
 def _replicated_seq(layout: ParallelDegrees, seq_len: int) -> int:
@@ -476,10 +538,13 @@ def chunk_cost(config: DecoderConfig, layout: ParallelDegrees, precision: str, c
     """Activation-phase costs of one chunk (module doc; ``N = B * S`` tokens, ``V'`` local vocab).
 
     * activations: ``len(layers) * layer_activation_bytes`` + the rotary ``cos``/``sin`` tables
-      (``2 * S * head_dim * r``); last stage: the final norm as a layer norm saves it
-      (``B*S'*h*(4 + r) + 4*B*S'``) and the output head's input (``B*S'*h*c``).
-    * weight_copies (autocast only): ``2 * matmul params`` of the layers (none under full
-      checkpointing: the recomputation casts again), and of the output head on the last stage.
+      (``2 * S * rotary_dim * r``, ``rotary_dim = head_dim`` but under partial rotary); last stage:
+      the final norm as a layer's norm saves it (RMSNorm ``B*S'*h*(4 + r) + 4*B*S'``, layer norm
+      ``B*S'*h*r + 8*B*S'``: its fp32 mean and rstd, as CUDA keeps them; the CPU kernel keeps a bf16
+      norm's in bf16, 4 bytes per token less) and the output head's input (``B*S'*h*c``).
+    * weight_copies (autocast only): ``2 * matmul weights`` of the layers, their biases aside (none
+      under full checkpointing: the recomputation casts again), and of the output head on the last
+      stage.
     * logits_saved (last stage): TP = 1 (``F.cross_entropy`` on ``logits.float()``): the fp32
       log-softmax, ``4 N V'``. The chunked vocab-parallel loss (TP > 1, or cp > 1 at any TP): the
       logits it receives, ``l N V'`` with ``l = c`` under TP and ``l = 4`` under cp (the output
@@ -502,10 +567,12 @@ def chunk_cost(config: DecoderConfig, layout: ParallelDegrees, precision: str, c
     """
     pb = precision_bytes(precision)
     sh = local_shapes(config, layout)
+    block = block_of(config)
     B, S, h = micro_batch_size, seq_len, sh.hidden
     S_r = _replicated_seq(layout, S)
     N = B * S
     c, r, g, p = pb.compute, pb.residual, pb.grad, pb.param
+    one_norm = sum(_norm_bytes(block, B * S_r, h, r))
     c_a = c if pb.autocast else 0
     moe = moe_shape(config)
     if moe is None:
@@ -513,14 +580,14 @@ def chunk_cost(config: DecoderConfig, layout: ParallelDegrees, precision: str, c
     else:
         act = sum(count * layer_activation_bytes(config, layout, precision, B, S, layer)
                   for layer, count in layer_kinds(moe, chunk.layers))
-    act += 2 * S * config.head_dim * r
+    act += 2 * S * block.rotary_dim * r
     copies = 0
     if moe is not None:
         copies = _moe_chunk_copies(config, moe, sh, pb, layout, chunk)
     elif pb.autocast and layout.activation_checkpointing != "full":
-        copies = 2 * len(chunk.layers) * layer_matmul_parameter_count(config, sh)
+        copies = 2 * len(chunk.layers) * layer_weight_copy_count(config, sh)
     logits = fwd = 0
-    bwd = max(sh.hidden * sh.q, sh.hidden * sh.kv, sh.hidden * sh.intermediate) * (p + c_a) if chunk.layers else 0
+    bwd = max(*qkv_weight_sizes(block, sh), sh.hidden * sh.intermediate) * (p + c_a) if chunk.layers else 0
     if moe is not None and any(moe.is_sparse(layer) for layer in chunk.layers):
         # the grouped matmul's gradient of one stacked projection [E/ep, h, w] (compute dtype), then
         # its cast to the parameter dtype before it is split into the experts' gradients
@@ -528,7 +595,7 @@ def chunk_cost(config: DecoderConfig, layout: ParallelDegrees, precision: str, c
                   # sequence parallelism: the hook's copy of one expert projection's gradient to sum over TP
                   + (h * moe.width * p if layout.sequence_parallel and sh.tp > 1 else 0))
     if chunk.last:
-        act += B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
+        act += one_norm + B * S_r * h * c
         if pb.autocast:
             copies += 2 * sh.vocab * h
         if sh.tp > 1 or layout.cp > 1:  # cp's output module runs the vocab-parallel loss at any TP
@@ -554,10 +621,11 @@ def chunk_cost(config: DecoderConfig, layout: ParallelDegrees, precision: str, c
     if layout.cp > 1 and chunk.layers:  # the ring kernel's piece scores, first in the last layer's attention backward
         released = 0  # what this micro-batch has freed by then: saved logits, final norm, head input, last MLP half
         if chunk.last:
-            released += logits + B * S_r * h * (4 + r) + 4 * B * S_r + B * S_r * h * c
-        if layout.activation_checkpointing == "none":
-            n_mlp = 2 if (pb.autocast and sh.tp == 1) else 1
-            released += B * S_r * h * (4 + r) + 4 * B * S_r + n_mlp * B * S_r * h * c + 4 * B * S * sh.intermediate * c
+            released += logits + one_norm + B * S_r * h * c
+        if layout.activation_checkpointing == "none":  # the MLP half: its norm, matmul input and tensors
+            n_mlp = _matmul_inputs(block, pb, sh.tp)[1]
+            mlp_norm = _block_norm_bytes(block, B * S_r, h, r) - one_norm  # shared input: its stats only
+            released += mlp_norm + n_mlp * B * S_r * h * c + _mlp_bytes(block, B * S, sh.intermediate, c)
         bwd = max(bwd, attention_workspace_bytes(B, S, sh.q_heads) - released)
     end = sh.vocab * h * p if chunk.first else 0
     grads = chunk_parameter_count(config, sh, chunk) * g
@@ -816,7 +884,7 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
             extra_layer = layer_activation_bytes(config, dataclasses.replace(layout, activation_checkpointing="none"),
                                                  pb.name, B, S)
             if pb.autocast:
-                extra_layer += 2 * layer_matmul_parameter_count(config, sh)
+                extra_layer += 2 * layer_weight_copy_count(config, sh)
         else:
             extra_layer = _moe_recomputed_layer(config, layout, pb, B, S, chunks)
     peak = schedule_peak(layout, m, pp_rank, costs, chunks, act_bytes=act_bytes, extra_layer=extra_layer)
@@ -900,5 +968,5 @@ def _moe_recomputed_layer(config: DecoderConfig, layout: ParallelDegrees, pb: Pr
 __all__ = ["Chunk", "ChunkCost", "LocalShapes", "MemoryBreakdown", "PRECISIONS", "PrecisionBytes", "SchedulePeak",
            "chunk_cost", "chunk_expert_parameter_count", "chunk_parameter_count", "default_stage_layers",
            "estimate_memory", "ffn_parameter_count", "layer_activation_bytes", "layer_expert_parameter_count",
-           "layer_matmul_parameter_count", "layer_parameter_count", "local_shapes", "precision_bytes", "rank_chunks",
-           "rank_parameter_count", "schedule_peak"]
+           "layer_matmul_parameter_count", "layer_parameter_count", "layer_weight_copy_count", "local_shapes",
+           "precision_bytes", "rank_chunks", "rank_parameter_count", "schedule_peak"]

@@ -142,6 +142,17 @@ class HeadLayout:
     def kv_rows(self, tp_rank: int) -> tuple[int, ...]:
         return _expand(self.kv_heads(tp_rank), self.head_dim)
 
+    def grouped_rows(self, tp_rank: int, parts: int) -> tuple[int, ...]:
+        """Rows of ``tp_rank``'s share of a fused projection laid out head by head, each head
+        ``parts`` consecutive blocks of ``head_dim`` rows (GPT-NeoX's ``query_key_value``: per head
+        ``[q, k, v]``, ``parts = 3``), so a rank holds whole heads with all their parts. Only
+        without grouped-query attention and KV replication (each query head owns its K/V head)."""
+        if self.num_kv_heads != self.num_heads or self.kv_replication != 1:
+            raise HeadLayoutError(f"a head-grouped fused projection needs one K/V head per query head and no KV "
+                                  f"replication; got num_attention_heads={self.num_heads}, num_key_value_heads="
+                                  f"{self.num_kv_heads}, kv_replication={self.kv_replication}")
+        return _expand(self.q_heads(tp_rank), parts * self.head_dim)
+
     def real_q_mask(self, tp_rank: int) -> tuple[bool, ...]:
         return tuple(h >= 0 for h in self.q_heads(tp_rank))
 

@@ -1,12 +1,15 @@
-"""Tensor-parallel SwiGLU MLP: gate/up column-parallel (one shared input), down row-parallel."""
+"""Tensor-parallel MLPs: SwiGLU (gate/up column-parallel with one shared input, down row-parallel)
+and the plain MLP (``dense_h_to_4h`` column-parallel, ``dense_4h_to_h`` row-parallel)."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
-from plait.nn.mlp import SwiGLU
+from plait.nn.mlp import SwiGLU, activation
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -34,3 +37,30 @@ class ParallelGatedMLP(nn.Module):
             self.tp.group, sequence_parallel=self.sequence_parallel,
             weight_grad_queue=self.gate_proj.weight_grad_queue)
         return self.down_proj(self.act(gate, up))
+
+
+class ParallelDenseMLP(nn.Module):
+    """The plain MLP of :class:`plait.nn.mlp.DenseMLP` split over the TP group: ``dense_h_to_4h``'s
+    output features (and bias) sharded, the activation on the local features, ``dense_4h_to_h``'s
+    input features sharded and its bias replicated (added once, after the reduction)."""
+
+    #: its forward calls each projection as a module (no fused matmul), so a LoRA adapter on one adds
+    #: itself in that projection's own forward (see :mod:`plait.lora.apply`)
+    calls_its_projections: ClassVar[bool] = True
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: GroupInfo, act: str = "gelu", *,
+                 bias: bool = True, sequence_parallel: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        if intermediate_size % tp.size:
+            raise ValueError(
+                f"intermediate_size={intermediate_size} is not divisible by tp={tp.size}; choose a tp "
+                f"that divides it"
+            )
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        kw = {"bias": bias, "sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
+        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, intermediate_size, tp, **kw)
+        self.act = activation(act)
+        self.dense_4h_to_h = RowParallelLinear(intermediate_size, hidden_size, tp, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))

@@ -1,7 +1,7 @@
 """Compiled decoder blocks and loss head (``train.compile``), their cache and their compile time.
 
 What is compiled: in each of this rank's stages, the decoder blocks (``...layers.<i>``) and the
-loss head (the final norm ``model.norm`` and the loss module ``output``), cut into units by
+loss head (the final norm, ``model.norm`` in Llama's names, and the loss module ``output``), cut into units by
 :func:`compile_units`; each unit is one ``torch.compile`` (inductor: C++/OpenMP kernels on CPU,
 Triton on CUDA) installed through ``nn.Module``'s own compiled-call hook, so parameter names, state
 dicts, hooks and the optimizer's flat buffers are untouched, and all blocks share one compiled
@@ -59,6 +59,8 @@ from torch import nn
 
 from plait.activation_checkpointing import checkpointed_modules, decoder_blocks
 from plait.data.tokenizer import cache_dir
+from plait.models.decoder.config import DecoderConfig
+from plait.models.registry import family_of
 from plait.nn.moe import MoELayer
 from plait.tensor_parallel.random import TensorParallelRNG
 
@@ -67,7 +69,8 @@ from plait.tensor_parallel.random import TensorParallelRNG
 MODES = ("default", "max-autotune-no-cudagraphs")
 #: inductor settings of every unit: dropout draws from the eager generators (see the module docstring)
 INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
-#: the loss head's modules in a last stage (the whole model has the same names)
+#: the loss head's modules in a last stage of Llama's names (the whole model has the same names); a
+#: family names its final norm among its pipeline units (:func:`head_modules`)
 HEAD_MODULES = ("model.norm", "output")
 #: weight-free modules worth compiling on their own (rotary + attention, SwiGLU, the loss)
 WEIGHT_FREE = ("core", "act", "output")
@@ -150,10 +153,21 @@ def compile_units(stage: nn.Module) -> list[tuple[str, nn.Module]]:
             visit(f"{name}.{child_name}", child)
 
     present = dict(stage.named_modules())
-    roots = decoder_blocks(stage) + [(name, present[name]) for name in HEAD_MODULES if name in present]
+    roots = decoder_blocks(stage) + [(name, present[name]) for name in head_modules(stage) if name in present]
     for name, root in roots:
         visit(name, root)
     return units
+
+
+def head_modules(stage: nn.Module) -> tuple[str, ...]:
+    """The loss head's module names in ``stage``: its family's final norm (the pipeline unit of kind
+    ``norm``, e.g. ``gpt_neox.final_layer_norm``) and the loss module; :data:`HEAD_MODULES` for a
+    module that is not a family's model or stage."""
+    config = getattr(stage, "config", None)
+    if not isinstance(config, DecoderConfig):
+        return HEAD_MODULES
+    norms = [u.name for u in family_of(config).units(config) if u.kind == "norm"]
+    return (*norms, "output")
 
 
 class _TrainingOnly:
@@ -199,4 +213,4 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 __all__ = ["HEAD_MODULES", "INDUCTOR_OPTIONS", "MODES", "compile_cache_dir", "compile_seconds", "compile_stages",
-           "compile_units", "inductor_options", "is_compiled", "use_compile_cache"]
+           "compile_units", "head_modules", "inductor_options", "is_compiled", "use_compile_cache"]

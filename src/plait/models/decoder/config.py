@@ -11,7 +11,8 @@ positional encoding, biases, experts, a sliding window) is the family's own fiel
   :class:`~plait.models.errors.ModelConfigError` naming the field, the value and the fix;
 - :meth:`DecoderConfig.hf_fields` maps the family's Hugging Face spellings when reading a
   ``config.json``, :meth:`DecoderConfig.to_hf_dict` adds its ``model_type`` and own keys;
-- :meth:`DecoderConfig.layer_parameters` counts one block (the family's block decides);
+- :meth:`DecoderConfig.layer_parameters` counts one block and :meth:`DecoderConfig.block_shape`
+  describes its parts to the planner (the family's block decides);
   :meth:`DecoderConfig.num_parameters` and :meth:`DecoderConfig.attention_span` (model FLOPs,
   pipeline costs) have generic defaults.
 """
@@ -22,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
+from plait.models.decoder.shapes import BlockShape
 from plait.models.errors import ModelConfigError
 
 T = TypeVar("T")
@@ -94,6 +96,13 @@ class DecoderConfig:
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     required_hf_keys: ClassVar[tuple[str, ...]] = REQUIRED_HF_KEYS
+    #: the submodules of one decoder block (block-relative names) that selective activation
+    #: checkpointing may name (:mod:`plait.activation_checkpointing`): Llama's block by default
+    checkpointable_modules: ClassVar[tuple[str, ...]] = ("input_layernorm", "self_attn", "self_attn.core",
+                                                         "post_attention_layernorm", "mlp", "mlp.act")
+    #: what selective checkpointing recomputes when no names are given: the block's weight-free parts
+    #: (the attention core and the MLP's activation), whose saved activations are large and cheap to redo
+    selective_checkpoint_modules: ClassVar[tuple[str, ...]] = ("self_attn.core", "mlp.act")
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -182,6 +191,11 @@ class DecoderConfig:
     def layer_parameters(self) -> int:
         """Parameters of one decoder block; the family's block decides (an MoE family: the mean block)."""
         raise NotImplementedError(f"{type(self).__name__} does not count its decoder block's parameters")
+
+    def block_shape(self) -> BlockShape:
+        """The parts of one dense decoder block, as the planner prices them (:class:`BlockShape`);
+        the family's block decides."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its decoder block to the planner")
 
     def final_norm_parameters(self) -> int:
         """Parameters of the norm after the last block: one weight per channel (RMSNorm); a family

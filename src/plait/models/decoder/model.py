@@ -7,11 +7,15 @@ through interface points rather than by rewriting the body:
 - ``DecoderModel.layer_cls`` (or :meth:`DecoderModel.build_layer`, for blocks that differ by
   index), :meth:`DecoderModel.build_norm` and :meth:`DecoderModel.block_inputs` (the side inputs
   every block receives after the hidden state: Llama's rotary tables and document mask);
-- ``DecoderForCausalLM.model_cls``.
+- ``DecoderForCausalLM.model_cls``;
+- the attribute names of the parts, which are Hugging Face's: ``DecoderModel.embedding_name``
+  and ``norm_name``, ``DecoderForCausalLM.decoder_name`` and ``head_name`` (Llama's
+  ``model.embed_tokens``, ``model.layers.N``, ``model.norm``, ``lm_head`` by default; GPT-NeoX's
+  ``gpt_neox.embed_in``, ``gpt_neox.final_layer_norm``, ``embed_out``). Code that needs a part
+  whatever its name reads it through ``embedding`` / ``final_norm`` / ``decoder`` / ``head``.
 
-Parameter names follow Hugging Face's (``model.embed_tokens``, ``model.layers.N``, ``model.norm``,
-``lm_head``). The tensor-parallel plan swaps the embedding, the norms, the head and the loss
-module for parallel ones, which is why they are typed as plain modules here.
+The tensor-parallel plan swaps the embedding, the norms, the head and the loss module for
+parallel ones, which is why they are typed as plain modules here.
 """
 
 from __future__ import annotations
@@ -39,15 +43,31 @@ class DecoderModel(nn.Module):
 
     #: the block class; each block is built as ``layer_cls(config, device=, dtype=)``
     layer_cls: ClassVar[type[nn.Module]]
+    #: Hugging Face's attribute names of the token embedding and of the final norm
+    embedding_name: ClassVar[str] = "embed_tokens"
+    norm_name: ClassVar[str] = "norm"
 
     def __init__(self, config: DecoderConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        # typed as modules: the tensor-parallel plan swaps in its parallel embedding and norm
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        # plain modules: the tensor-parallel plan swaps in its parallel embedding and norm
+        setattr(self, self.embedding_name, nn.Embedding(config.vocab_size, config.hidden_size, device=device,
+                                                        dtype=dtype))
         self.layers = nn.ModuleList(self.build_layer(config, i, device=device, dtype=dtype)
                                     for i in range(config.num_hidden_layers))
-        self.norm: nn.Module = self.build_norm(config, device=device, dtype=dtype)
+        setattr(self, self.norm_name, self.build_norm(config, device=device, dtype=dtype))
+
+    @property
+    def embedding(self) -> nn.Module:
+        """The token embedding (``embed_tokens`` or the family's name for it)."""
+        module: nn.Module = getattr(self, self.embedding_name)
+        return module
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm after the last block (``norm`` or the family's name for it)."""
+        module: nn.Module = getattr(self, self.norm_name)
+        return module
 
     def build_layer(self, config: DecoderConfig, layer_id: int, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> nn.Module:
@@ -69,11 +89,17 @@ class DecoderModel(nn.Module):
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids``/``segment_ids`` (``[batch, seq]``) describe a packed batch: positions
         restart in each sample and attention stays within a sample."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         side = self.block_inputs(h, input_ids.shape[1], position_ids, segment_ids)
         for layer in self.layers:
             h = layer(h, *side)
-        return self.norm(h)
+        return self.final_norm(h)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state the first block receives: the token embedding (a family adds, e.g., the
+        embedding dropout of GPT-NeoX)."""
+        h: torch.Tensor = self.embedding(input_ids)
+        return h
 
 
 class DecoderForCausalLM(nn.Module):
@@ -81,6 +107,9 @@ class DecoderForCausalLM(nn.Module):
 
     #: the decoder class, built as ``model_cls(config, device=, dtype=)``
     model_cls: ClassVar[type[DecoderModel]]
+    #: Hugging Face's attribute names of the decoder and of the output head
+    decoder_name: ClassVar[str] = "model"
+    head_name: ClassVar[str] = "lm_head"
 
     #: set by the family's tensor-parallel plan (``parallelize``); the builder
     #: (:mod:`plait.materialize`) sets ``rng_tracker`` on every model it builds
@@ -93,17 +122,29 @@ class DecoderForCausalLM(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = self.model_cls(config, device=device, dtype=dtype)
-        # typed as modules: the tensor-parallel plan swaps in its column-parallel head and loss
-        self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device,
-                                            dtype=dtype)
+        setattr(self, self.decoder_name, self.model_cls(config, device=device, dtype=dtype))
+        # a plain module: the tensor-parallel plan swaps in its column-parallel head (and loss)
+        setattr(self, self.head_name, nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device,
+                                                dtype=dtype))
         self.tie_weights()
         self.output: nn.Module = CausalLMOutput(config.vocab_size)
+
+    @property
+    def decoder(self) -> DecoderModel:
+        """The decoder (``model`` or the family's name for it)."""
+        module: DecoderModel = getattr(self, self.decoder_name)
+        return module
+
+    @property
+    def head(self) -> nn.Module:
+        """The output head (``lm_head`` or the family's name for it)."""
+        module: nn.Module = getattr(self, self.head_name)
+        return module
 
     def tie_weights(self) -> None:
         """Re-tie the output head to the embedding (needed after ``to_empty`` or module swaps)."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.head.weight = self.decoder.embedding.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
@@ -112,11 +153,11 @@ class DecoderForCausalLM(nn.Module):
         ``loss_normalizer``); ``position_ids``/``segment_ids`` for a packed batch.
         ``logits_to_keep > 0`` (no labels): the logits of the last that many positions only, the
         ones generation reads (the head over a whole prompt would be the largest tensor of it)."""
-        h = self.model(input_ids, position_ids, segment_ids)
+        h = self.decoder(input_ids, position_ids, segment_ids)
         if logits_to_keep > 0 and labels is None:
             assert not getattr(self, "sequence_parallel", False), "a sequence shard has no 'last positions'"
             h = h[:, -logits_to_keep:]
-        output: torch.Tensor = self.output(self.lm_head(h), labels, loss_normalizer)
+        output: torch.Tensor = self.output(self.head(h), labels, loss_normalizer)
         return output
 
 

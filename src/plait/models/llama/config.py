@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from plait.models.decoder.config import DecoderConfig, Derived
+from plait.models.decoder.shapes import BlockShape
 from plait.models.errors import ModelConfigError
 
 #: ``config.json`` model types this family reads: Llama, and Qwen2 (Llama with q/k/v biases), which
@@ -177,6 +178,11 @@ class LlamaConfig(DecoderConfig):
             del d["attention_bias"]
             d.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False})
         return d
+
+    def block_shape(self) -> BlockShape:
+        """Llama's block: separate q/k/v, the SwiGLU MLP, two RMSNorms, the sequential residual."""
+        return BlockShape(fused_qkv=False, qkv_bias=self.attention_bias, o_bias=self.o_proj_bias, gated_mlp=True,
+                          mlp_bias=self.mlp_bias, norm="rms", parallel_residual=False, rotary_dim=self.head_dim)
 
     def layer_parameters(self) -> int:
         """Parameters of one decoder block (attention, MLP, two norms)."""

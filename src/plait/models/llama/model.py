@@ -112,6 +112,9 @@ class LlamaModel(DecoderModel):
     """Embedding, decoder blocks, final RMSNorm (and the rotary tables every block shares)."""
 
     layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    #: the parts under the base's default names (typed as modules: the TP plan swaps them)
+    embed_tokens: nn.Module
+    norm: nn.Module
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
         super().__init__(config, device=device, dtype=dtype)
@@ -134,4 +137,5 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     config: LlamaConfig
     model: LlamaModel
+    lm_head: nn.Module
     model_cls: ClassVar[type[DecoderModel]] = LlamaModel
