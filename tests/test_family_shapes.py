@@ -34,6 +34,8 @@ FAMILY_FIELDS = {
     # layer 1 is dense: its MLP is the plan's split one
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[1]),
     "gpt_neox": dict(partial_rotary_factor=0.5),
+    # a sliding and a full-attention layer; four norms and the q/k norms per block
+    "gemma3": dict(sliding_window=8, sliding_window_pattern=2),
 }
 #: families without grouped-query attention: their configs take one K/V head per query head
 NO_GQA = {"gpt_neox"}

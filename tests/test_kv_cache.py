@@ -52,6 +52,8 @@ def _config(family: str, **changes):
                   mlp_only_layers=[0])
     if family == "gpt_neox":  # no grouped-query attention; half of each head rotates
         kw.update(num_key_value_heads=4, partial_rotary_factor=0.5)
+    if family == "gemma3":  # sliding, full, sliding layers: each layer's cache keeps its own window
+        kw.update(head_dim=16, sliding_window=6, sliding_window_pattern=2, query_pre_attn_scalar=12)
     return FAMILIES[family].config_cls(**{**kw, **changes})
 
 
@@ -68,7 +70,7 @@ def _cached(model):
     return greedy, sampled
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_neox", "gemma3"])
 def test_cached_equals_uncached_for_every_family(family):
     model = build_model(_config(family), single_process_mesh(), seed=1)
     assert _cached(model) == _reference(model)
@@ -177,6 +179,8 @@ HF = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(intermediate_size=24, moe_intermediate_size=8,
                                                                 num_experts=4, num_experts_per_tok=2, head_dim=8)),
     "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(num_key_value_heads=4, rotary_pct=0.5)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
+                                                            layer_types=["sliding_attention", "full_attention"])),
 }
 
 

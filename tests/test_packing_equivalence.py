@@ -34,6 +34,8 @@ def _config(family: str = "llama"):
         kw["sliding_window"] = 4  # shorter than every sample: the window matters inside each one
     if family == "gpt_neox":  # no grouped-query attention; partial rotary on the document positions
         kw.update(num_key_value_heads=4, partial_rotary_factor=0.5)
+    if family == "gemma3":  # sliding layers with a window shorter than every sample, and full ones
+        kw.update(head_dim=12, sliding_window=4, sliding_window_pattern=2)
     return FAMILIES[family].config_cls(**kw)
 
 
@@ -92,7 +94,7 @@ def _max_diff(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
     return max(float((grads[n] - reference[n]).abs().max()) for n in reference)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_neox", "gemma3"])
 def test_each_packed_sample_equals_the_sample_alone(family):
     config = _config(family)
     model = build_model(config, single_process_mesh(), seed=3)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.init import fill_rows_, initial_rows
+from plait.init import fill_rows_, initial_constants, initial_rows
 from plait.models.hf_io import HFRowReader, HFTensors
 from plait.parallel_state import shard_specs
 from plait.tensor_parallel.sharding import ShardSpec
@@ -34,6 +34,7 @@ class _Origin:
     name: str  #: the parameter's name in its stage (the name the initialisation and the checkpoint use)
     spec: ShardSpec | None
     shape: tuple[int, ...]  #: the local shape
+    constant: float | None = None  #: the constant its module starts it at (:func:`plait.init.initial_constants`)
 
 
 class DeferredValues:
@@ -52,6 +53,7 @@ class DeferredValues:
         (one placeholder per parameter object); frozen parameters are filled whole at once."""
         specs = shard_specs(module)
         names = {id(p): n for n, p in module.named_parameters()}
+        constants = initial_constants(module)
         placed: dict[int, nn.Parameter] = {}
         for sub in module.modules():
             for key, p in list(sub._parameters.items()):
@@ -61,7 +63,8 @@ class DeferredValues:
                     hold = torch.zeros((), dtype=p.dtype, device=self.device).expand(p.shape)
                     placed[id(p)] = nn.Parameter(hold, requires_grad=p.requires_grad)
                     name = names[id(p)]
-                    self._origins[id(placed[id(p)])] = _Origin(name, specs.get(name), tuple(p.shape))
+                    origin = _Origin(name, specs.get(name), tuple(p.shape), constants.get(name))
+                    self._origins[id(placed[id(p)])] = origin
                 sub._parameters[key] = placed[id(p)]
             for key, b in list(sub._buffers.items()):
                 if b is not None and b.device.type == "meta":
@@ -106,7 +109,7 @@ class DeferredValues:
         if self._reader is not None:
             self._reader.read_rows_(rows, origin.name, origin.spec, first)
         else:
-            fill_rows_(rows, origin.name, origin.spec, origin.shape, self.seed, self.std, first)
+            fill_rows_(rows, origin.name, origin.spec, origin.shape, self.seed, self.std, first, origin.constant)
         if head + body < dest.numel():
             dest[head + body:].copy_(self.flat_range(param, last * row, end))
 
@@ -119,7 +122,8 @@ class DeferredValues:
         if self._reader is not None:
             rows = self._reader.rows(origin.name, origin.spec, origin.shape, first, last)
         else:
-            rows = initial_rows(origin.name, origin.spec, origin.shape, self.seed, self.std, first, last)
+            rows = initial_rows(origin.name, origin.spec, origin.shape, self.seed, self.std, first, last,
+                                origin.constant)
         return rows.reshape(-1)[start - first * row:end - first * row].to(self.device)
 
     def left_in(self, modules: list[nn.Module]) -> list[str]:

@@ -52,30 +52,37 @@ def initial_shard(name: str, spec: ShardSpec | None, shape: tuple[int, ...], see
 
 
 @torch.no_grad()
-def fill_initial_(out: torch.Tensor, name: str, spec: ShardSpec | None, seed: int, std: float) -> None:
-    """Write parameter ``name``'s initial local value into ``out`` in place, block by block."""
-    fill_rows_(out, name, spec, tuple(out.shape), seed, std, 0)
+def fill_initial_(out: torch.Tensor, name: str, spec: ShardSpec | None, seed: int, std: float,
+                  constant: float | None = None) -> None:
+    """Write parameter ``name``'s initial local value into ``out`` in place, block by block
+    (``constant``: the value its module gives it, see :func:`initial_constants`)."""
+    fill_rows_(out, name, spec, tuple(out.shape), seed, std, 0, constant)
 
 
 def initial_rows(name: str, spec: ShardSpec | None, local_shape: tuple[int, ...], seed: int, std: float,
-                 first: int, end: int) -> torch.Tensor:
+                 first: int, end: int, constant: float | None = None) -> torch.Tensor:
     """Rows ``[first, end)`` (along dim 0) of parameter ``name``'s initial local value, bitwise equal
     to the same rows of :func:`initial_shard`, computed without the other rows: a rank that keeps
     only a range of a parameter (ZeRO-3) never holds the rest of it."""
     if not 0 <= first <= end <= local_shape[0]:
         raise ValueError(f"{name}: rows [{first}, {end}) are outside its {local_shape[0]} local rows")
     out = torch.empty((end - first,) + tuple(local_shape[1:]))
-    fill_rows_(out, name, spec, tuple(local_shape), seed, std, first)
+    fill_rows_(out, name, spec, tuple(local_shape), seed, std, first, constant)
     return out
 
 
 @torch.no_grad()
 def fill_rows_(out: torch.Tensor, name: str, spec: ShardSpec | None, local_shape: tuple[int, ...], seed: int,
-               std: float, first: int) -> None:
+               std: float, first: int, constant: float | None = None) -> None:
     """Write local rows ``[first, first + len(out))`` of ``name``'s initial value into ``out``
-    (a replicated weight's whole blocks are drawn straight into a contiguous fp32 ``out``)."""
+    (a replicated weight's whole blocks are drawn straight into a contiguous fp32 ``out``).
+    ``constant``: the parameter starts at that value everywhere (a norm's weight: see
+    :func:`initial_constants`); otherwise a name ending in ``norm.weight`` starts at one."""
     end = first + out.shape[0]
     full_shape = spec.full_shape if spec is not None else local_shape
+    if constant is not None:
+        out.copy_(_masked(torch.full(local_shape, float(constant)), spec)[first:end])
+        return
     if name.endswith("norm.weight"):
         out.copy_(_masked(torch.ones(local_shape), spec)[first:end])
         return
@@ -122,8 +129,21 @@ def _masked(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
 
 
 @torch.no_grad()
+def initial_constants(model: nn.Module) -> dict[str, float]:
+    """``{parameter name: value}`` of the weights that start at a constant their module names
+    (``initial_constant``: a norm's 1, or the 0 of an offset norm whose weight multiplies as
+    ``1 + weight``); the names are ``model``'s."""
+    out = {}
+    for prefix, module in model.named_modules():
+        value = getattr(module, "initial_constant", None)
+        if isinstance(value, (int, float)) and module._parameters.get("weight") is not None:
+            out[f"{prefix}.weight" if prefix else "weight"] = float(value)
+    return out
+
+
 def init_parameters(model: nn.Module, seed: int, std: float) -> None:
     """Fill every parameter of ``model`` (already allocated) with its layout-invariant value."""
     specs = shard_specs(model)
+    constants = initial_constants(model)
     for name, p in model.named_parameters():
-        fill_initial_(p.data, name, specs.get(name), seed, std)
+        fill_initial_(p.data, name, specs.get(name), seed, std, constants.get(name))

@@ -42,7 +42,9 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers",
                # gpt_neox; null = the family's default
-               "layer_norm_eps", "partial_rotary_factor", "use_parallel_residual", "hidden_act")
+               "layer_norm_eps", "partial_rotary_factor", "use_parallel_residual", "hidden_act",
+               # gemma3; null = the family's default
+               "sliding_window_pattern", "query_pre_attn_scalar", "rope_local_base_freq")
 #: ``train.objective`` values that train on preference pairs, and those of them measured against a reference
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
@@ -86,12 +88,15 @@ class ModelSection(Section):
     rope_theta: Float = Field(default=10000.0, gt=0, description="Base of the rotary position embedding")
     rope_scaling: dict[str, Any] | None = Field(default=None, description="Hugging Face rope_scaling "
                                                                           "mapping (rope_type 'default' "
-                                                                          "or 'llama3'); null = none")
+                                                                          "or 'llama3'; gemma3: 'default' "
+                                                                          "or 'linear', on its full "
+                                                                          "layers); null = none")
     attention_bias: Bool = Field(default=False, description="Biases on the q/k/v/o projections")
     tie_word_embeddings: Bool = Field(default=True, description="Share the input embedding with the output head")
     sliding_window: Int | None = Field(default=None, ge=1, description="Positions a query attends to, itself "
-                                                                       "included (model.family 'mistral' "
-                                                                       "only); null = full attention")
+                                                                       "included (model.family 'mistral'; "
+                                                                       "'gemma3': on its sliding layers, "
+                                                                       "which need it); null = full attention")
     attention_dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the attention probabilities")
     hidden_dropout: Float = Field(default=0.0, ge=0, lt=1, description="Dropout on the attention and MLP outputs "
                                                                        "before each residual add")
@@ -118,6 +123,16 @@ class ModelSection(Section):
                                                                          "attention then MLP (false); null = true")
     hidden_act: Literal[ACTIVATIONS] | None = Field(  # type: ignore[valid-type]
         default=None, description="gpt_neox: the MLP's activation (Hugging Face's hidden_act); null = 'gelu'")
+
+    sliding_window_pattern: Int | None = Field(default=None, ge=1, description="gemma3: every this many layers "
+                                                                               "is a full-attention one, the "
+                                                                               "others slide; null = 6")
+    query_pre_attn_scalar: Float | None = Field(default=None, gt=0, description="gemma3: the attention softmax "
+                                                                                "is scaled by its inverse square "
+                                                                                "root; null = head_dim")
+    rope_local_base_freq: Float | None = Field(default=None, gt=0, description="gemma3: rotary base of the "
+                                                                               "sliding layers (rope_theta: the "
+                                                                               "full ones'); null = 10000")
 
     def arch_values(self) -> dict[str, Any]:
         """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""

@@ -5,7 +5,7 @@ restored on the way out (also when generation fails):
 
 - eval mode (no dropout);
 - every attention core's ``kv_cache`` (see :mod:`plait.inference.kv_cache`): one layer cache each,
-  in module order;
+  in module order, with the core's own sliding window (its ``window``) when it has one;
 - sequence parallelism off: a decode step has one position per row, which cannot be split over
   the tensor-parallel ranks, so every module that splits or gathers the sequence
   (``sequence_parallel`` attribute: the parallel embedding, linears, attention, MLPs, LoRA layers)
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from plait.inference.kv_cache import KVCache
+from plait.inference.kv_cache import UNSET, KVCache
 from plait.nn.moe import MoELayer
 
 
@@ -49,7 +49,8 @@ def decoding(model: nn.Module, cache: KVCache) -> Iterator[int]:
     model.eval()
     try:
         for core in cores:
-            set_attr(core, "kv_cache", cache.layer())
+            # a core that names its sliding window (a layer of its own kind: Gemma 3) keeps it
+            set_attr(core, "kv_cache", cache.layer(getattr(core, "window", UNSET)))
         for module in model.modules():
             if getattr(module, "sequence_parallel", False) is True:
                 set_attr(module, "sequence_parallel", False)

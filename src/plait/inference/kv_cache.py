@@ -31,6 +31,13 @@ import torch.nn.functional as F
 from plait.nn.attention import rotated_heads
 
 
+class _Unset:
+    """The type of :data:`UNSET`: "not given", where ``None`` means full attention."""
+
+
+UNSET = _Unset()
+
+
 class KVCache:
     """The shared state of one generation's caches: ``batch`` rows of at most ``max_len`` slots.
 
@@ -50,43 +57,62 @@ class KVCache:
         self.pads = pads.to(device=self.device, dtype=torch.long)
         self.length = 0
         self.mask: torch.Tensor | None = None
-        self._additive: torch.Tensor | None = None
         self.causal = False
+        self._n = 0
+        self._masks: dict[int | None, tuple[torch.Tensor | None, bool]] = {}
+        self._additives: dict[int | None, torch.Tensor | None] = {}
         self._padded = bool((self.pads > 0).any())
 
-    def layer(self) -> LayerKVCache:
-        """A new layer's cache, sharing this generation's slots and mask."""
-        return LayerKVCache(self)
+    def layer(self, window: int | None | _Unset = UNSET) -> LayerKVCache:
+        """A new layer's cache, sharing this generation's slots. ``window``: that layer's own sliding
+        window (``None``: full attention), for models whose layers differ in it (Gemma 3); by
+        default the generation's ``window``."""
+        if not isinstance(window, _Unset) and window is not None and window < 1:
+            raise ValueError(f"window={window} must be a positive number of positions (or None)")
+        return LayerKVCache(self, self.window if isinstance(window, _Unset) else window)
 
     def begin(self, n: int) -> None:
-        """Prepare the mask of a forward over the next ``n`` slots (all layers use it)."""
+        """Prepare the masks of a forward over the next ``n`` slots (all layers of a window share one)."""
         start = self.length
-        self._additive = None
         if start + n > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} positions; {start} are filled and {n} more do not fit")
+        self._n = n
+        self._masks = {}
+        self._additives = {}
+        self.mask, self.causal = self.mask_for(self.window)
+
+    def mask_for(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
+        """The boolean mask of the current forward for layers of sliding ``window`` (``None``: when
+        every key up to the query is visible), and whether SDPA should apply plain causal masking."""
+        if window in self._masks:
+            return self._masks[window]
+        start, n = self.length, self._n
         end = start + n
-        windowed = self.window is not None and self.window < end
+        windowed = window is not None and window < end
         if not self._padded and not windowed and (start == 0 or n == 1):
             # every key up to the query is visible: plain causal attention (prefill) or no mask at all
-            self.mask, self.causal = None, n > 1
-            return
-        i = torch.arange(start, end, device=self.device).view(1, n, 1)
-        j = torch.arange(end, device=self.device).view(1, 1, end)
-        visible = (j <= i) & (j >= self.pads.view(-1, 1, 1))
-        if windowed:
-            assert self.window is not None
-            visible &= (i - j) < self.window
-        visible |= j == i  # a padding query sees itself (never read; no empty row)
-        self.mask, self.causal = visible.unsqueeze(1), False
+            result: tuple[torch.Tensor | None, bool] = (None, n > 1)
+        else:
+            i = torch.arange(start, end, device=self.device).view(1, n, 1)
+            j = torch.arange(end, device=self.device).view(1, 1, end)
+            visible = (j <= i) & (j >= self.pads.view(-1, 1, 1))
+            if windowed:
+                assert window is not None
+                visible &= (i - j) < window
+            visible |= j == i  # a padding query sees itself (never read; no empty row)
+            result = (visible.unsqueeze(1), False)
+        self._masks[window] = result
+        return result
 
-    def additive_mask(self) -> torch.Tensor | None:
-        """The current mask as fp32 ``0``/``-inf`` (built once per forward, shared by the layers)."""
-        if self.mask is None:
-            return None
-        if self._additive is None:
-            self._additive = torch.zeros(self.mask.shape, dtype=torch.float32, device=self.device).masked_fill(
-                ~self.mask, float("-inf"))
-        return self._additive
+    def additive_mask(self, window: int | None | _Unset = UNSET) -> torch.Tensor | None:
+        """The current mask (of layers of ``window``; by default the generation's) as fp32
+        ``0``/``-inf``, built once per forward and window, shared by the layers."""
+        w = self.window if isinstance(window, _Unset) else window
+        if w not in self._additives:
+            mask, _ = self.mask_for(w)
+            self._additives[w] = None if mask is None else torch.zeros(
+                mask.shape, dtype=torch.float32, device=self.device).masked_fill(~mask, float("-inf"))
+        return self._additives[w]
 
     def advance(self, n: int) -> None:
         """The ``n`` slots of the forward just run are now part of the cache."""
@@ -103,8 +129,9 @@ class LayerKVCache:
     """One attention core's keys and values, allocated at the first forward (when the local head
     count, ``head_dim`` and dtype are known)."""
 
-    def __init__(self, shared: KVCache) -> None:
+    def __init__(self, shared: KVCache, window: int | None = None) -> None:
         self.shared = shared
+        self.window = window
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
@@ -125,11 +152,12 @@ class LayerKVCache:
         self.values[:, :, start:end] = v
         keys, values = self.keys[:, :, :end], self.values[:, :, :end]
         if n == 1 and b > 1:  # measured: faster than the fused kernel for a batch, slower for one row
-            out = decode_attention(q, keys, values, s.additive_mask())
+            out = decode_attention(q, keys, values, s.additive_mask(self.window))
         else:
             gqa = q.shape[1] != keys.shape[1]
-            mask = None if s.mask is None else s.mask.to(q.device)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=s.causal,
+            visible, causal = s.mask_for(self.window)
+            mask = None if visible is None else visible.to(q.device)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                                  enable_gqa=gqa)
         return out.transpose(1, 2).reshape(b, n, -1)
 

@@ -17,6 +17,7 @@ from typing import Any
 from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
 from plait.models.family import ModelFamily
+from plait.models.gemma3.family import FAMILY as GEMMA3
 from plait.models.gpt_neox.family import FAMILY as GPT_NEOX
 from plait.models.llama.family import FAMILY as LLAMA
 from plait.models.mistral.family import FAMILY as MISTRAL
@@ -31,6 +32,7 @@ _FAMILIES = (
     MIXTRAL,
     QWEN3_MOE,
     GPT_NEOX,
+    GEMMA3,
 )
 
 #: ``{family name: ModelFamily}``, read-only

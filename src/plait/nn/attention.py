@@ -29,6 +29,14 @@ def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torc
     return (j <= i) & (j > i - window)
 
 
+def query_scale_for(head_dim: int, softmax_scale: float) -> float:
+    """The factor on the queries that turns SDPA's ``head_dim ** -0.5`` softmax scale into
+    ``softmax_scale`` (Gemma's ``query_pre_attn_scalar ** -0.5``). Applied to the queries before the
+    attention core (rotary is linear, so before or after it is the same), the scale holds on every
+    path a core takes: full or windowed SDPA, the KV cache, context parallelism."""
+    return softmax_scale * head_dim ** 0.5
+
+
 def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """Boolean ``[batch, 1, seq, seq]`` mask of a packed batch: query ``i`` sees key ``j`` when
     ``j <= i`` and both belong to the same sample (``segment_ids [batch, seq]``; padding, any

@@ -1,5 +1,6 @@
-"""The feed-forward blocks: gated (SwiGLU, ``down(silu(gate(x)) * up(x))``) and plain
-(``dense_4h_to_h(act(dense_h_to_4h(x)))``, GPT-NeoX's GeLU MLP)."""
+"""The feed-forward blocks: gated (SwiGLU, ``down(silu(gate(x)) * up(x))``, or GeGLU and other gated
+activations, ``down(act(gate(x)) * up(x))``) and plain (``dense_4h_to_h(act(dense_h_to_4h(x)))``,
+GPT-NeoX's GeLU MLP)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,41 @@ class SwiGLU(nn.Module):
         return F.silu(gate) * up
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward block with Hugging Face's names (``gate_proj``, ``up_proj``, ``down_proj``)."""
+class GatedActivation(nn.Module):
+    """``act(gate) * up`` for the activation Hugging Face's ``hidden_act`` / ``hidden_activation``
+    names (GeGLU with ``gelu_pytorch_tanh``: Gemma's MLP); weight-free, like :class:`SwiGLU`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, device=None,
-                 dtype=None) -> None:
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.fn = activation(name)
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.fn(gate) * up
+
+    def extra_repr(self) -> str:
+        return f"act={self.name!r}"
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The weight-free product of a gated MLP whose gate goes through ``name``: :class:`SwiGLU` for
+    ``silu``, a :class:`GatedActivation` otherwise."""
+    return SwiGLU() if name == "silu" else GatedActivation(name)
+
+
+class GatedMLP(nn.Module):
+    """Gated feed-forward block with Hugging Face's names (``gate_proj``, ``up_proj``, ``down_proj``):
+    SwiGLU, or ``act(gate) * up`` for another ``act`` (Gemma's GeGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, act: str = "silu",
+                 device=None, dtype=None) -> None:
         super().__init__()
         h, i = hidden_size, intermediate_size
         kw = {"device": device, "dtype": dtype}
         self.gate_proj = nn.Linear(h, i, bias=bias, **kw)
         self.up_proj = nn.Linear(h, i, bias=bias, **kw)
         self.down_proj = nn.Linear(i, h, bias=bias, **kw)
-        self.act = SwiGLU()
+        self.act = gated_activation(act)
 
     def project_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_proj(x), self.up_proj(x)

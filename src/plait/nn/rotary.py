@@ -2,15 +2,19 @@
 partial rotary (GPT-NeoX: only the leading dimensions of each head rotate).
 
 The functions read a *rope config*: any object with ``head_dim``, ``rope_theta``, ``rope_type``
-(``"default"`` or ``"llama3"``) and ``rope_scaling`` (the ``llama3`` mapping or ``None``), which
-every family's config provides under Hugging Face's names. The rotated width is ``head_dim``
-unless a narrower ``dim`` is given; tables of that width then rotate the first ``dim`` dimensions
-of each head and pass the others through (:func:`apply_rotary`).
+(``"default"``, ``"linear"`` or ``"llama3"``) and ``rope_scaling`` (the ``linear`` or ``llama3``
+mapping, or ``None``), which every family's config provides under Hugging Face's names, or a
+:class:`RopeSpec`. Layers of one model with different rotary settings (Gemma 3's sliding and
+full-attention layers) share one :class:`LayerRotaryEmbeddings`, which stacks a table per setting.
+The rotated width is ``head_dim`` unless a narrower ``dim`` is given; tables of that width then
+rotate the first ``dim`` dimensions of each head and pass the others through (:func:`apply_rotary`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,9 +22,12 @@ from torch import nn
 
 
 class RopeConfig(Protocol):
-    head_dim: int
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
 
     @property
     def rope_type(self) -> str: ...
@@ -31,6 +38,9 @@ def rope_inv_freq(config: RopeConfig, dim: int | None = None) -> torch.Tensor:
     Llama 3's long-context frequency scaling."""
     dim = config.head_dim if dim is None else dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_type == "linear":  # positions divided by the factor: every frequency scaled down
+        assert config.rope_scaling is not None, "rope_type 'linear' comes from a rope_scaling mapping"
+        return inv_freq / config.rope_scaling["factor"]
     if config.rope_type != "llama3":
         return inv_freq
     s = config.rope_scaling
@@ -77,6 +87,41 @@ class RotaryEmbedding(nn.Module):
             freqs = (position_ids.to(inv_freq.device, torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """A rope config of its own (one kind of layer's): ``head_dim``, ``rope_theta`` and the
+    ``rope_scaling`` mapping (``None``: unscaled)."""
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+
+class LayerRotaryEmbeddings(nn.Module):
+    """The rotary tables of several rope configs at once, for models whose layers differ in them.
+
+    ``forward`` has :class:`RotaryEmbedding`'s signature and returns ``(cos, sin)`` with a leading
+    dimension of ``len(configs)``: table ``i`` is that of ``configs[i]``, and a layer reads its own
+    with ``cos[i]``. Each config's frequencies are a non-persistent buffer of a
+    :class:`RotaryEmbedding` under ``tables.i``.
+    """
+
+    def __init__(self, configs: Sequence[RopeConfig], device=None) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(RotaryEmbedding(c, device=device) for c in configs)
+
+    def forward(self, x: torch.Tensor, seq_len: int,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [table(x, seq_len, position_ids) for table in self.tables]
+        return torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ def block_parameter_count(block: BlockShape, sh: LocalShapes) -> int:
     """Local parameters of one dense block's parts at the widths ``sh``: the q/k/v projections (one
     fused projection holds the same rows), their biases (sharded like them), the output projection
     and its replicated bias, the MLP (``mlp_matrices`` weights; the column biases sharded, the last
-    one replicated), two norms (weight, and bias for a layer norm; replicated)."""
+    one replicated), the norms (weight, and bias for a layer norm; replicated)."""
     h, q, kv, i = sh.hidden, sh.q, sh.kv, sh.intermediate
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if block.qkv_bias else 0) + (h if block.o_bias else 0)
     m = block.mlp_matrices
@@ -50,8 +50,8 @@ def bias_parameter_count(block: BlockShape, sh: LocalShapes) -> int:
 
 
 def norm_parameter_count(block: BlockShape, sh: LocalShapes) -> int:
-    """The two norms of one block (replicated on every TP rank)."""
-    return 2 * block.norm_parameters * sh.hidden
+    """The norms of one block (``block.norms``: two, Gemma 3's four; replicated on every TP rank)."""
+    return block.norms * block.norm_parameters * sh.hidden
 
 
 def qkv_weight_sizes(block: BlockShape, sh: LocalShapes) -> list[int]:

@@ -13,7 +13,10 @@ projections share one gathered input and one input-gradient reduction (see
 Padding heads (zero weights) have their attention output masked to zero before ``o_proj``.
 
 With ``qk_norm_eps`` set, q and k pass through per-head RMSNorms (``q_norm``/``k_norm``, weights
-replicated, gradients summed over the TP group: :class:`ParallelHeadRMSNorm`) before rotary.
+replicated, gradients summed over the TP group: :class:`ParallelHeadRMSNorm`, or with
+``qk_norm_offset`` the ``1 + weight`` form) before rotary. ``query_scale`` multiplies the queries
+before the core (a softmax scale other than ``head_dim ** -0.5``, see
+:func:`plait.nn.attention.query_scale_for`).
 
 Attention dropout acts on this rank's heads only, so its mask must differ between TP ranks: it is
 drawn inside ``rng.fork()`` from the per-rank :class:`~plait.tensor_parallel.random.TensorParallelRNG`
@@ -33,7 +36,7 @@ from plait.comm.primitives import GroupInfo
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.heads import HeadLayout
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
-from plait.tensor_parallel.norm import ParallelHeadRMSNorm
+from plait.tensor_parallel.norm import ParallelHeadOffsetRMSNorm, ParallelHeadRMSNorm
 from plait.tensor_parallel.random import TensorParallelRNG
 
 #: ``fn(q, k, v, cos, sin)`` on ``[batch, seq, local_heads*head_dim]`` projections; when attention
@@ -60,6 +63,9 @@ class ParallelAttentionCore(nn.Module):
                              f"different heads and must draw its own dropout mask")
         self.attention_fn, self.dropout, self.rng = attention_fn, dropout, rng
         self.kv_cache = None
+        #: the sliding window ``attention_fn`` was bound to (``functools.partial(..., window=w)``), which
+        #: a decoding engine's cache of this layer keeps; ``None``: full attention
+        self.window: int | None = getattr(attention_fn, "keywords", {}).get("window")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,7 +92,8 @@ class ParallelSelfAttention(nn.Module):
                  attention_fn: AttentionFn, *, qkv_bias: bool = False, o_bias: bool = False,
                  sequence_parallel: bool = False,
                  attention_dropout: float = 0.0, rng: TensorParallelRNG | None = None,
-                 qk_norm_eps: float | None = None, device=None, dtype=None) -> None:
+                 qk_norm_eps: float | None = None, qk_norm_offset: bool = False, query_scale: float = 1.0,
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.layout, self.tp, self.kv, self.attention_fn = layout, tp, kv, attention_fn
         self.sequence_parallel = sequence_parallel
@@ -100,9 +107,11 @@ class ParallelSelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(layout.num_heads * hd, hidden_size, tp, cols=layout.q_rows(r), bias=o_bias,
                                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         if qk_norm_eps is not None:  # per-head norms on q and k before rotary (Qwen3)
-            self.q_norm = ParallelHeadRMSNorm(hd, qk_norm_eps, tp, device=device, dtype=dtype)
-            self.k_norm = ParallelHeadRMSNorm(hd, qk_norm_eps, tp, device=device, dtype=dtype)
+            norm = ParallelHeadOffsetRMSNorm if qk_norm_offset else ParallelHeadRMSNorm
+            self.q_norm = norm(hd, qk_norm_eps, tp, device=device, dtype=dtype)
+            self.k_norm = norm(hd, qk_norm_eps, tp, device=device, dtype=dtype)
         self.qk_norm = qk_norm_eps is not None
+        self.query_scale = query_scale
         mask = torch.tensor(layout.real_q_mask(r), dtype=torch.float32).repeat_interleave(hd)
         self.register_buffer("head_mask", None if bool(mask.all()) else mask.to(device), persistent=False)
         self._kv_scale = 1.0 / layout.kv_replication
@@ -130,6 +139,8 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = self.project_qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         out = self.core(q, k, v, cos, sin, mask)
         if self.head_mask is not None:
             out = out * self.head_mask.to(out.dtype)

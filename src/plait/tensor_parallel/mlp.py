@@ -9,14 +9,17 @@ import torch
 from torch import nn
 
 from plait.comm.primitives import GroupInfo
-from plait.nn.mlp import SwiGLU, activation
+from plait.nn.mlp import activation, gated_activation
 from plait.tensor_parallel.column_matmul import column_parallel_matmul
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelGatedMLP(nn.Module):
+    """The gated MLP of :class:`plait.nn.mlp.GatedMLP` split over the TP group (``act``: the gate's
+    activation, ``silu`` for SwiGLU)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, tp: GroupInfo, *, bias: bool = False,
-                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, act: str = "silu", device=None, dtype=None) -> None:
         super().__init__()
         if intermediate_size % tp.size:
             raise ValueError(
@@ -29,7 +32,7 @@ class ParallelGatedMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, **kw)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp,
                                            sequence_parallel=sequence_parallel, **kw)
-        self.act = SwiGLU()  # a submodule so selective activation checkpointing can name ``mlp.act``
+        self.act = gated_activation(act)  # a submodule so selective activation checkpointing can name ``mlp.act``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_parallel_matmul(

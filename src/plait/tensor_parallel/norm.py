@@ -18,7 +18,7 @@ import torch
 
 from plait.comm import collectives as C
 from plait.comm.primitives import GroupInfo
-from plait.nn.norm import HeadRMSNorm, LayerNorm, RMSNorm, layer_norm, rms_norm
+from plait.nn.norm import HeadRMSNorm, LayerNorm, RMSNorm, layer_norm
 
 
 class SequenceParallelRMSNorm(RMSNorm):
@@ -27,7 +27,13 @@ class SequenceParallelRMSNorm(RMSNorm):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, C.all_reduce_grad(self.weight, self.tp.group), self.eps)
+        return self.normalize(x, C.all_reduce_grad(self.weight, self.tp.group))
+
+
+class SequenceParallelOffsetRMSNorm(SequenceParallelRMSNorm):
+    """:class:`SequenceParallelRMSNorm` scaled by ``1 + weight`` (see :class:`plait.nn.norm.OffsetRMSNorm`)."""
+
+    offset = True
 
 
 class SequenceParallelLayerNorm(LayerNorm):
@@ -51,3 +57,9 @@ class ParallelHeadRMSNorm(HeadRMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm_heads(x, C.all_reduce_grad(self.weight, self.tp.group))
+
+
+class ParallelHeadOffsetRMSNorm(ParallelHeadRMSNorm):
+    """:class:`ParallelHeadRMSNorm` scaled by ``1 + weight`` (see :class:`plait.nn.norm.HeadOffsetRMSNorm`)."""
+
+    offset = True

@@ -10,7 +10,7 @@ from plait.config.rules.checker import Checker
 from plait.config.schema import ARCH_FIELDS, read_hf_config
 from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
-from plait.models.llama.config import rope_scaling_problems
+from plait.models.llama.config import ROPE_TYPES, rope_scaling_problems
 
 ARCH_DEPS = tuple(f"model.{f}" for f in ARCH_FIELDS) + ("model.hf_path", "model.family")
 
@@ -61,7 +61,8 @@ def _architecture(c: Checker) -> DecoderConfig | None:
     if head_dim is not None and head_dim % 2:
         where = "" if m.head_dim is not None else " (hidden_size / num_attention_heads)"
         c.add("model.head_dim", head_dim, f"head dimension{where} must be even for rotary embeddings")
-    for message in rope_scaling_problems(m.rope_scaling):
+    rope_types = getattr(m.config_class(), "rope_types", ROPE_TYPES)
+    for message in rope_scaling_problems(m.rope_scaling, rope_types):
         c.add("model.rope_scaling", m.rope_scaling, message)
     if len(c.problems) > start:
         return None

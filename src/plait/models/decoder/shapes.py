@@ -46,6 +46,8 @@ class BlockShape:
     ``norm``: ``"rms"`` (weight only; Llama) or ``"layer"`` (weight and bias; GPT-NeoX).
     ``parallel_residual``: both norms read the block's input (GPT-NeoX's ``use_parallel_residual``).
     ``rotary_dim``: the rotated width of each head (the rotary tables' width).
+    ``norms``: the hidden-size norms of one block (two for Llama's; Gemma 3's four: before and after
+    attention and the MLP).
     """
 
     fused_qkv: bool
@@ -57,6 +59,7 @@ class BlockShape:
     parallel_residual: bool
     rotary_dim: int
     activation: str = "silu"
+    norms: int = 2
 
     @property
     def mlp_matrices(self) -> int:

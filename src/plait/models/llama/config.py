@@ -45,7 +45,7 @@ def _show(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def rope_scaling_problems(scaling: Any) -> list[str]:
+def rope_scaling_problems(scaling: Any, rope_types: tuple[str, ...] = ROPE_TYPES) -> list[str]:
     """One message per problem of a ``rope_scaling`` mapping, each naming the key, its value and
     what is valid (empty when the mapping is usable). A message about a key starts with it; one
     about the whole mapping starts with "needs" or "must".
@@ -60,12 +60,18 @@ def rope_scaling_problems(scaling: Any) -> list[str]:
         return ["must be a mapping with a rope_type, or null"]
     kinds = {k: scaling[k] for k in ("rope_type", "type") if k in scaling}
     if not kinds:
-        return [f"needs rope_type (one of {', '.join(map(repr, ROPE_TYPES))}); use null for no scaling"]
+        return [f"needs rope_type (one of {', '.join(map(repr, rope_types))}); use null for no scaling"]
     if len({str(v) for v in kinds.values()}) > 1:
         return [f"type={_show(kinds['type'])} disagrees with rope_type={_show(kinds['rope_type'])}; keep one"]
     key, kind = next(iter(kinds.items()))
-    if kind not in ROPE_TYPES:
-        return [f"{key}={_show(kind)} is not supported; valid: {', '.join(map(repr, ROPE_TYPES))}"]
+    if kind not in rope_types:
+        return [f"{key}={_show(kind)} is not supported; valid: {', '.join(map(repr, rope_types))}"]
+    if kind == "linear":
+        factor = scaling.get("factor")
+        if factor is None or not (_is_number(factor) and factor > 0):
+            return [f"factor={_show(factor)} must be a finite number > 0 (rope_type 'linear' divides the positions "
+                    f"by it)"]
+        return []
     if kind != "llama3":
         return []
     problems = []
@@ -105,6 +111,8 @@ class LlamaConfig(DecoderConfig):
 
     family: ClassVar[str] = "llama"
     model_types: ClassVar[tuple[str, ...]] = SUPPORTED_MODEL_TYPES
+    #: the ``rope_scaling`` types the family runs (:func:`rope_scaling_problems`)
+    rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -128,7 +136,7 @@ class LlamaConfig(DecoderConfig):
             value = getattr(self, name)
             if not _is_number(value) or value <= 0:
                 raise ModelConfigError(f"model.{name}={value!r} must be a finite number > 0")
-        problems = rope_scaling_problems(self.rope_scaling)
+        problems = rope_scaling_problems(self.rope_scaling, self.rope_types)
         if problems:
             raise ModelConfigError("; ".join(f"rope_scaling {m}" if m.startswith(("needs", "must")) else
                                              f"rope_scaling.{m}" for m in problems))

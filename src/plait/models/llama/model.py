@@ -115,6 +115,8 @@ class LlamaModel(DecoderModel):
     #: the parts under the base's default names (typed as modules: the TP plan swaps them)
     embed_tokens: nn.Module
     norm: nn.Module
+    #: the rotary tables every block receives (a family may stack several: Gemma 3)
+    rotary_emb: nn.Module
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
         super().__init__(config, device=device, dtype=dtype)

@@ -80,7 +80,7 @@ class LlamaStage(nn.Module):
         ``position_ids``/``segment_ids`` (``[batch, seq]``, every stage gets them from the batch)
         describe a packed batch. ``logits_to_keep > 0`` (no labels): the last stage returns the
         logits of the last that many positions only (what generation reads)."""
-        h = self.model.embed_tokens(x) if self.first else x
+        h = self.embed(x) if self.first else x
         cos, sin = self.model.rotary_emb(h, seq_len, position_ids)
         mask = None if segment_ids is None else document_causal_mask(segment_ids)
         for layer in self.model.layers.values():
@@ -94,6 +94,12 @@ class LlamaStage(nn.Module):
         if sequence_loss is not None and labels is not None:
             return sequence_loss(logits, labels)
         return self.output(logits, labels, loss_normalizer)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the first block receives on the first stage: the token embedding (a family built on
+        this stage scales it, as its model's ``embed`` does)."""
+        h: torch.Tensor = self.model.embed_tokens(input_ids)
+        return h
 
     def extra_repr(self) -> str:
         span = f"{self.layer_ids[0]}-{self.layer_ids[-1]}" if self.layer_ids else "none"
