@@ -1,9 +1,10 @@
 """Shared helper that runs a module-level worker function on N gloo ranks (CPU).
 
-Each rank runs with one thread, initialises gloo on a free port, calls ``worker(rank, world,
-*args)``, and reports the returned value (anything picklable) or its traceback back to the
-parent through a queue. Workers end with ``destroy_process_group()`` and ``os._exit(0)``
-because gloo processes can abort at interpreter exit otherwise.
+Each rank runs with one thread (forked from a server that imported torch and plait once),
+initialises gloo on a free port, calls ``worker(rank, world, *args)``, and reports the returned
+value (anything picklable) or its traceback back to the parent through a queue. Workers end with
+``destroy_process_group()`` and ``os._exit(0)`` because gloo processes can abort at interpreter
+exit otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, worker: Callable, args: tuple, queue) -> None:
+#: Ranks are forked from a server process that imported torch and plait once: spawning each rank
+#: anew re-imported them, about 3 s per call. A forked rank starts from the server's environment
+#: and working directory, so :func:`run_distributed` hands it the caller's (as spawning did).
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "plait.train.trainer"])
+
+
+def _entry(rank: int, world: int, port: int, worker: Callable, args: tuple, queue, environ: dict[str, str],
+           cwd: str) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -52,10 +64,11 @@ def _entry(rank: int, world: int, port: int, worker: Callable, args: tuple, queu
 
 def run_distributed(worker: Callable, world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """Run ``worker`` on ``world`` ranks and return the per-rank results (rank order)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _CONTEXT.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, worker, args, queue)) for r in range(world)]
+    environ, cwd = dict(os.environ), os.getcwd()
+    procs = [_CONTEXT.Process(target=_entry, args=(r, world, port, worker, args, queue, environ, cwd))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
