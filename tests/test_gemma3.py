@@ -429,6 +429,9 @@ def test_recipe_builds_gemma3_and_refuses_what_it_cannot_run():
     check_recipe(None, GEMMA + ["model.rope_scaling={rope_type: linear, factor: 8.0}", "lora.rank=4",
                                 "train.activation_checkpointing=selective",
                                 "train.checkpoint_modules=[self_attn.core,mlp.act,pre_feedforward_layernorm]"], 2)
+    shipped = check_recipe(FAMILIES["gemma3"].recipes[0], [], 8, check_paths=False).model_config(262144)
+    assert isinstance(shipped, Gemma3Config) and shipped.num_parameters() == 999_885_952  # Gemma 3 1B's count
+    assert shipped.layer_types[4:7] == [S, F, S]
 
 
 STEPS = 20
