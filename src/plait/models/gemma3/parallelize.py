@@ -18,7 +18,7 @@ from typing import Any
 
 from plait.mesh import ParallelMesh
 from plait.models.gemma3.model import Gemma3ForCausalLM
-from plait.models.llama.parallelize import _load_from_full, _on_meta, head_layout_for, local_shapes
+from plait.models.llama.parallelize import _load_from_full, head_layout_for, local_shapes
 from plait.nn.attention import causal_attention, query_scale_for
 from plait.tensor_parallel import (
     ColumnParallelLinear,
@@ -31,6 +31,7 @@ from plait.tensor_parallel import (
 )
 from plait.tensor_parallel.linear import even_rows
 from plait.tensor_parallel.norm import SequenceParallelOffsetRMSNorm
+from plait.tensor_parallel.plan_inputs import check_mlp_split, full_weights, rng_for
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -48,16 +49,10 @@ def parallelize(model: Gemma3ForCausalLM, mesh: ParallelMesh, *, sequence_parall
             f"{c.num_key_value_heads} places K/V heads with kv_replication={layout.kv_replication}, but the mesh was "
             f"built with kv_replication={mesh.kv_replication}; build the mesh with kv_replication="
             f"{layout.kv_replication} (see plait.models.llama.parallelize.kv_replication_for)")
-    if c.intermediate_size % mesh.tp:
-        raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={mesh.tp}; choose a tp "
-                         f"that divides it")
+    check_mlp_split(c.intermediate_size, mesh.tp)
     sp = sequence_parallel and tp.size > 1
-    if rng is None:
-        rng = TensorParallelRNG(0, mesh.tp_rank)
-    elif rng.tp_rank != mesh.tp_rank:
-        raise ValueError(f"rng={rng!r} was seeded for tp_rank={rng.tp_rank} but this rank's TP rank is "
-                         f"{mesh.tp_rank}; build it as TensorParallelRNG(seed, mesh.tp_rank)")
-    source = {} if _on_meta(model) else {k: v.detach() for k, v in model.state_dict().items()}
+    rng = rng_for(rng, mesh)
+    source = full_weights(model)
     device = next(model.parameters()).device
     kw: dict[str, Any] = {"device": "meta", "dtype": next(model.parameters()).dtype}
     h, eps = c.hidden_size, c.rms_norm_eps

@@ -47,6 +47,7 @@ from plait.tensor_parallel import (
     VocabParallelEmbedding,
 )
 from plait.tensor_parallel.linear import even_rows
+from plait.tensor_parallel.plan_inputs import check_mlp_split, full_weights, rng_for
 
 
 def head_layout(config: GPTNeoXConfig, tp: int, kv_replication: int = 1) -> HeadLayout:
@@ -95,17 +96,10 @@ def parallelize(model: GPTNeoXForCausalLM, mesh: ParallelMesh, *, sequence_paral
         raise ValueError(f"gpt_neox takes no KV replication (one K/V head per query head); the mesh was built with "
                          f"kv_replication={mesh.kv_replication}: build it with kv_replication=1")
     layout = head_layout(c, mesh.tp)
-    if c.intermediate_size % mesh.tp:
-        raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={mesh.tp}; "
-                         f"choose a tp that divides it")
+    check_mlp_split(c.intermediate_size, mesh.tp)
     sp = sequence_parallel and tp.size > 1
-    if rng is None:
-        rng = TensorParallelRNG(0, mesh.tp_rank)
-    elif rng.tp_rank != mesh.tp_rank:
-        raise ValueError(f"rng={rng!r} was seeded for tp_rank={rng.tp_rank} but this rank's TP rank is "
-                         f"{mesh.tp_rank}; build it as TensorParallelRNG(seed, mesh.tp_rank)")
-    on_meta = next(model.parameters()).device.type == "meta"
-    source = {} if on_meta else {k: v.detach() for k, v in model.state_dict().items()}
+    rng = rng_for(rng, mesh)
+    source = full_weights(model)
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     kw: dict[str, Any] = {"device": "meta", "dtype": dtype}
     h, eps = c.hidden_size, c.layer_norm_eps
@@ -133,7 +127,7 @@ def parallelize(model: GPTNeoXForCausalLM, mesh: ParallelMesh, *, sequence_paral
     model.sequence_parallel = sp
     model.rng_tracker = rng
 
-    if not on_meta:
+    if device.type != "meta":
         _load_from_full(model, source, device)
     return model
 

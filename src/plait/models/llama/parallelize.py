@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 from plait.mesh import ParallelMesh
 from plait.models.decoder.shapes import LocalShapes
@@ -49,6 +48,7 @@ from plait.tensor_parallel import (
 )
 from plait.tensor_parallel.attention import AttentionFn
 from plait.tensor_parallel.linear import even_rows
+from plait.tensor_parallel.plan_inputs import check_mlp_split, full_weights, rng_for
 
 #: a Llama-family model (Llama's own or a family's subclass); the plan returns the model it was given
 ModelT = TypeVar("ModelT", bound=LlamaForCausalLM)
@@ -112,16 +112,10 @@ def parallelize(model: ModelT, mesh: ParallelMesh, *, sequence_parallel: bool = 
             f"mesh was built with kv_replication={mesh.kv_replication}; build the mesh with "
             f"kv_replication={layout.kv_replication} (see plait.models.llama.parallelize.kv_replication_for)"
         )
-    if c.intermediate_size % mesh.tp:
-        raise ValueError(f"intermediate_size={c.intermediate_size} is not divisible by tp={mesh.tp}; "
-                         f"choose a tp that divides it")
+    check_mlp_split(c.intermediate_size, mesh.tp)
     sp = sequence_parallel and tp.size > 1
-    if rng is None:
-        rng = TensorParallelRNG(0, mesh.tp_rank)
-    elif rng.tp_rank != mesh.tp_rank:
-        raise ValueError(f"rng={rng!r} was seeded for tp_rank={rng.tp_rank} but this rank's TP rank is "
-                         f"{mesh.tp_rank}; build it as TensorParallelRNG(seed, mesh.tp_rank)")
-    source = {} if _on_meta(model) else {k: v.detach() for k, v in model.state_dict().items()}
+    rng = rng_for(rng, mesh)
+    source = full_weights(model)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     kw: dict[str, Any] = {"device": "meta", "dtype": dtype}
@@ -154,10 +148,6 @@ def parallelize(model: ModelT, mesh: ParallelMesh, *, sequence_parallel: bool = 
     if device.type != "meta":
         _load_from_full(model, source, device)
     return model
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return next(model.parameters()).device.type == "meta"
 
 
 @torch.no_grad()
