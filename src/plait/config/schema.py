@@ -44,7 +44,11 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                # gpt_neox; null = the family's default
                "layer_norm_eps", "partial_rotary_factor", "use_parallel_residual", "hidden_act",
                # gemma3; null = the family's default
-               "sliding_window_pattern", "query_pre_attn_scalar", "rope_local_base_freq")
+               "sliding_window_pattern", "query_pre_attn_scalar", "rope_local_base_freq",
+               # deepseek_v3; null = the family's default (q_lora_rank: a direct query projection)
+               "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+               "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+               "first_k_dense_replace", "num_nextn_predict_layers", "mtp_loss_weight")
 #: ``train.objective`` values that train on preference pairs, and those of them measured against a reference
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
@@ -105,10 +109,12 @@ class ModelSection(Section):
     num_experts: Int | None = Field(default=None, ge=1, description="qwen3_moe: experts per MoE layer")
     num_experts_per_tok: Int | None = Field(default=None, ge=1, description="MoE families: experts each token uses "
                                                                            "(top-k)")
-    moe_intermediate_size: Int | None = Field(default=None, ge=1, description="qwen3_moe: width of one "
-                                                                             "expert (mixtral: intermediate_size)")
-    norm_topk_prob: Bool | None = Field(default=None, description="qwen3_moe: renormalise the top-k router weights "
-                                                                  "to sum to one (mixtral always does)")
+    moe_intermediate_size: Int | None = Field(default=None, ge=1, description="qwen3_moe, deepseek_v3: width of "
+                                                                             "one expert (mixtral: "
+                                                                             "intermediate_size)")
+    norm_topk_prob: Bool | None = Field(default=None, description="qwen3_moe, deepseek_v3: renormalise the top-k "
+                                                                  "router weights to sum to one (mixtral always "
+                                                                  "does)")
     decoder_sparse_step: Int | None = Field(default=None, ge=1, description="qwen3_moe: every this many layers is "
                                                                            "sparse")
     mlp_only_layers: list[Int] | None = Field(default=None, description="qwen3_moe: layers with a dense MLP "
@@ -133,6 +139,38 @@ class ModelSection(Section):
     rope_local_base_freq: Float | None = Field(default=None, gt=0, description="gemma3: rotary base of the "
                                                                                "sliding layers (rope_theta: the "
                                                                                "full ones'); null = 10000")
+    q_lora_rank: Int | None = Field(default=None, ge=1, description="deepseek_v3: width of the query bottleneck; "
+                                                                    "null = one direct query projection "
+                                                                    "(DeepSeek-V2-Lite)")
+    kv_lora_rank: Int | None = Field(default=None, ge=1, description="deepseek_v3: width of the key/value latent; "
+                                                                     "null = 512")
+    qk_rope_head_dim: Int | None = Field(default=None, ge=1, description="deepseek_v3: the rotary part of each "
+                                                                         "query/key head (shared by the keys); "
+                                                                         "null = 64")
+    qk_nope_head_dim: Int | None = Field(default=None, ge=1, description="deepseek_v3: the part of each query/key "
+                                                                         "head without position; null = 128")
+    v_head_dim: Int | None = Field(default=None, ge=1, description="deepseek_v3: width of each value head; "
+                                                                   "null = 128")
+    rope_interleave: Bool | None = Field(default=None, description="deepseek_v3: the rotary dimensions pair up "
+                                                                   "interleaved (DeepSeek's checkpoints); "
+                                                                   "null = true")
+    n_routed_experts: Int | None = Field(default=None, ge=1, description="deepseek_v3: routed experts per MoE "
+                                                                         "layer; null = 256")
+    n_shared_experts: Int | None = Field(default=None, ge=1, description="deepseek_v3: shared experts every token "
+                                                                         "goes through; null = 1")
+    n_group: Int | None = Field(default=None, ge=1, description="deepseek_v3: expert groups of the router "
+                                                                "(divides n_routed_experts); null = 8")
+    topk_group: Int | None = Field(default=None, ge=1, description="deepseek_v3: groups a token's experts come "
+                                                                   "from; null = 4")
+    routed_scaling_factor: Float | None = Field(default=None, ge=0, description="deepseek_v3: factor on the routed "
+                                                                                "experts' weights; null = 2.5")
+    first_k_dense_replace: Int | None = Field(default=None, ge=0, description="deepseek_v3: the first this many "
+                                                                              "layers are dense; null = 3")
+    num_nextn_predict_layers: Int | None = Field(default=None, ge=0, description="deepseek_v3: multi-token "
+                                                                                 "prediction modules; null = 0")
+    mtp_loss_weight: Float | None = Field(default=None, ge=0, description="deepseek_v3: weight of the mean "
+                                                                          "multi-token-prediction loss; "
+                                                                          "null = 0.3")
 
     def arch_values(self) -> dict[str, Any]:
         """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""

@@ -144,9 +144,9 @@ class LayerKVCache:
         b, n = q.shape[:2]
         q, k, v = rotated_heads(q, k, v, cos, sin)
         if self.keys is None or self.values is None:
-            shape = (b, k.shape[1], s.max_len, k.shape[3])
-            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+            # values may be narrower than keys (multi-head latent attention's v_head_dim)
+            self.keys = torch.empty((b, k.shape[1], s.max_len, k.shape[3]), dtype=k.dtype, device=k.device)
+            self.values = torch.empty((b, v.shape[1], s.max_len, v.shape[3]), dtype=v.dtype, device=v.device)
         start, end = s.length, s.length + n
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v

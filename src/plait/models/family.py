@@ -21,7 +21,7 @@ from plait.models.decoder.shapes import LocalShapes
 from plait.pipeline.trace import Unit
 
 
-def same_name(name: str) -> str:
+def same_name(name: str, config: DecoderConfig) -> str:
     """The identity name mapping: plait's parameter names are Hugging Face's."""
     return name
 
@@ -53,8 +53,11 @@ class ModelFamily:
     ``local_shapes``: ``fn(config, tp, kv_replication)``, the per-rank widths ``parallelize``
     builds on a mesh of those degrees (``kv_replication`` 1: the plan's automatic factor), from the
     config alone: what the planner (:mod:`plait.plan`) prices.
-    ``hf_name``: plait parameter name -> Hugging Face tensor name (the identity for families whose
-    plait names are Hugging Face's).
+    ``hf_name``: ``fn(plait name, config)`` -> Hugging Face tensor name (the identity for families
+    whose plait names are Hugging Face's; DeepSeek-V3 numbers its prediction modules after the
+    config's layers).
+    ``hf_buffers``: regular expressions of buffer names (plait's) that are checkpoint tensors, read
+    and written with the parameters (DeepSeek-V3's router balancing biases).
     ``hf_ignored``: regular expressions of checkpoint tensor names that are not parameters (buffers
     an older checkpoint carries, such as GPT-NeoX's causal-mask ``attention.bias``), skipped when
     reading and converting; rotary ``inv_freq`` tables are skipped for every family.
@@ -69,6 +72,7 @@ class ModelFamily:
     stage_cls: type[nn.Module]
     units: Callable[[Any], list[Unit]]
     local_shapes: Callable[[Any, int, int], LocalShapes]
-    hf_name: Callable[[str], str] = same_name
+    hf_name: Callable[[str, DecoderConfig], str] = same_name
+    hf_buffers: tuple[str, ...] = field(default=())
     hf_ignored: tuple[str, ...] = field(default=())
     recipes: tuple[Path, ...] = field(default=())

@@ -62,6 +62,16 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the model the config describes."""
 
 
+def hf_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of ``module`` a Hugging Face checkpoint holds: its parameters and the buffers its
+    family names in ``hf_buffers`` (DeepSeek-V3's router balancing biases), by plait name."""
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+    patterns = family_of(config_of(module)).hf_buffers
+    if patterns:
+        tensors.update({n: b for n, b in module.named_buffers() if any(re.fullmatch(p, n) for p in patterns)})
+    return tensors
+
+
 def ignored_tensor(config: DecoderConfig, name: str) -> bool:
     """Whether checkpoint tensor ``name`` is a buffer that is never read into ``config``'s model: a
     rotary ``inv_freq`` table, or one of the family's ``hf_ignored`` patterns."""
@@ -140,7 +150,7 @@ def _sources(config: Any, names: list[str], weights: dict[str, Path]) -> dict[st
     for missing/unexpected tensors."""
     c = config
     hf_name = family_of(config).hf_name
-    src = {n: hf_name(n) for n in names}
+    src = {n: hf_name(n, c) for n in names}
     if c.tie_word_embeddings and "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:
         src["model.embed_tokens.weight"] = "lm_head.weight"  # tied checkpoint stored under the head's name
     missing = [n for n, s in src.items() if s not in weights]
@@ -187,7 +197,7 @@ def check_hf_tensors(model: nn.Module, path: PathLike) -> HFTensors:
     weights = _weight_map(path)
     config = config_of(model)
     specs = shard_specs(model)
-    params = dict(model.named_parameters())
+    params = hf_state(model)
     src = _sources(config, list(params), weights)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
@@ -211,7 +221,7 @@ def read_hf_tensors(module: nn.Module, tensors: HFTensors) -> None:
     model :func:`check_hf_tensors` checked) in place; each rank reads only the runs of the full
     tensors its shards hold, and padding stays zero."""
     specs = shard_specs(module)
-    params = dict(module.named_parameters())
+    params = hf_state(module)
     src = {n: tensors.sources[n] for n in params}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
@@ -352,7 +362,7 @@ def _gathered(model: nn.Module, names: list[str], tp: GroupInfo,
               is_writer: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors one at a time (all TP ranks must iterate; only the writer assembles)."""
     specs = shard_specs(model)
-    params = dict(model.named_parameters())
+    params = hf_state(model)
     all_specs: list[dict[str, ShardSpec]] = [specs]
     if tp.size > 1:
         all_specs = [{} for _ in range(tp.size)]
@@ -376,12 +386,12 @@ def _hf_layout(model: nn.Module) -> tuple[dict[str, Any], list[str], list[tuple[
     specs = shard_specs(model)
     hf_name = family_of(config).hf_name
     names, entries = [], []
-    for name, p in model.named_parameters():
+    for name, p in hf_state(model).items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         shape = specs[name].full_shape if name in specs else tuple(p.shape)
         names.append(name)
-        entries.append((hf_name(name), p.element_size() * int(torch.Size(shape).numel())))
+        entries.append((hf_name(name, config), p.element_size() * int(torch.Size(shape).numel())))
     config_dict["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     return config_dict, names, entries
 
@@ -391,9 +401,10 @@ def write_local_model(model: nn.Module, path: PathLike, *, max_shard_bytes: int 
     """Write ``model``, held whole by this process (no tensor parallelism), as a Hugging Face
     directory, with no collective: one rank may call it alone."""
     config_dict, names, entries = _hf_layout(model)
-    hf_name = family_of(config_of(model)).hf_name
-    params = dict(model.named_parameters())
-    write_hf_dir(path, config_dict, entries, ((hf_name(n), params[n]) for n in names),
+    config = config_of(model)
+    hf_name = family_of(config).hf_name
+    params = hf_state(model)
+    write_hf_dir(path, config_dict, entries, ((hf_name(n, config), params[n]) for n in names),
                  max_shard_bytes=max_shard_bytes, extra_files=extra_files)
 
 
@@ -411,8 +422,9 @@ def save_hf_checkpoint(model: nn.Module, path: PathLike, tp_info: GroupInfo, *,
     """
     config_dict, names, entries = _hf_layout(model)
     is_writer = dist.get_rank() == 0 if dist.is_initialized() else tp_info.rank == 0
-    hf_name = family_of(config_of(model)).hf_name
-    stream = ((hf_name(name), t) for name, t in _gathered(model, names, tp_info, is_writer))
+    config = config_of(model)
+    hf_name = family_of(config).hf_name
+    stream = ((hf_name(name, config), t) for name, t in _gathered(model, names, tp_info, is_writer))
     error: BaseException | None = None
     if is_writer:
         try:

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from plait.models.decoder.config import DecoderConfig
+from plait.models.deepseek_v3.family import FAMILY as DEEPSEEK_V3
 from plait.models.errors import ModelConfigError
 from plait.models.family import ModelFamily
 from plait.models.gemma3.family import FAMILY as GEMMA3
@@ -33,6 +34,7 @@ _FAMILIES = (
     QWEN3_MOE,
     GPT_NEOX,
     GEMMA3,
+    DEEPSEEK_V3,
 )
 
 #: ``{family name: ModelFamily}``, read-only

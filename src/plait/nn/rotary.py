@@ -1,10 +1,10 @@
-"""Rotary position embeddings (RoPE), including Llama 3's long-context frequency scaling and
-partial rotary (GPT-NeoX: only the leading dimensions of each head rotate).
+"""Rotary position embeddings (RoPE), including Llama 3's and YaRN's long-context frequency scaling
+and partial rotary (GPT-NeoX: only the leading dimensions of each head rotate).
 
 The functions read a *rope config*: any object with ``head_dim``, ``rope_theta``, ``rope_type``
-(``"default"``, ``"linear"`` or ``"llama3"``) and ``rope_scaling`` (the ``linear`` or ``llama3``
-mapping, or ``None``), which every family's config provides under Hugging Face's names, or a
-:class:`RopeSpec`. Layers of one model with different rotary settings (Gemma 3's sliding and
+(``"default"``, ``"linear"``, ``"llama3"`` or ``"yarn"``) and ``rope_scaling`` (the ``linear``,
+``llama3`` or ``yarn`` mapping, or ``None``), which every family's config provides under Hugging
+Face's names, or a :class:`RopeSpec`. Layers of one model with different rotary settings (Gemma 3's sliding and
 full-attention layers) share one :class:`LayerRotaryEmbeddings`, which stacks a table per setting.
 The rotated width is ``head_dim`` unless a narrower ``dim`` is given; tables of that width then
 rotate the first ``dim`` dimensions of each head and pass the others through (:func:`apply_rotary`).
@@ -41,6 +41,9 @@ def rope_inv_freq(config: RopeConfig, dim: int | None = None) -> torch.Tensor:
     if config.rope_type == "linear":  # positions divided by the factor: every frequency scaled down
         assert config.rope_scaling is not None, "rope_type 'linear' comes from a rope_scaling mapping"
         return inv_freq / config.rope_scaling["factor"]
+    if config.rope_type == "yarn":
+        assert config.rope_scaling is not None, "rope_type 'yarn' comes from a rope_scaling mapping"
+        return yarn_inv_freq(inv_freq, dim, config.rope_theta, config.rope_scaling)
     if config.rope_type != "llama3":
         return inv_freq
     s = config.rope_scaling
@@ -56,6 +59,49 @@ def rope_inv_freq(config: RopeConfig, dim: int | None = None) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for no extension)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023): the fast dimensions (more than ``beta_fast`` turns over
+    the pre-training context) keep their frequency, the slow ones (fewer than ``beta_slow``) are
+    divided by ``factor``, and a linear ramp blends the dimensions between (its ends rounded out
+    unless ``truncate`` is false), as Hugging Face computes them."""
+    factor, ctx = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def turns_dim(turns: float) -> float:  # the dimension that makes ``turns`` rotations over the context
+        return dim * math.log(ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turns_dim(fast), turns_dim(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by the factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(config: RopeConfig) -> float:
+    """The factor on the cos/sin tables: YaRN's ``attention_factor`` (given, or
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else
+    ``mscale(factor)``); 1 for every other rope type."""
+    if config.rope_type != "yarn":
+        return 1.0
+    s = config.rope_scaling
+    assert s is not None, "rope_type 'yarn' comes from a rope_scaling mapping"
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor, mscale, mscale_all = s["factor"], s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Produces the cos/sin tables for a sequence; the frequencies are a non-persistent buffer.
 
@@ -68,6 +114,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.dim = config.head_dim if dim is None else dim
+        #: multiplies both tables (YaRN's attention factor; 1 otherwise)
+        self.attention_factor = rope_attention_factor(config)
         self.register_buffer("inv_freq", rope_inv_freq(config, self.dim).to(device), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -86,7 +134,10 @@ class RotaryEmbedding(nn.Module):
         else:
             freqs = (position_ids.to(inv_freq.device, torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(1)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -180,3 +180,26 @@ class _DeferrableLinear(torch.autograd.Function):
             dw = g2d.t().matmul(x2d).to(ctx.weight.dtype)
         db = g2d.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
         return dx, dw, db, None
+
+
+class ReplicatedLinear(nn.Linear):
+    """``nn.Linear`` whose weight (and bias) every TP rank holds whole.
+
+    Without sequence parallelism its input is the same on every rank, and so are its output and
+    gradients: it is a plain linear layer. Under sequence parallelism each rank projects its own
+    sequence shard, so the parameter gradients are summed over the TP group in backward (as a
+    sequence-parallel norm's are). Used where a small projection is cheaper to repeat than to shard
+    (multi-head latent attention's compressions, a prediction module's input projection).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: GroupInfo, *, bias: bool = False,
+                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return super().forward(x)
+        group = self.tp.group
+        bias = None if self.bias is None else C.all_reduce_grad(self.bias, group)
+        return torch.nn.functional.linear(x, C.all_reduce_grad(self.weight, group), bias)

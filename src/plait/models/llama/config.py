@@ -28,6 +28,9 @@ LLAMA3_ROPE_KEYS = ("rope_type", "type", "factor", "low_freq_factor", "high_freq
                     "original_max_position_embeddings", "rope_theta")
 #: defaults :func:`plait.models.llama.model.rope_inv_freq` uses when a ``llama3`` mapping omits them
 LLAMA3_FREQ_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+#: keys a ``yarn`` rope_scaling mapping may hold (:func:`plait.nn.rotary.yarn_inv_freq`)
+YARN_ROPE_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                  "mscale", "mscale_all_dim", "attention_factor", "truncate", "rope_theta")
 
 
 def _is_number(value: Any) -> bool:
@@ -72,6 +75,8 @@ def rope_scaling_problems(scaling: Any, rope_types: tuple[str, ...] = ROPE_TYPES
             return [f"factor={_show(factor)} must be a finite number > 0 (rope_type 'linear' divides the positions "
                     f"by it)"]
         return []
+    if kind == "yarn":
+        return _yarn_problems(scaling)
     if kind != "llama3":
         return []
     problems = []
@@ -97,6 +102,34 @@ def rope_scaling_problems(scaling: Any, rope_types: tuple[str, ...] = ROPE_TYPES
     if not bad and freqs["high_freq_factor"] <= freqs["low_freq_factor"]:
         problems.append(f"high_freq_factor={_show(freqs['high_freq_factor'])} must be greater than low_freq_factor="
                         f"{_show(freqs['low_freq_factor'])} (the smoothing between them divides by their difference)")
+    return problems
+
+
+def _yarn_problems(scaling: dict[str, Any]) -> list[str]:
+    """What :func:`rope_scaling_problems` finds in a ``yarn`` mapping."""
+    problems = []
+    for name in scaling:
+        if name not in YARN_ROPE_KEYS:
+            close = difflib.get_close_matches(str(name), YARN_ROPE_KEYS, n=1, cutoff=0.6)
+            hint = f"did you mean {_show(close[0])}? " if close else ""
+            problems.append(f"{name!s} is not a yarn rope_scaling key; {hint}valid: {', '.join(YARN_ROPE_KEYS[2:10])}")
+    for name in ("factor", "original_max_position_embeddings"):
+        if scaling.get(name) is None:
+            problems.append(f"{name} is missing (rope_type 'yarn' needs it)")
+    factor = scaling.get("factor", 1.0)
+    if factor is not None and not (_is_number(factor) and factor > 0):
+        problems.append(f"factor={_show(factor)} must be a finite number > 0 (the context extension, e.g. 40.0)")
+    original = scaling.get("original_max_position_embeddings", 1)
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        problems.append(f"original_max_position_embeddings={_show(original)} must be a positive integer (the "
+                        f"pre-training context, e.g. 4096)")
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        value = scaling.get(name)
+        if value is not None and not (_is_number(value) and value >= 0):
+            problems.append(f"{name}={_show(value)} must be a finite number >= 0")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        problems.append(f"truncate={_show(truncate)} must be true or false")
     return problems
 
 

@@ -90,10 +90,22 @@ class LlamaStage(nn.Module):
         if logits_to_keep > 0 and labels is None:
             assert not getattr(self, "sequence_parallel", False), "a sequence shard has no 'last positions'"
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(self.model.norm(h))
+        normed = self.model.norm(h)
+        logits = self.lm_head(normed)
         if sequence_loss is not None and labels is not None:
             return sequence_loss(logits, labels)
-        return self.output(logits, labels, loss_normalizer)
+        out: torch.Tensor = self.output(logits, labels, loss_normalizer)
+        if labels is None:
+            return out
+        return self.auxiliary_losses(out, normed, labels, (cos, sin, mask), segment_ids=segment_ids,
+                                     loss_normalizer=loss_normalizer)
+
+    def auxiliary_losses(self, loss: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, side: tuple, *,
+                         segment_ids: torch.Tensor | None, loss_normalizer: float | None) -> torch.Tensor:
+        """The last stage's next-token ``loss``, with the gradients of a family's further losses added in
+        its backward (DeepSeek-V3's multi-token prediction); ``hidden`` is the final norm's output and
+        ``side`` what the blocks received. None by default."""
+        return loss
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """What the first block receives on the first stage: the token embedding (a family built on

@@ -71,13 +71,15 @@ class MoELayer(nn.Module):
     """Routed experts plus an optional shared expert.
 
     ``router``: a module mapping ``[T, H]`` to :class:`Routing`; ``expert_cls``: the expert MLP;
-    ``shared_intermediate_size`` > 0 adds ``shared_expert`` (a gated MLP every token goes
-    through), and ``shared_expert_gate`` scales it by ``sigmoid(x @ g)`` (Qwen2-MoE style).
+    ``shared_intermediate_size`` > 0 adds the shared expert (a gated MLP every token goes through)
+    under ``shared_name`` (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``), and
+    ``shared_expert_gate`` scales it by ``sigmoid(x @ g)`` (Qwen2-MoE style).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, router: nn.Module, *,
                  expert_cls: type[ExpertMLP] = ExpertMLP, shared_intermediate_size: int = 0,
-                 shared_expert_gate: bool = False, device=None, dtype=None) -> None:
+                 shared_expert_gate: bool = False, shared_name: str = "shared_expert", device=None,
+                 dtype=None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.hidden_size, self.num_experts = hidden_size, num_experts
@@ -86,8 +88,10 @@ class MoELayer(nn.Module):
         self.top_k = top_k
         self.gate = router
         self.experts = Experts(num_experts, hidden_size, intermediate_size, expert_cls, **kw)
+        #: the attribute name of the shared expert (``None``: the layer has none)
+        self.shared_name = shared_name if shared_intermediate_size else None
         if shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, **kw)
+            setattr(self, shared_name, GatedMLP(hidden_size, shared_intermediate_size, **kw))
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **kw)
         self.capacity_factor: float | None = None
@@ -118,8 +122,8 @@ class MoELayer(nn.Module):
         out = (out.float() * weights.unsqueeze(-1)).to(x.dtype)
         per_choice = torch.zeros_like(out).index_copy(0, plan.order, out)
         y = per_choice.view(-1, self.top_k, shape[-1]).sum(dim=1)
-        if hasattr(self, "shared_expert"):
-            shared = self.shared_expert(flat)
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(flat)
             if hasattr(self, "shared_expert_gate"):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             y = y + shared
