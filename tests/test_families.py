@@ -83,7 +83,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------ one process
 def test_registry_picks_the_family_from_model_type(checkpoints):
-    assert set(FAMILIES) == {"llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_neox", "gemma3"}
+    assert set(FAMILIES) == {"llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_neox", "gemma3",
+                             "deepseek_v3"}
     assert family_for_model_type("qwen2").name == "llama"
     assert isinstance(load_hf_config(checkpoints["qwen3_tied"][0]), Qwen3Config)
     config = load_hf_config(checkpoints["mistral_window"][0])

@@ -36,9 +36,15 @@ FAMILY_FIELDS = {
     "gpt_neox": dict(partial_rotary_factor=0.5),
     # a sliding and a full-attention layer; four norms and the q/k norms per block
     "gemma3": dict(sliding_window=8, sliding_window_pattern=2),
+    # latent attention with a query bottleneck; a dense layer, then an MoE one with a shared expert
+    "deepseek_v3": dict(q_lora_rank=12, kv_lora_rank=10, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=8, first_k_dense_replace=1, n_group=2,
+                        topk_group=1),
 }
 #: families without grouped-query attention: their configs take one K/V head per query head
 NO_GQA = {"gpt_neox"}
+#: families whose heads are not padded or replicated (latent attention): tp must divide the heads
+WHOLE_HEADS = {"deepseek_v3"}
 #: name -> (tp, query heads, KV heads, head_dim)
 HEADS = {
     "tp1": (1, 4, 2, 16),
@@ -52,6 +58,10 @@ HEADS = {
 def _config(family: str, heads: str) -> DecoderConfig:
     _, nq, nkv, hd = HEADS[heads]
     nkv = nq if family in NO_GQA else nkv
+    if family == "deepseek_v3":  # head_dim is the rotary width; the query/key heads are nope + rope wide
+        return FAMILIES[family].config_cls(vocab_size=101, hidden_size=nq * hd, intermediate_size=96,
+                                           num_hidden_layers=2, num_attention_heads=nq, qk_nope_head_dim=hd - 4,
+                                           max_position_embeddings=64, **FAMILY_FIELDS[family])
     return FAMILIES[family].config_cls(vocab_size=101, hidden_size=nq * hd, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
                                        max_position_embeddings=64, **FAMILY_FIELDS[family])
@@ -76,7 +86,14 @@ def _mismatches(model: DecoderForCausalLM, config: DecoderConfig, sh: LocalShape
                              "vocab": {embed.shape[0], head.shape[0]}, "q": set(), "kv": set(), "q_heads": set(),
                              "intermediate": set()}
     for block in model.decoder.layers:
-        if hasattr(block, "self_attn"):
+        if hasattr(block, "self_attn") and hasattr(block.self_attn, "kv_b_proj"):  # latent attention
+            attn = block.self_attn
+            q = (attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj).weight.shape[0]
+            found["q"].add(q)
+            found["kv"].add(attn.kv_b_proj.weight.shape[0])  # per head: the nope key part and the value
+            found["q_heads"].add(q // config.qk_head_dim)
+            assert attn.o_proj.weight.shape[1] == q // config.qk_head_dim * config.v_head_dim
+        elif hasattr(block, "self_attn"):
             attn = block.self_attn
             found["q"] |= {attn.q_proj.weight.shape[0], attn.o_proj.weight.shape[1]}
             found["kv"] |= {attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]}
@@ -106,8 +123,8 @@ def _mismatches(model: DecoderForCausalLM, config: DecoderConfig, sh: LocalShape
     return problems
 
 
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family,heads", [(f, h) for f in FAMILIES for h in HEADS
+                                          if f not in WHOLE_HEADS or HEADS[h][1] % HEADS[h][0] == 0])
 def test_planner_shapes_are_the_parallelized_parameters(family, heads):
     config = _config(family, heads)
     tp = HEADS[heads][0]
@@ -117,7 +134,7 @@ def test_planner_shapes_are_the_parallelized_parameters(family, heads):
         assert sh == FAMILIES[family].local_shapes(config, tp, kv)  # the planner asks the family
         assert _mismatches(model, config, sh, tp) == [], (family, heads, rank)
     if tp > 1:  # the model was really split: its widths are not the full model's
-        assert sh.q < config.num_attention_heads * config.head_dim or sh.head_padding
+        assert sh.q_heads < config.num_attention_heads or sh.head_padding
         assert sh.vocab < config.vocab_size
 
 

@@ -38,6 +38,11 @@ SAMPLING = Sampling(temperature=1.3, top_k=30, top_p=0.9)
 SEEDS = [11, 12, 13, 14]
 
 
+DEEPSEEK = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1,
+                first_k_dense_replace=1)
+
+
 def _config(family: str, **changes):
     kw = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -54,6 +59,9 @@ def _config(family: str, **changes):
         kw.update(num_key_value_heads=4, partial_rotary_factor=0.5)
     if family == "gemma3":  # sliding, full, sliding layers: each layer's cache keeps its own window
         kw.update(head_dim=16, sliding_window=6, sliding_window_pattern=2, query_pre_attn_scalar=12)
+    if family == "deepseek_v3":  # latent attention (values narrower than keys), a dense then two MoE layers
+        del kw["num_key_value_heads"]
+        kw.update(DEEPSEEK)
     return FAMILIES[family].config_cls(**{**kw, **changes})
 
 
@@ -70,7 +78,8 @@ def _cached(model):
     return greedy, sampled
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_neox", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_neox", "gemma3",
+                                    "deepseek_v3"])
 def test_cached_equals_uncached_for_every_family(family):
     model = build_model(_config(family), single_process_mesh(), seed=1)
     assert _cached(model) == _reference(model)
@@ -181,6 +190,8 @@ HF = {
     "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(num_key_value_heads=4, rotary_pct=0.5)),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
                                                             layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(DEEPSEEK, num_key_value_heads=4,
+                                                                      n_group=1, rope_interleave=False)),
 }
 
 

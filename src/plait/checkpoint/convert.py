@@ -48,7 +48,8 @@ from plait.checkpoint.writer import DTYPE_NAMES
 from plait.data.tokenizer_files import copy_model_use_files
 from plait.materialize import build_model
 from plait.mesh import single_process_mesh
-from plait.models.hf_io import _weight_map, ignored_tensor, load_hf_config, write_hf_dir
+from plait.models.hf_files import weight_map
+from plait.models.hf_io import ignored_tensor, load_hf_config, write_hf_dir
 from plait.models.registry import get_family
 from plait.outputs.ownership import OutputDirError, require_not_containing, require_target, write_marker
 from plait.outputs.permissions import apply_umask
@@ -146,7 +147,7 @@ def hf_to_plait(hf_dir: str | Path, out_root: str | Path, *, progress: bool = Tr
     if (out_root / step_dir_name(0)).exists() and not overwrite:
         raise OutputDirError(f"{out_root / step_dir_name(0)} already exists; pass --overwrite to replace it")
     config = load_hf_config(hf_dir)
-    weights = _weight_map(hf_dir)
+    weights = weight_map(hf_dir)
     names = [n for n in weights if not ignored_tensor(config, n)]
     if config.tie_word_embeddings:
         if "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:

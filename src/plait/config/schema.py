@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 from plait.config.applicability import CONDITIONS, applies_when, field_condition
 from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
-from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, get_family
+from plait.models.registry import DEFAULT_FAMILY, config_from_hf_dict, family_names, fitted_to_checkpoint, get_family
 from plait.moe.section import MoeSection
 from plait.nn.mlp import ACTIVATIONS
 from plait.precision import KNOBS
@@ -232,7 +232,7 @@ def read_hf_config(hf_path: str) -> DecoderConfig:
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path} does not hold a JSON object")
     try:
-        return config_from_hf_dict(data)
+        return fitted_to_checkpoint(config_from_hf_dict(data), hf_path)
     except ModelConfigError as e:  # name the file: the message alone does not say which config
         raise ModelConfigError(f"{path}: {e}") from None
 

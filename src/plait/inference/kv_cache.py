@@ -164,8 +164,9 @@ class LayerKVCache:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      additive_mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of one new position per row: ``q [b, heads, 1, d]`` over ``keys``/``values``
-    ``[b, kv_heads, L, d]``, with ``additive_mask [b, 1, 1, L]`` (0 or -inf, fp32) or none.
+    """Attention of one new position per row: ``q [b, heads, 1, d]`` over ``keys``
+    ``[b, kv_heads, L, d]`` and ``values`` ``[b, kv_heads, L, dv]`` (``dv`` is ``d`` but for latent
+    attention's), with ``additive_mask [b, 1, 1, L]`` (0 or -inf, fp32) or none.
 
     The ``heads / kv_heads`` query heads that share a K/V head are stacked as the rows of one
     matrix product against it (the grouping SDPA's ``enable_gqa`` uses), so nothing is repeated
@@ -180,7 +181,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if additive_mask is not None:
         scores = scores + additive_mask
     weights = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(weights, values).reshape(b, h, 1, d)
+    return torch.matmul(weights, values).reshape(b, h, 1, values.shape[-1])  # values may be narrower (MLA)
 
 
 __all__ = ["KVCache", "LayerKVCache"]

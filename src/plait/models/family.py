@@ -61,6 +61,10 @@ class ModelFamily:
     ``hf_ignored``: regular expressions of checkpoint tensor names that are not parameters (buffers
     an older checkpoint carries, such as GPT-NeoX's causal-mask ``attention.bias``), skipped when
     reading and converting; rotary ``inv_freq`` tables are skipped for every family.
+    ``fit_to_checkpoint``: ``fn(config, tensor names, directory)`` -> the config of what a Hugging Face
+    directory really holds, when its ``config.json`` may promise more (transformers writes
+    DeepSeek-V3's ``num_nextn_predict_layers`` but saves no prediction modules); ``None``: the
+    config is taken as written.
     ``recipes``: ready recipe files shipped with the family.
     """
 
@@ -75,4 +79,5 @@ class ModelFamily:
     hf_name: Callable[[str, DecoderConfig], str] = same_name
     hf_buffers: tuple[str, ...] = field(default=())
     hf_ignored: tuple[str, ...] = field(default=())
+    fit_to_checkpoint: Callable[[Any, frozenset[str], Path], Any] | None = None
     recipes: tuple[Path, ...] = field(default=())

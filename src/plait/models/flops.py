@@ -12,7 +12,11 @@ head's ``vocab x hidden`` matrix, counted even when it is tied to the embedding 
 matmul still runs), ``L`` layers, ``H`` query heads, ``Q`` head dim and ``T`` the sequence
 length. The factor 6 is 2 (multiply-add) x 3 (forward, input gradient, weight gradient); the
 attention term is ``QK^T`` and ``PV`` at full (unmasked) size, except that a sliding-window
-family (Mistral) counts ``min(T, window)`` keys per query (``config.attention_span``).
+family (Mistral) counts ``min(T, window)`` keys per query (``config.attention_span``), and a
+family whose keys and values differ in width (DeepSeek-V3's latent attention) counts
+``6 * L * H * (Q_k + Q_v) * T`` (``config.attention_matmul_width``). Blocks the model runs after its
+last layer (``config.tail_layer_ids``: DeepSeek-V3's multi-token prediction) count as layers; their
+second pass through the shared output head is not counted.
 The config may be of any model family. For Mixture-of-Experts families ``N`` counts the experts a
 token is routed to (``num_experts_per_tok`` of each MoE layer, the router included), not every
 expert: the config's ``inactive_expert_parameters()`` are left out, so MFU stays the share of the
@@ -43,7 +47,8 @@ def model_flops_per_token(config: DecoderConfig, seq_len: int, *, weight_gradien
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
     span = config.attention_span(seq_len)
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * span
+    layers = config.num_hidden_layers + len(config.tail_layer_ids())
+    attention = 6 * layers * config.attention_matmul_width() * span
     return int((6 if weight_gradients else 4) * matmul_params(config) + attention)
 
 

@@ -45,14 +45,13 @@ from torch import nn
 from plait.comm.primitives import GroupInfo
 from plait.models.decoder.config import DecoderConfig
 from plait.models.family import config_of
+from plait.models.hf_files import INDEX_FILE, SINGLE_FILE, weight_map
 from plait.models.registry import family_of, read_hf_config_file
 from plait.outputs.whole import written_whole
 from plait.parallel_state import shard_specs
 from plait.tensor_parallel.sharding import ShardSpec, assemble_from_shards
 
 PathLike = str | os.PathLike
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 #: tensors that old checkpoints carry but that are recomputed, never loaded (a family adds its own:
 #: ``ModelFamily.hf_ignored``)
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -86,22 +85,6 @@ def load_hf_config(path: PathLike) -> DecoderConfig:
 
 
 # ---------------------------------------------------------------------------------- loading
-def _weight_map(path: Path) -> dict[str, Path]:
-    """``{tensor name: safetensors file}`` for a single-file or index-sharded directory."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        with open(index) as f:
-            return {k: path / v for k, v in json.load(f)["weight_map"].items()}
-    files = [path / SINGLE_FILE] if (path / SINGLE_FILE).is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} holds no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
-    out: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            out.update({k: file for k in f.keys()})
-    return out
-
-
 def _field_hint(name: str, dim: int | None) -> str:
     """The config field whose value sets dimension ``dim`` of HF tensor ``name``."""
     heads_q = "num_attention_heads/head_dim"
@@ -194,7 +177,7 @@ def check_hf_tensors(model: nn.Module, path: PathLike) -> HFTensors:
     most likely at fault.
     """
     path = Path(path)
-    weights = _weight_map(path)
+    weights = weight_map(path)
     config = config_of(model)
     specs = shard_specs(model)
     params = hf_state(model)

@@ -20,6 +20,7 @@ from plait.models.errors import ModelConfigError
 from plait.models.family import ModelFamily
 from plait.models.gemma3.family import FAMILY as GEMMA3
 from plait.models.gpt_neox.family import FAMILY as GPT_NEOX
+from plait.models.hf_files import has_weights, weight_map
 from plait.models.llama.family import FAMILY as LLAMA
 from plait.models.mistral.family import FAMILY as MISTRAL
 from plait.models.mixtral.family import FAMILY as MIXTRAL
@@ -81,6 +82,16 @@ def config_from_hf_dict(d: dict[str, Any]) -> Any:
     return family_for_model_type(d.get("model_type")).config_cls.from_hf_dict(d)
 
 
+def fitted_to_checkpoint(config: DecoderConfig, directory: str | os.PathLike[str]) -> DecoderConfig:
+    """``config`` (read from ``directory``'s ``config.json``) as its family fits it to the tensors
+    the directory holds (:attr:`ModelFamily.fit_to_checkpoint`); unchanged without weights there."""
+    fit = family_of(config).fit_to_checkpoint
+    if fit is None or not has_weights(Path(directory)):
+        return config
+    fitted: DecoderConfig = fit(config, frozenset(weight_map(Path(directory))), Path(directory))
+    return fitted
+
+
 def read_hf_config_file(path: str | os.PathLike[str]) -> DecoderConfig:
     """The config in a Hugging Face directory's ``config.json``; errors name the file."""
     file = Path(path) / "config.json"
@@ -91,6 +102,6 @@ def read_hf_config_file(path: str | os.PathLike[str]) -> DecoderConfig:
             data = json.load(f)
         if not isinstance(data, dict):
             raise ModelConfigError("does not hold a JSON object")
-        return config_from_hf_dict(data)
+        return fitted_to_checkpoint(config_from_hf_dict(data), path)
     except (ValueError, UnicodeDecodeError) as e:  # ModelConfigError, bad JSON: name the file
         raise ModelConfigError(f"{file}: {e}") from None

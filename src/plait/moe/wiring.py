@@ -130,7 +130,8 @@ def _local_sums(layers: list[tuple[str, MoELayer]]) -> dict[str, list[float]]:
         forwards = torch.tensor(float(s.forwards), device=s.routed.device)
         rows.append(torch.cat([s.routed.float(), torch.stack([s.dropped.float(), s.aux.float(), s.z.float(),
                                                               forwards, spread])]))
-        names.append(name.replace("model.layers.", "layer").split(".")[0])
+        # model.layers.3.mlp -> layer3; a prediction module's block, mtp.0.mlp -> mtp0
+        names.append(name.replace("model.layers.", "layer").replace("mtp.", "mtp").split(".")[0])
         layer.stats = MoEStats.zeros(layer.num_experts, s.routed.device)
     if not rows:
         return {}

@@ -140,6 +140,7 @@ from plait.models.registry import family_of
 from plait.pipeline.schedules import compute_order
 from plait.pipeline.tasks import Forward, WeightGrad
 from plait.plan.block import (
+    attention_parameter_count,
     bias_parameter_count,
     block_of,
     block_parameter_count,
@@ -226,17 +227,13 @@ def layer_parameter_count(config: DecoderConfig, sh: LocalShapes, layer: int | N
     layer's tensor-parallel MLP; ``layer`` is then required."""
     if moe_shape(config) is None:
         return block_parameter_count(block_of(config), sh) + family_extra_parameters(config)
-    c, h = llama_block(config), sh.hidden
-    attn = h * sh.q + 2 * h * sh.kv + sh.q * h
-    if c.attention_bias:
-        attn += sh.q + 2 * sh.kv
-    if c.o_proj_bias:
-        attn += h
+    c, block = llama_block(config), block_of(config)
     moe = moe_shape(c)
     assert moe is not None
     if layer is None:
         raise ValueError("an MoE model's layers differ: give the decoder layer")
-    return attn + 2 * h + family_extra_parameters(c) + ffn_parameter_count(c, moe, sh, layer)
+    return (attention_parameter_count(block, sh) + norm_parameter_count(block, sh) + family_extra_parameters(c)
+            + ffn_parameter_count(c, moe, sh, layer))
 
 
 def ffn_parameter_count(config: DecoderConfig, moe: MoEShape, sh: LocalShapes, layer: int) -> int:
@@ -327,20 +324,36 @@ def _cached_split(key: str, config: DecoderConfig, num_stages: int, seq_len: int
 
 def chunk_parameter_count(config: DecoderConfig, sh: LocalShapes, chunk: Chunk) -> int:
     """Local parameters of one chunk: its layers; the embedding on the first stage, and on the last
-    stage too when embeddings are tied (each end keeps a copy, summed over both ends before the
-    data-parallel reduction, see :mod:`plait.data_parallel.grad_sync`);
-    the final norm and the output head (unless tied: then it is the embedding) on the last."""
+    stage too when it keeps a copy (``config.last_stage_holds_embedding``: tied embeddings, or
+    DeepSeek-V3's prediction modules; summed over both ends before the data-parallel reduction, see
+    :mod:`plait.data_parallel.grad_sync`); the final norm, the output head (unless tied: then it is
+    the embedding) and the tail modules (:func:`tail_parameter_count`) on the last."""
     moe = moe_shape(config)
     if moe is None:
         n = len(chunk.layers) * layer_parameter_count(config, sh)
     else:
         n = sum(count * layer_parameter_count(config, sh, layer) for layer, count in layer_kinds(moe, chunk.layers))
     embed = sh.vocab * sh.hidden
-    if chunk.first or (chunk.last and config.tie_word_embeddings):
+    if chunk.first or (chunk.last and config.last_stage_holds_embedding()):
         n += embed
     if chunk.last:
         n += config.final_norm_parameters() + (0 if config.tie_word_embeddings else embed)
+        n += tail_parameter_count(config, sh)
     return n
+
+
+def tail_parameter_count(config: DecoderConfig, sh: LocalShapes) -> int:
+    """Local parameters of the blocks the last stage runs after the decoder (``config.tail_layer_ids``:
+    DeepSeek-V3's multi-token prediction), each priced as the block of its layer id, and of their
+    replicated extras (``config.tail_extra_parameters``)."""
+    tail = config.tail_layer_ids()
+    if not tail:
+        return 0
+    if moe_shape(config) is None:
+        blocks = len(tail) * layer_parameter_count(config, sh)
+    else:
+        blocks = sum(layer_parameter_count(config, sh, layer) for layer in tail)
+    return blocks + config.tail_extra_parameters()
 
 
 def chunk_expert_parameter_count(config: DecoderConfig, sh: LocalShapes, chunk: Chunk) -> int:
@@ -348,7 +361,8 @@ def chunk_expert_parameter_count(config: DecoderConfig, sh: LocalShapes, chunk: 
     moe = moe_shape(config)
     if moe is None:
         return 0
-    return sum(1 for layer in chunk.layers if moe.is_sparse(layer)) * expert_parameter_count(moe, sh.hidden, sh.ep)
+    layers = chunk.layers + (tuple(config.tail_layer_ids()) if chunk.last else ())
+    return sum(1 for layer in layers if moe.is_sparse(layer)) * expert_parameter_count(moe, sh.hidden, sh.ep)
 
 
 def rank_parameter_count(config: DecoderConfig, layout: ParallelDegrees, seq_len: int, pp_rank: int = 0) -> int:
@@ -464,7 +478,11 @@ def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, preci
     if sparse:
         n_mlp = 0
     matmul_in = (n_in + n_mlp) * B * S_r * h * c
-    if layout.activation_checkpointing == "selective":
+    if block.latent is not None:
+        attn = _latent_attention_bytes(block, sh, B * S, c, lse=layout.activation_checkpointing != "selective")
+        mlp = ((3 if block.gated_mlp else 2) * B * S * sh.intermediate * c
+               if layout.activation_checkpointing == "selective" else _mlp_bytes(block, B * S, sh.intermediate, c))
+    elif layout.activation_checkpointing == "selective":
         attn = B * S * c * (2 * sh.q + 2 * sh.kv)
         mlp = (3 if block.gated_mlp else 2) * B * S * sh.intermediate * c
     else:
@@ -478,6 +496,38 @@ def layer_activation_bytes(config: DecoderConfig, layout: ParallelDegrees, preci
         assert moe is not None
         mlp = moe_activation_bytes(moe, h, B * S_r, sh.ep, compute=c, residual=r, autocast=pb.autocast)
     return norms + matmul_in + attn + mlp
+
+
+def _prediction_module_bytes(block: BlockShape, tokens: int, h: int, pb: PrecisionBytes) -> int:
+    """What a tail module saves besides its block (priced as DeepSeek-V3's multi-token prediction,
+    the only tail there is): the embedding's norm (a block norm), the previous hidden state's norm
+    (its fp32 input is the one the final norm or the previous module's output norm already saves
+    when the residual is fp32), the ``2h -> h`` projection's input ``2 T h c``, the output norm and
+    the head's input ``T h c``; its logits are the last stage's ``logits_saved`` once more."""
+    r, c = pb.residual, pb.compute
+    inp, rest = _norm_bytes(block, tokens, h, r)
+    return 2 * (inp + rest) + rest + (inp if r != 4 else 0) + 2 * tokens * h * c + tokens * h * c
+
+
+def _latent_attention_bytes(block: BlockShape, sh: LocalShapes, tokens: int, c: int, *, lse: bool) -> int:
+    """What latent attention saves for ``tokens`` tokens (``block.latent``; the rank's ``n`` heads).
+
+    The compressions: the query latent's norm its fp32 input, normalised tensor and rsqrt, and
+    ``q_b_proj`` its output, ``T r_q (4 + 2c) + 4T``; the key/value latent's norm the same over
+    ``kv_rank`` (its fp32 input is the whole ``kv_a_proj`` output, rotary key part included, when
+    that is fp32) and ``kv_b_proj`` its output. The core: the rotated queries and keys,
+    ``2 T n (d_nope + d_rope) c``, the values as a view of ``kv_b_proj``'s output,
+    ``T n (d_nope + d_v) c``, the output ``T n d_v c`` and, unless the core is recomputed
+    (``selective``), the fp32 logsumexp ``4 T n``. That is the flash / memory-efficient kernels'
+    (CUDA); PyTorch's CPU kernels take the math path when the value width differs from the query's,
+    which also saves the ``B n S^2`` probabilities (tests/test_deepseek_v3.py measures both)."""
+    lat, n, T = block.latent, sh.q_heads, tokens
+    assert lat is not None
+    query = T * lat.q_rank * (4 + 2 * c) + 4 * T if lat.q_rank is not None else 0
+    kv_input = lat.kv_rank + (lat.rope_dim if c == 4 else 0)
+    kv = T * (4 * kv_input + 2 * c * lat.kv_rank) + 4 * T
+    core = T * n * c * (2 * (lat.nope_dim + lat.rope_dim) + lat.nope_dim + 2 * lat.v_dim) + (4 * T * n if lse else 0)
+    return query + kv + core
 
 
 def _norm_bytes(block: BlockShape, tokens: int, h: int, r: int) -> tuple[int, int]:
@@ -499,10 +549,11 @@ def _block_norm_bytes(block: BlockShape, tokens: int, h: int, r: int) -> int:
 
 def _matmul_inputs(block: BlockShape, pb: PrecisionBytes, tp: int) -> tuple[int, int]:
     """Copies of the attention's and the MLP's input that their first matmuls save: one each, except
-    at ``T = 1`` under autocast, where every ``nn.Linear`` casts its own (separate q/k/v: 3; a gated
-    MLP's gate and up: 2)."""
+    at ``T = 1`` under autocast, where every ``nn.Linear`` casts its own (separate q/k/v: 3; latent
+    attention's two compressions: 2; a gated MLP's gate and up: 2)."""
     own_copies = pb.autocast and tp == 1
-    return (3 if own_copies and not block.fused_qkv else 1), (2 if own_copies and block.gated_mlp else 1)
+    attention = 1 if block.fused_qkv else (2 if block.latent is not None else 3)  # latent: q_a and kv_a
+    return (attention if own_copies else 1), (2 if own_copies and block.gated_mlp else 1)
 
 
 def _mlp_bytes(block: BlockShape, tokens: int, i: int, c: int) -> int:
@@ -618,6 +669,18 @@ def chunk_cost(config: DecoderConfig, layout: ParallelDegrees, precision: str, c
         # log-softmax (counted in logits_saved) are released by then, or reused as the gradient in place
         head = sh.vocab * h * (p + c_a) + (c - loss_in) * N * sh.vocab
         bwd = max(bwd, loss_bwd, head)
+        tail = config.tail_layer_ids()
+        if tail:
+            act += sum(layer_activation_bytes(config, layout, precision, B, S, layer if moe else None)
+                       for layer in tail)
+            act += len(tail) * _prediction_module_bytes(block, B * S_r, h, pb)
+            logits += len(tail) * logits
+            if moe is not None:
+                copies += _moe_chunk_copies(config, moe, sh, pb, layout, Chunk(chunk.stage, tuple(tail), False, False))
+            elif pb.autocast and layout.activation_checkpointing != "full":
+                copies += 2 * len(tail) * layer_weight_copy_count(config, sh)
+            if pb.autocast:  # each module's 2h -> h projection (the head's copy is autocast's cached one)
+                copies += len(tail) * 2 * 2 * h * h
     if layout.cp > 1 and chunk.layers:  # the ring kernel's piece scores, first in the last layer's attention backward
         released = 0  # what this micro-batch has freed by then: saved logits, final norm, head input, last MLP half
         if chunk.last:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.models.decoder.config import DecoderConfig
-from plait.models.llama.config import LlamaConfig
-from plait.plan.block import llama_block
+from plait.models.registry import family_of
+from plait.plan.block import attention_parameter_count, llama_block, norm_parameter_count
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,15 @@ def moe_shape(config: Any) -> MoEShape | None:
     sparse = frozenset(ids())
     if not sparse:
         return None
+    is_moe = getattr(config, "is_moe_layer", None)
+    if callable(is_moe):  # blocks after the decoder (DeepSeek-V3's prediction modules) may be sparse too
+        sparse |= {layer for layer in config.tail_layer_ids() if is_moe(layer)}
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
     return MoEShape(experts=int(experts), top_k=int(config.num_experts_per_tok), width=int(width), sparse=sparse,
                     renormalize=bool(getattr(config, "norm_topk_prob", True)), shared_width=shared,
-                    shared_gate=shared > 0)
+                    shared_gate=bool(getattr(config, "shared_expert_gate", shared > 0)))
 
 
 def local_experts(shape: MoEShape, ep: int) -> int:
@@ -108,23 +111,22 @@ def full_ffn_parameters(config: DecoderConfig, shape: MoEShape, layer: int) -> i
 
 
 def attention_extra_parameters(config: DecoderConfig) -> int:
-    """Per-layer parameters a family adds to Llama's attention and norms (Qwen3's q/k norm
-    weights), from the exact model count: the layers' total less their feed-forward parameters
-    and Llama's attention and norms."""
+    """Per-layer parameters a family adds to its block's attention and norms (Qwen3's q/k norm
+    weights), from the exact model count: the decoder layers' total less their feed-forward
+    parameters and the block's attention and norms (:mod:`plait.plan.block`)."""
     h, L = config.hidden_size, config.num_hidden_layers
     shape = moe_shape(config)
     assert shape is not None
     embed = config.vocab_size * h
-    layers = config.num_parameters() - embed - (0 if config.tie_word_embeddings else embed) - h
-    sparse = len(shape.sparse)
-    dense = next((layer for layer in range(L) if not shape.is_sparse(layer)), None)
-    ffn = sparse * full_ffn_parameters(config, shape, min(shape.sparse))
-    if dense is not None:
-        ffn += (L - sparse) * full_ffn_parameters(config, shape, dense)
-    i = config.intermediate_size
-    llama = llama_block(config)
-    llama_attn_norms = LlamaConfig.layer_parameters(llama) - 3 * h * i - ((2 * i + h) if llama.mlp_bias else 0)
-    return (layers - ffn) // L - llama_attn_norms
+    tail = config.tail_layer_ids()
+    rest = embed + (0 if config.tie_word_embeddings else embed) + config.final_norm_parameters()
+    rest += config.tail_extra_parameters()
+    blocks = config.num_parameters() - rest
+    layers = list(range(L)) + tail
+    ffn = sum(full_ffn_parameters(config, shape, layer) for layer in layers)
+    block, full = config.block_shape(), family_of(config).local_shapes(config, 1, 1)
+    attention_norms = attention_parameter_count(block, full) + norm_parameter_count(block, full)
+    return (blocks - ffn) // len(layers) - attention_norms
 
 
 def layer_kinds(shape: MoEShape, layers: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:

@@ -327,7 +327,7 @@ def estimate_step_time(config: DecoderConfig, layout: ParallelDegrees, device: D
     if layout.pp > 1:
         pp_bw = _bandwidth(device, world <= per_node, "pipeline point-to-point transfers")
         pp_vol: float = 2 * m * layout.vpp * B * S_r * sh.hidden * pb.residual
-        if config.tie_word_embeddings:
+        if config.last_stage_holds_embedding():
             pp_vol += 2 * _ring(2) * sh.vocab * sh.hidden * pb.grad
         pp_comm_s = pp_vol / pp_bw
         bubble = schedule_bubble(layout.schedule, layout.pp, m, layout.vpp)

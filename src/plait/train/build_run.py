@@ -88,6 +88,7 @@ from plait.train.host_syncs import HostSyncDetector
 from plait.train.loggers import JsonlSink, MetricsSink, MultiSink, ProgressSink, TensorBoardSink, keep_metrics_through
 from plait.train.lr_schedules import build_scheduler
 from plait.train.moe_statistics import MoeStatistics
+from plait.train.mtp_statistics import MtpStatistics
 from plait.train.objectives import NextTokenObjective, PreferenceObjective, Validation
 from plait.train.plugins import FinalExport, Objective, StepPlugin
 from plait.train.preference import freeze, preference_head, reference_mode_of, reference_pass_for
@@ -266,6 +267,9 @@ def plugins_for(resolved: ResolvedRecipe, stages: list[nn.Module], mesh: Paralle
         load_file = Path(resolved.output_dir) / MOE_LOAD_FILE if rank == 0 else None
         plugins.append(MoeStatistics(stages, balancing, control, world, load_file, plot=r.logging.plot,
                                      steps=r.train.steps))
+    depths = getattr(config, "num_nextn_predict_layers", 0)
+    if depths:  # multi-token prediction: its loss logged apart from the next-token loss
+        plugins.append(MtpStatistics(stages, depths, control, world))
     if r.train.compile:
         plugins.append(CompileTiming(agreement))
     return plugins

@@ -202,6 +202,27 @@ class DecoderConfig:
         whose norm has a bias too (LayerNorm) counts it."""
         return self.hidden_size
 
+    def tail_layer_ids(self) -> list[int]:
+        """Decoder blocks the model runs after its last layer, on the last pipeline stage, numbered on
+        from ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction modules); none by default.
+        The planner prices each as the block of that layer id, plus :meth:`tail_extra_parameters`."""
+        return []
+
+    def tail_extra_parameters(self) -> int:
+        """Parameters of the tail modules besides their blocks (whole on every TP rank)."""
+        return 0
+
+    def last_stage_holds_embedding(self) -> bool:
+        """Whether the last pipeline stage keeps a copy of the token embedding, its gradient summed with
+        the first stage's: a tied head's, or the tail modules' inputs (DeepSeek-V3's)."""
+        return self.tie_word_embeddings
+
+    def attention_matmul_width(self) -> int:
+        """Summed over the query heads, the channels ``QK^T`` and ``PV`` contract per key (model FLOPs:
+        ``6 * width * span`` per token and layer): ``2 * heads * head_dim`` when keys and values have
+        the head's width."""
+        return 2 * self.num_attention_heads * self.head_dim
+
     def num_parameters(self) -> int:
         """Exact parameter count (tied embeddings counted once)."""
         h = self.hidden_size

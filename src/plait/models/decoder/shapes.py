@@ -33,6 +33,21 @@ class LocalShapes:
 
 
 @dataclass(frozen=True)
+class LatentAttentionShape:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank bottleneck
+    (``q_rank``; ``None``: one direct projection), keys and values from one compressed ``kv_rank``
+    latent plus a shared ``rope_dim`` rotary key, expanded per head into ``nope_dim`` key and
+    ``v_dim`` value channels. The compressions and their norms are whole on every TP rank; the
+    expansions and the output projection are split by heads (the rank's ``LocalShapes.q_heads``)."""
+
+    q_rank: int | None
+    kv_rank: int
+    rope_dim: int
+    nope_dim: int
+    v_dim: int
+
+
+@dataclass(frozen=True)
 class BlockShape:
     """The parts of one dense decoder block, as the planner prices them.
 
@@ -48,6 +63,8 @@ class BlockShape:
     ``rotary_dim``: the rotated width of each head (the rotary tables' width).
     ``norms``: the hidden-size norms of one block (two for Llama's; Gemma 3's four: before and after
     attention and the MLP).
+    ``latent``: the attention is multi-head latent attention of that shape (``qkv_bias`` then biases
+    the compressions) rather than q/k/v projections of ``LocalShapes.q`` and ``kv`` rows.
     """
 
     fused_qkv: bool
@@ -60,6 +77,7 @@ class BlockShape:
     rotary_dim: int
     activation: str = "silu"
     norms: int = 2
+    latent: LatentAttentionShape | None = None
 
     @property
     def mlp_matrices(self) -> int:
@@ -72,4 +90,4 @@ class BlockShape:
         return 2 if self.norm == "layer" else 1
 
 
-__all__ = ["BlockShape", "LocalShapes"]
+__all__ = ["BlockShape", "LatentAttentionShape", "LocalShapes"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from plait.models.decoder.config import REQUIRED_HF_KEYS
-from plait.models.decoder.shapes import BlockShape
+from plait.models.decoder.shapes import BlockShape, LatentAttentionShape
 from plait.models.errors import ModelConfigError
 from plait.models.llama.config import LlamaConfig
 from plait.models.mixtral.config import check_experts, fill_defaults
@@ -57,6 +57,8 @@ class DeepseekV3Config(LlamaConfig):
     checkpointable_modules: ClassVar[tuple[str, ...]] = (
         "input_layernorm", "self_attn", "self_attn.core", "post_attention_layernorm", "mlp")
     selective_checkpoint_modules: ClassVar[tuple[str, ...]] = ("self_attn.core",)
+    #: the shared experts are added ungated (Qwen2-MoE gates its shared expert)
+    shared_expert_gate: ClassVar[bool] = False
 
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -234,9 +236,7 @@ class DeepseekV3Config(LlamaConfig):
     def mtp_parameters(self) -> int:
         """The multi-token-prediction modules: two input norms, the ``2h -> h`` projection, a block and
         the output norm each (the embedding and the head are the model's)."""
-        h = self.hidden_size
-        return sum(3 * h + 2 * h * h + self._block_parameters(self.num_hidden_layers + k)
-                   for k in range(self.num_nextn_predict_layers))
+        return self.tail_extra_parameters() + sum(self._block_parameters(i) for i in self.tail_layer_ids())
 
     def layer_parameters(self) -> int:
         """Parameters of the mean decoder block, rounded down; :meth:`num_parameters` is exact."""
@@ -250,13 +250,33 @@ class DeepseekV3Config(LlamaConfig):
     def inactive_expert_parameters(self) -> int:
         """Expert parameters a token does not use (what model FLOPs leave out, :mod:`plait.models.flops`)."""
         unused = self.n_routed_experts - self.num_experts_per_tok
-        return len(self.moe_layer_ids()) * unused * 3 * self.hidden_size * self.moe_intermediate_size
+        sparse = self.moe_layer_ids() + [i for i in self.tail_layer_ids() if self.is_moe_layer(i)]
+        return len(sparse) * unused * 3 * self.hidden_size * self.moe_intermediate_size
 
     def block_shape(self) -> BlockShape:
-        """The dense block's MLP and norms as Llama's (the planner prices the latent attention from
-        :meth:`attention_parameters`)."""
+        """Llama's MLP and norms with the latent attention's shape."""
+        latent = LatentAttentionShape(q_rank=self.q_lora_rank, kv_rank=self.kv_lora_rank,
+                                      rope_dim=self.qk_rope_head_dim, nope_dim=self.qk_nope_head_dim,
+                                      v_dim=self.v_head_dim)
         return BlockShape(fused_qkv=False, qkv_bias=self.attention_bias, o_bias=self.o_proj_bias, gated_mlp=True,
-                          mlp_bias=False, norm="rms", parallel_residual=False, rotary_dim=self.qk_rope_head_dim)
+                          mlp_bias=False, norm="rms", parallel_residual=False, rotary_dim=self.qk_rope_head_dim,
+                          latent=latent)
 
+    def tail_layer_ids(self) -> list[int]:
+        """The prediction modules' blocks, numbered on from the decoder's."""
+        return [self.num_hidden_layers + k for k in range(self.num_nextn_predict_layers)]
+
+    def tail_extra_parameters(self) -> int:
+        """Each prediction module's two input norms, ``eh_proj`` and output norm."""
+        h = self.hidden_size
+        return self.num_nextn_predict_layers * (3 * h + 2 * h * h)
+
+    def last_stage_holds_embedding(self) -> bool:
+        """A tied head, or prediction modules embedding the tokens ahead."""
+        return self.tie_word_embeddings or self.num_nextn_predict_layers > 0
+
+    def attention_matmul_width(self) -> int:
+        """Per head: ``QK^T`` over ``qk_head_dim`` channels, ``PV`` over ``v_head_dim``."""
+        return self.num_attention_heads * (self.qk_head_dim + self.v_head_dim)
 
 __all__ = ["LATENT_NORM_EPS", "DeepseekV3Config"]

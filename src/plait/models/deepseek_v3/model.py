@@ -106,7 +106,8 @@ class DeepseekV3DecoderLayer(MoEDecoderLayer):
                                    dtype=dtype)
         return MoELayer(config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, router,
                         expert_cls=ExpertMLP, shared_intermediate_size=config.shared_expert_intermediate_size,
-                        shared_name="shared_experts", device=device, dtype=dtype)
+                        shared_expert_gate=config.shared_expert_gate, shared_name="shared_experts", device=device,
+                        dtype=dtype)
 
 
 class DeepseekV3Model(MoEModel):

@@ -98,6 +98,12 @@ class SigmoidTopKRouter(nn.Module):
         self.expert_bias: torch.Tensor
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
 
+    def reset_buffers(self) -> None:
+        """Balanced from the start: a model built on meta and allocated with ``to_empty`` would
+        otherwise route by whatever the new memory held (a loaded checkpoint overwrites this)."""
+        with torch.no_grad():
+            self.expert_bias.zero_()
+
     def forward(self, x: torch.Tensor) -> Routing:
         logits = router_logits(x, self.weight)
         scores = torch.sigmoid(logits)
