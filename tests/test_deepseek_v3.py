@@ -567,3 +567,27 @@ def test_planner_activations_match_autograd(tp, precision, depths):
     est += blocks * _math_path_extra(config, B * S, B, S, config.num_attention_heads // tp, 4, c)
     # left out: int64 token ids, targets and shifted inputs, boolean masks (each depth has its own)
     assert 0 <= got - est <= (16 * B * S + 4096) * (1 + depths), (got, est)
+
+
+@pytest.mark.slow
+def test_the_cluster_recipe_validates_and_its_dry_run_matches_the_planner():
+    """recipes/deepseek-v3.yaml on 1024 ranks: it validates with DeepSeek-V3's shape, and its first and
+    last ranks (the last with the prediction module and the embedding's copy) build on the fake
+    process group with the planner's parameters, experts and ZeRO-2 shards (the search that
+    recommends the layout takes minutes; its figures are the recipe's comment)."""
+    from plait.config import check_recipe
+    from plait.plan.degrees import ParallelDegrees
+    from plait.plan.dry_run import dry_run
+
+    (path,) = FAMILIES["deepseek_v3"].recipes
+    resolved = check_recipe(str(path), [], 1024, check_paths=False)
+    config = resolved.model_config(129280)
+    assert isinstance(config, DeepseekV3Config)
+    assert round(config.num_parameters() / 1e9, 1) == 682.6 and config.num_nextn_predict_layers == 1
+    p = resolved.recipe.parallel
+    layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, ep=p.ep, zero=p.zero_level(),
+                             activation_checkpointing=resolved.recipe.train.activation_checkpointing)
+    assert (layout.pp, layout.dp, layout.ep, layout.zero) == (32, 32, 4, 2)
+    for rank in (0, 1023):
+        report = dry_run(config, layout, 1024, rank, precision="bf16-mixed", seq_len=4096, microbatches=p.microbatches)
+        assert report.matches_exactly, report.check_line()

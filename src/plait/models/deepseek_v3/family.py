@@ -48,4 +48,5 @@ def units(config: DeepseekV3Config) -> list[Unit]:
 FAMILY = ModelFamily(name="deepseek_v3", model_types=DeepseekV3Config.model_types, config_cls=DeepseekV3Config,
                      causal_lm_cls=DeepseekV3ForCausalLM, parallelize=parallelize, stage_cls=DeepseekV3Stage,
                      units=units, local_shapes=local_shapes, hf_name=hf_name, hf_buffers=HF_BUFFERS,
-                     hf_ignored=HF_IGNORED, fit_to_checkpoint=fit_to_checkpoint)
+                     hf_ignored=HF_IGNORED, fit_to_checkpoint=fit_to_checkpoint,
+                     recipes=(_RECIPES / "deepseek-v3.yaml",))
