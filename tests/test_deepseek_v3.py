@@ -591,3 +591,28 @@ def test_the_cluster_recipe_validates_and_its_dry_run_matches_the_planner():
     for rank in (0, 1023):
         report = dry_run(config, layout, 1024, rank, precision="bf16-mixed", seq_len=4096, microbatches=p.microbatches)
         assert report.matches_exactly, report.check_line()
+
+
+def test_context_parallelism_with_prediction_modules_is_refused_by_name():
+    """A prediction module reads tokens up to its depth ahead, across the context-parallel chunks:
+    refused before launch; without prediction modules latent attention runs under cp."""
+    from plait.config import RecipeError, check_recipe
+
+    small = DEEPSEEK + ["model.hidden_size=64", "model.num_hidden_layers=2", "data.seq_len=32", "parallel.cp=2"]
+    with pytest.raises(RecipeError) as info:
+        check_recipe(None, small, 2)
+    (problem,) = [p for p in info.value.problems if p.field == "model.num_nextn_predict_layers"]
+    assert "parallel.cp=2" in str(problem) and "set it to 0" in str(problem)
+    check_recipe(None, small + ["model.num_nextn_predict_layers=0"], 2)
+
+
+@pytest.mark.slow
+def test_20_steps_under_cp2_match_one_process(tmp_path_factory):
+    """Latent attention under context parallelism (the ring over the two chunks of each rank, value
+    heads narrower than the query heads), without prediction modules: 20 steps equal one process's."""
+    corpus = corpus_dir(tmp_path_factory)
+    train = TRAIN + ["model.num_nextn_predict_layers=0"]
+    ref = run_recipe(corpus, tmp_path_factory.mktemp("one"), train, 1, STEPS)[0]
+    results = run_recipe(corpus, tmp_path_factory.mktemp("cp2"), train + ["parallel.cp=2"], 2, STEPS)
+    worst = max(max_relative(r["losses"], ref["losses"]) for r in results if any(r["losses"]))
+    assert worst <= 1e-5, (worst, [r["losses"] for r in results])

@@ -44,6 +44,11 @@ def check_context_parallel(c: Checker) -> None:
     if window is not None and window < seq:
         c.add("model.sliding_window", window, f"a window shorter than data.seq_len={seq} is not supported with "
                                               f"parallel.cp={cp}; use parallel.cp: 1")
+    depths = getattr(arch, "num_nextn_predict_layers", 0) if arch is not None else 0
+    if depths:  # a prediction module's inputs and targets lie up to `depths` tokens into the next rank's chunk
+        c.add("model.num_nextn_predict_layers", depths, f"multi-token prediction is not supported with "
+                                                        f"parallel.cp={cp} (its shifted inputs cross the context "
+                                                        f"chunks); set it to 0 or use parallel.cp: 1")
     if c.ok("train.objective") and r.train.objective in ("dpo", "ipo", "orpo", "simpo"):
         c.add("train.objective", r.train.objective, f"preference objectives need whole sequences on one rank; "
                                                     f"use parallel.cp: 1 (cp={cp} given)")
