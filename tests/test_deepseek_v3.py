@@ -616,3 +616,29 @@ def test_20_steps_under_cp2_match_one_process(tmp_path_factory):
     results = run_recipe(corpus, tmp_path_factory.mktemp("cp2"), train + ["parallel.cp=2"], 2, STEPS)
     worst = max(max_relative(r["losses"], ref["losses"]) for r in results if any(r["losses"]))
     assert worst <= 1e-5, (worst, [r["losses"] for r in results])
+
+
+def test_lora_targets_are_the_projections_the_model_has():
+    """The default targets name q/k/v projections latent attention does not have: refused before launch,
+    listing the ones it has (the query projection only without a bottleneck)."""
+    from plait.config import RecipeError, check_recipe
+
+    small = DEEPSEEK + ["model.hidden_size=64", "model.num_hidden_layers=2", "data.seq_len=32", "lora.rank=4"]
+    with pytest.raises(RecipeError, match=r"no q_proj, k_proj, v_proj projection .* \['o_proj', 'gate_proj', "
+                                          r"'up_proj', 'down_proj'\]"):
+        check_recipe(None, small, 1)
+    check_recipe(None, small + ["model.q_lora_rank=null", "lora.target_modules=[q_proj,o_proj,down_proj]"], 1)
+
+
+@pytest.mark.slow
+def test_lora_under_tp2_with_sequence_parallelism_matches_one_process(tmp_path_factory):
+    """Adapters on the direct query projection, the output projection and the dense MLP (DeepSeek-V2-Lite's
+    shape): losses under TP=2 with sequence parallelism equal one process's."""
+    corpus = corpus_dir(tmp_path_factory)
+    train = TRAIN + ["model.q_lora_rank=null", "lora.rank=4", "lora.target_modules=[q_proj,o_proj,gate_proj,down_proj]"]
+    ref = run_recipe(corpus, tmp_path_factory.mktemp("one"), train, 1, 6)[0]
+    assert ref["losses"][-1] < ref["losses"][0]  # the adapters learn
+    results = run_recipe(corpus, tmp_path_factory.mktemp("tp2"),
+                         train + ["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 6)
+    worst = max(max_relative(r["losses"], ref["losses"]) for r in results if any(r["losses"]))
+    assert worst <= 1e-5, (worst, [r["losses"] for r in results])
