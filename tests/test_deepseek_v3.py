@@ -642,3 +642,26 @@ def test_lora_under_tp2_with_sequence_parallelism_matches_one_process(tmp_path_f
                          train + ["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 6)
     worst = max(max_relative(r["losses"], ref["losses"]) for r in results if any(r["losses"]))
     assert worst <= 1e-5, (worst, [r["losses"] for r in results])
+
+
+def test_the_pipeline_split_costs_the_prediction_modules_on_the_last_stage():
+    """The head's unit carries each prediction module (a block, a second pass through the head, its
+    projection), so a balanced split gives the last stage fewer decoder layers with them than without."""
+    from plait.pipeline.partition import unit_costs
+    from plait.pipeline.trace import trace_units
+    from plait.plan.pipeline_split import plan_partition
+
+    with_mtp, without = _tiny(num_hidden_layers=8, num_nextn_predict_layers=2), _tiny(num_hidden_layers=8,
+                                                                                       num_nextn_predict_layers=0)
+    costs = {}
+    for name, config in (("with", with_mtp), ("without", without)):
+        with torch.device("meta"):
+            units = trace_units(DeepseekV3ForCausalLM(config))
+        costs[name] = dict(zip([u.kind for u in units], unit_costs(config, units, 64, kind="flops"), strict=False))
+    block, head = costs["without"]["block"], costs["without"]["head"]
+    h = with_mtp.hidden_size
+    assert costs["with"]["head"] == head + 2 * (block + head) + 6 * with_mtp.tail_extra_parameters() == \
+        head + 2 * (block + head) + 6 * 2 * (3 * h + 2 * h * h)
+    last = {name: len(plan_partition(c, 2, 64).stage_layers()[-1]) for name, c in (("with", with_mtp),
+                                                                                      ("without", without))}
+    assert last["with"] < last["without"], last

@@ -50,9 +50,13 @@ def unit_costs(model_config: DecoderConfig, units: list[Unit], seq_len: int | No
     the final norm its parameters (``final_norm_parameters()``: ``hidden`` for an RMSNorm, twice that
     for a layer norm with a bias), a block its ``layer_parameters()``.
     ``kind="flops"``: training FLOPs per token (forward + backward = 3 x forward). Matmul units
-    cost 6 x their parameters; a block adds ``12 * heads * head_dim * seq_len`` for attention
-    scores and values (``seq_len`` required); the head costs ``6 * vocab * hidden``; the embedding
+    cost 6 x their parameters; a block adds ``6 * attention_matmul_width() * seq_len`` for
+    attention scores and values (``12 * heads * head_dim * seq_len`` when keys and values have the
+    head's width; ``seq_len`` required); the head costs ``6 * vocab * hidden``; the embedding
     lookup, norms and other units (rotary tables, loss) count 0.
+    The modules the model runs after its last layer (``tail_layer_ids()``, DeepSeek-V3's
+    multi-token prediction) go with the head: each is one more block and one more pass through
+    the head, plus ``tail_extra_parameters()`` (its ``2h -> h`` projection and norms).
     """
     if kind not in COST_KINDS:
         raise PartitionError(f"cost kind={kind!r} is not valid; valid: {', '.join(map(repr, COST_KINDS))}")
@@ -60,16 +64,19 @@ def unit_costs(model_config: DecoderConfig, units: list[Unit], seq_len: int | No
         raise PartitionError(f"seq_len={seq_len!r} must be a positive integer for kind='flops'")
     c = model_config
     h, v = c.hidden_size, c.vocab_size
-    q = c.num_attention_heads * c.head_dim
     block = c.layer_parameters()
+    tail = len(c.tail_layer_ids())
     costs = []
     for unit in units:
         if kind == "params":
             cost = {"embedding": v * h, "block": block, "norm": c.final_norm_parameters(),
-                    "head": v * h}.get(unit.kind, 0)
+                    "head": v * h + tail * block + c.tail_extra_parameters()}.get(unit.kind, 0)
         else:
             assert seq_len is not None  # kind == "flops": checked above
-            cost = {"block": 6 * block + 12 * q * c.attention_span(seq_len), "head": 6 * v * h}.get(unit.kind, 0)
+            block_flops = 6 * block + 6 * c.attention_matmul_width() * c.attention_span(seq_len)
+            head_flops = 6 * v * h
+            tail_flops = tail * (block_flops + head_flops) + 6 * c.tail_extra_parameters()
+            cost = {"block": block_flops, "head": head_flops + tail_flops}.get(unit.kind, 0)
         costs.append(float(cost))
     return costs
 
