@@ -665,3 +665,33 @@ def test_the_pipeline_split_costs_the_prediction_modules_on_the_last_stage():
     last = {name: len(plan_partition(c, 2, 64).stage_layers()[-1]) for name, c in (("with", with_mtp),
                                                                                       ("without", without))}
     assert last["with"] < last["without"], last
+
+
+def test_the_mtp_loss_weight_is_a_training_knob_over_a_checkpoint(tmp_path):
+    """With ``model.hf_path`` the architecture is the checkpoint's, but ``model.mtp_loss_weight`` (not
+    in config.json) is the recipe's to set; a model without prediction modules has no such knob."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from plait.config import RecipeError, check_recipe
+
+    save_hf_checkpoint(build_model(_tiny(), single_process_mesh(), seed=7), tmp_path / "ds",
+                       single_process_mesh().info("tp"))
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 60)}}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    base = [f"data.tokenizer={tmp_path / 'tokenizer.json'}", "data.seq_len=32"]
+    resolved = check_recipe(None, base + [f"model.hf_path={tmp_path / 'ds'}", "model.mtp_loss_weight=0.1"], 1)
+    assert resolved.model_config().mtp_loss_weight == 0.1
+    assert resolved.recipe.model.to_model_config(60).mtp_loss_weight == 0.1  # what training builds
+    assert resolved.as_recipe().model.mtp_loss_weight == 0.1
+    assert check_recipe(None, base + [f"model.hf_path={tmp_path / 'ds'}"], 1).model_config().mtp_loss_weight == 0.3
+    with pytest.raises(RecipeError, match=r"model.hidden_size.*config.json sets it to 32"):
+        check_recipe(None, base + [f"model.hf_path={tmp_path / 'ds'}", "model.hidden_size=64"], 1)
+    from plait.models.llama import LlamaConfig
+
+    llama = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    save_hf_checkpoint(build_model(llama, single_process_mesh(), seed=7), tmp_path / "llama",
+                       single_process_mesh().info("tp"))
+    with pytest.raises(RecipeError, match=r"model.mtp_loss_weight.*llama model of model.hf_path has no"):
+        check_recipe(None, base + [f"model.hf_path={tmp_path / 'llama'}", "model.mtp_loss_weight=0.1"], 1)

@@ -49,6 +49,9 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
                "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
                "first_k_dense_replace", "num_nextn_predict_layers", "mtp_loss_weight")
+#: ``model`` fields among them that are training knobs rather than shape: with ``model.hf_path`` a value
+#: the recipe sets is applied to the config read from config.json instead of compared with it
+TRAINING_KNOBS = ("mtp_loss_weight",)
 #: ``train.objective`` values that train on preference pairs, and those of them measured against a reference
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
@@ -77,7 +80,8 @@ class ModelSection(Section):
                                             "config.json's model_type")
     hf_path: str | None = Field(default=None, description="Initialise from a Hugging Face model "
                                                           "directory; the architecture fields then come "
-                                                          "from its config.json and must not be set here")
+                                                          "from its config.json and must not be set here "
+                                                          "(model.mtp_loss_weight, a training knob, may be)")
     vocab_size: Int | None = Field(default=None, ge=1, description="Embedding rows; null = the tokenizer's size")
     hidden_size: Int = Field(default=256, ge=1, description="Width of the residual stream")
     intermediate_size: Int = Field(default=768, ge=1, description="Width of the gated MLP")
@@ -176,6 +180,11 @@ class ModelSection(Section):
         """The architecture fields as set in the recipe (``None`` head_dim left unresolved)."""
         return {name: getattr(self, name) for name in ARCH_FIELDS}
 
+    def knob_values(self) -> dict[str, Any]:
+        """The :data:`TRAINING_KNOBS` this section sets (applied over ``model.hf_path``'s config)."""
+        return {name: getattr(self, name) for name in TRAINING_KNOBS
+                if name in self.model_fields_set and getattr(self, name) is not None}
+
     def config_class(self) -> type:
         """The config class of ``model.family``."""
         return get_family(self.family).config_cls
@@ -196,7 +205,7 @@ class ModelSection(Section):
                 raise ModelConfigError(
                     f"the tokenizer has {vocab_size} tokens but {self.hf_path}/config.json has vocab_size="
                     f"{config.vocab_size}; use the checkpoint's own tokenizer")
-            for key, value in extra.items():
+            for key, value in {**self.knob_values(), **extra}.items():
                 setattr(config, key, value)
             return config
         vocab = self.vocab_size if self.vocab_size is not None else vocab_size

@@ -7,7 +7,7 @@ import re
 
 from plait.config.problems import Verbatim, divisors, format_value
 from plait.config.rules.checker import Checker
-from plait.config.schema import ARCH_FIELDS, read_hf_config
+from plait.config.schema import ARCH_FIELDS, TRAINING_KNOBS, read_hf_config
 from plait.models.decoder.config import DecoderConfig
 from plait.models.errors import ModelConfigError
 from plait.models.llama.config import ROPE_TYPES, rope_scaling_problems
@@ -38,7 +38,13 @@ def _architecture(c: Checker) -> DecoderConfig | None:
                                             f"{config.to_hf_dict()['model_type']!r}) is a {family!r} model; "
                                             f"remove model.family or set it to {family!r}")
             bad = True
-        for name in sorted(m.model_fields_set & set(ARCH_FIELDS)):
+        for name, value in m.knob_values().items():
+            if not hasattr(config, name):
+                c.add(f"model.{name}", value, f"the {family} model of model.hf_path has no {name}; remove it")
+                bad = True
+            else:
+                setattr(config, name, value)
+        for name in sorted(m.model_fields_set & set(ARCH_FIELDS) - set(TRAINING_KNOBS)):
             mine, theirs = getattr(m, name), getattr(config, name, None)
             if mine != theirs:
                 c.add(f"model.{name}", mine, f"model.hf_path's config.json sets it to {format_value(theirs)}; "
