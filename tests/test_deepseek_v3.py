@@ -587,7 +587,7 @@ def test_the_cluster_recipe_validates_and_its_dry_run_matches_the_planner():
     p = resolved.recipe.parallel
     layout = ParallelDegrees(tp=p.tp, pp=p.pp, dp=resolved.dp, ep=p.ep, zero=p.zero_level(),
                              activation_checkpointing=resolved.recipe.train.activation_checkpointing)
-    assert (layout.pp, layout.dp, layout.ep, layout.zero) == (32, 32, 4, 2)
+    assert (layout.pp, layout.dp, layout.ep, layout.zero) == (16, 64, 8, 2)
     for rank in (0, 1023):
         report = dry_run(config, layout, 1024, rank, precision="bf16-mixed", seq_len=4096, microbatches=p.microbatches)
         assert report.matches_exactly, report.check_line()
