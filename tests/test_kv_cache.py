@@ -161,6 +161,8 @@ LAYOUTS = {
     "pp2": ("qwen3", 1, 2, False, {}),
     "tp2_pp2_window": ("mistral", 2, 2, True, {}),
     "tp2_moe": ("qwen3_moe", 2, 1, True, {}),
+    # the latent cache with each rank's heads of kv_b_proj (sequence parallelism off while decoding)
+    "tp2_latent": ("deepseek_v3", 2, 1, True, {}),
 }
 #: run by the slow suite only (4 ranks, and a second TP case)
 SLOW_LAYOUTS = ("tp2_pp2_window", "tp2_moe")
@@ -215,13 +217,15 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
         assert completion.tokens == theirs[0, len(prompt):].tolist()
 
 
-def test_a_forward_of_several_positions_into_a_filled_cache_is_causal():
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_a_forward_of_several_positions_into_a_filled_cache_is_causal(family):
     """The engine feeds one token per step, but the cache serves any chunk: three positions after
-    a prefilled prompt see only themselves and earlier slots (the same logits as one at a time)."""
+    a prefilled prompt see only themselves and earlier slots (the same logits as one at a time),
+    for the generic cache and the latent one."""
     from plait.inference.attach import decoding
     from plait.inference.kv_cache import KVCache
 
-    model = build_model(_config("llama"), single_process_mesh(), seed=1)
+    model = build_model(_config(family), single_process_mesh(), seed=1)
     ids = torch.tensor([[3, 14, 15, 9, 26, 5, 35]])
     outs = []
     for chunks in ([4, 3], [4, 1, 1, 1]):
@@ -240,3 +244,31 @@ def test_a_forward_of_several_positions_into_a_filled_cache_is_causal():
     with decoding(model, KVCache(1, 7, torch.zeros(1, dtype=torch.long))):
         pass
     assert not model.training  # a model in eval mode stays in eval mode
+
+
+def test_latent_attention_caches_the_latent_not_the_heads(monkeypatch):
+    """DeepSeek-V3's attention modules get the latent cache and their cores none; what it holds per
+    token is ``kv_lora_rank + qk_rope_head_dim`` numbers, and its absorbed attention is what ran."""
+    from plait.inference.attach import attention_cores, decoding, latent_attentions
+    from plait.inference.kv_cache import KVCache
+    from plait.inference.latent_cache import LatentKVCache
+
+    config = _config("deepseek_v3")
+    model = build_model(config, single_process_mesh(), seed=1)
+    assert len(latent_attentions(model)) == config.num_hidden_layers and attention_cores(model) == []
+    calls = []
+    original = LatentKVCache.__call__
+    monkeypatch.setattr(LatentKVCache, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    cache = KVCache(2, 9, torch.zeros(2, dtype=torch.long))
+    with decoding(model, cache) as layers, torch.no_grad():
+        assert layers == config.num_hidden_layers
+        caches = [m.latent_cache for m in latent_attentions(model)]
+        cache.begin(5)
+        model(torch.randint(0, config.vocab_size, (2, 5)), position_ids=cache.positions(5))
+        cache.advance(5)
+    assert len(calls) == config.num_hidden_layers
+    for layer in caches:
+        assert isinstance(layer, LatentKVCache)
+        assert layer.latents.shape == (2, 9, config.kv_lora_rank)
+        assert layer.rope_keys.shape == (2, 9, config.qk_rope_head_dim)
+    assert all(m.latent_cache is None for m in latent_attentions(model))

@@ -21,6 +21,7 @@ padding heads: an MLA head has no K/V head to group with, so there is no replica
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -76,6 +77,9 @@ class ParallelLatentAttention(nn.Module):
                                               **kw)
         self.o_proj = RowParallelLinear(num_heads * v_dim, hidden_size, tp, bias=bias, sequence_parallel=sp, **kw)
         self.core = ParallelAttentionCore(attention_fn, attention_dropout, rng)
+        #: set while a decoding engine generates (sequence parallelism is then off): the latent cache,
+        #: the same on every TP rank, attended with this rank's heads of ``kv_b_proj``
+        self.latent_cache: Callable[..., torch.Tensor] | None = None
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -86,8 +90,15 @@ class ParallelLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
         group = self.tp.group
+        if self.latent_cache is not None:
+            assert mask is None and not self.sequence_parallel, "a cached forward is whole on every rank"
+            out = self.latent_cache(self.project_q(x), self.kv_a_layernorm(latent), C.copy_to_tp(k_rope, group),
+                                    self.kv_b_proj.weight, nope_dim=self.nope_dim, v_dim=self.v_dim,
+                                    interleave=self.interleave, cos=cos, sin=sin,
+                                    scale=self.query_scale * (self.nope_dim + self.rope_dim) ** -0.5)
+            return self.o_proj(out)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
         k_rope = C.gather_from_sp(k_rope, 1, group) if self.sequence_parallel else C.copy_to_tp(k_rope, group)
         q, k, v = latent_heads(self.project_q(x), kv, k_rope, nope_dim=self.nope_dim, rope_dim=self.rope_dim,
                                v_dim=self.v_dim, interleave=self.interleave)

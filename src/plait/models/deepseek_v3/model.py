@@ -24,6 +24,7 @@ one, so the MTP loss is logged apart (:class:`MtpStats`) and a run compares with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -70,6 +71,8 @@ class DeepseekV3Attention(nn.Module):
         self.o_proj = nn.Linear(n * self.v_dim, h, bias=bias, **kw)
         self.query_scale = query_scale_for(config.qk_head_dim, config.softmax_scale)
         self.core = AttentionCore(config.attention_dropout)
+        #: set while a decoding engine generates: the latent cache (:mod:`plait.inference.latent_cache`)
+        self.latent_cache: Callable[..., torch.Tensor] | None = None
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -85,6 +88,12 @@ class DeepseekV3Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         latent, k_rope = self.compress_kv(x)
+        if self.latent_cache is not None:
+            assert mask is None, "a cached forward builds its own mask (packed rows are not generated)"
+            out = self.latent_cache(self.project_q(x), latent, k_rope, self.kv_b_proj.weight, nope_dim=self.nope_dim,
+                                    v_dim=self.v_dim, interleave=self.interleave, cos=cos, sin=sin,
+                                    scale=self.query_scale * (self.nope_dim + self.rope_dim) ** -0.5)
+            return self.o_proj(out)
         q, k, v = latent_heads(self.project_q(x), self.kv_b_proj(latent), k_rope, nope_dim=self.nope_dim,
                                rope_dim=self.rope_dim, v_dim=self.v_dim, interleave=self.interleave)
         return self.o_proj(self.core(q * self.query_scale, k, v, cos, sin, mask))
