@@ -10,9 +10,11 @@ Shown here: logits and loss at TP=1 (1e-5 relative, fp32) with negative controls
 name; a bitwise Hugging Face round trip (balancing biases included) that transformers reads; a
 multi-token-prediction module equal to transformers' ``MtpLayer``, its loss in the gradient and
 not in the returned loss, its names in DeepSeek's layout; logits and gradients (prediction modules
-included) at TP=2, with and without sequence parallelism; 20 training steps with prediction
-modules at PP=2 and at TP=2 x EP=2 (slow) equal to one process's, with the MTP loss logged. Cached
-decoding is in tests/test_kv_cache.py, the planner's widths in tests/test_family_shapes.py.
+included) at TP=2, with and without sequence parallelism; 4 logged steps at PP=2 (losses and MTP
+losses) and 20 steps with prediction modules at PP=2 and at TP=2 x EP=2 (slow) equal to one
+process's; cp and LoRA refusals and their slow parity runs; the planner's parameters, FLOPs,
+activations and pipeline split; the cluster recipe's dry run (slow). Cached decoding (the latent
+cache) is in tests/test_kv_cache.py, the planner's widths in tests/test_family_shapes.py.
 """
 
 from __future__ import annotations
@@ -419,7 +421,7 @@ WEIGHT_TOL = {"pp2": 1e-5, "tp2-ep2": 5e-5}
 
 
 @pytest.mark.parametrize("name,overrides,world", [
-    ("pp2", ["parallel.pp=2"], 2),
+    pytest.param("pp2", ["parallel.pp=2"], 2, marks=pytest.mark.slow),
     pytest.param("tp2-ep2", ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                                 "data.micro_batch_size=1"], 4,  # dp=2 replicas of 1 sequence: the same global batch
                  marks=pytest.mark.slow),
@@ -459,10 +461,11 @@ def _logged(corpus, out: Path, items: list[str], world: int) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "tokens_per_s" in r]
 
 
-def test_the_mtp_loss_is_logged_apart_and_alike_under_pp2(single_run, tmp_path):
+def test_the_mtp_loss_is_logged_apart_and_alike_under_pp2(tmp_path_factory, tmp_path):
     """The training loop logs ``mtp_loss`` (and one per depth) beside the next-token loss; the
-    pipeline's last stage holds the modules, and the interval means equal one process's."""
-    corpus, _ = single_run
+    pipeline's last stage holds the modules, and the interval means (and the losses) equal one
+    process's (the default suite's PP=2 check; the 20-step one is slow)."""
+    corpus = corpus_dir(tmp_path_factory)
     items = TRAIN + ["model.num_nextn_predict_layers=2", "train.steps=4", "train.log_every=2", "train.eval_every=4",
                      "train.eval_batches=1", "train.sample_tokens=0"]
     one = _logged(corpus, tmp_path / "one", items, 1)
@@ -477,9 +480,13 @@ def test_the_mtp_loss_is_logged_apart_and_alike_under_pp2(single_run, tmp_path):
 
 
 # ------------------------------------------------------------------------------ the planner
-@pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(pp=2), dict(tp=2, pp=2), dict(dp=2, ep=2),
-                                     dict(tp=2, dp=2, ep=2)])
-@pytest.mark.parametrize("q_lora_rank,bias", [(16, False), (None, True)])
+@pytest.mark.parametrize("degrees,q_lora_rank,bias", [
+    *((d, 16, False) for d in (dict(), dict(tp=2), dict(pp=2), dict(tp=2, pp=2), dict(dp=2, ep=2),
+                               dict(tp=2, dp=2, ep=2))),
+    (dict(tp=2), None, True), (dict(tp=2, pp=2), None, True),
+    *(pytest.param(d, None, True, marks=pytest.mark.slow) for d in (dict(), dict(pp=2), dict(dp=2, ep=2),
+                                                                    dict(tp=2, dp=2, ep=2))),
+])
 def test_planner_parameter_counts_equal_the_built_shards(degrees, q_lora_rank, bias):
     """Latent attention (compressions whole, expansions split by heads), the dense and the sparse
     layers, and on the last stage the prediction modules: every rank's count is its built model's."""

@@ -164,8 +164,8 @@ LAYOUTS = {
     # the latent cache with each rank's heads of kv_b_proj (sequence parallelism off while decoding)
     "tp2_latent": ("deepseek_v3", 2, 1, True, {}),
 }
-#: run by the slow suite only (4 ranks, and a second TP case)
-SLOW_LAYOUTS = ("tp2_pp2_window", "tp2_moe")
+#: run by the slow suite only (4 ranks, and further TP cases)
+SLOW_LAYOUTS = ("tp2_pp2_window", "tp2_moe", "tp2_latent")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
