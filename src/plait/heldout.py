@@ -36,6 +36,7 @@ from plait.data.tokenizer import load_tokenizer_file
 from plait.inference import StopRules, generate_tokens
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
 from plait.lora.peft_io import BASE_SUBDIR
+from plait.quantize import quantize_as_recorded
 from plait.materialize import load_from_hf
 from plait.mesh import single_process_mesh
 from plait.models.family import config_of
@@ -142,6 +143,7 @@ def load_scoring_model(directory: str | os.PathLike, base: str | os.PathLike | N
     model = load_from_hf(base_path, single_process_mesh())
     apply_lora([model], read_peft_settings(path), seed=0)
     load_peft_adapter([model], path)
+    quantize_as_recorded([model], path)  # a QLoRA adapter is scored on the base it was trained on
     return model, tokenizer_dir
 
 

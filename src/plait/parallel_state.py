@@ -40,7 +40,8 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
             continue
         for pname, spec in get().items():
             param = getattr(module, pname)
-            specs[owners[id(param)]] = spec
+            if id(param) in owners:  # not a parameter: a frozen weight stored quantized (a buffer)
+                specs[owners[id(param)]] = spec
     return specs
 
 

@@ -48,7 +48,8 @@ def contents_of(recipe: Recipe) -> dict[str, Any]:
     """The ``contents`` a checkpoint of ``recipe`` holds (written into every manifest)."""
     lo = recipe.lora
     lora = None if lo.rank is None else {"rank": lo.rank, "alpha": lo.alpha, "rslora": lo.rslora,
-                                         "target_modules": sorted(lo.target_modules)}
+                                         "target_modules": sorted(lo.target_modules),
+                                         "quantize_base": lo.quantize_base, "quantize_block_size": lo.quantize_block_size}
     return {"model": "full" if lora is None else "adapters", "lora": lora, "base": base_of(recipe),
             "reference": recipe.preference.reference_mode(recipe.train.objective, lo.rank)}
 
@@ -74,6 +75,10 @@ def _base_setting(base: dict[str, Any]) -> str:
     return f"run.seed={base.get('seed')} and model.hf_path=null"
 
 
+#: what a manifest written before ``lora.quantize_base`` existed trained on
+_BEFORE_QUANTIZATION: dict[str, Any] = {"quantize_base": "none", "quantize_block_size": 64}
+
+
 def resume_problems(saved: dict[str, Any], recipe: Recipe) -> list[str]:
     """Why a checkpoint holding ``saved`` cannot continue under ``recipe`` (empty: it can)."""
     want = contents_of(recipe)
@@ -90,10 +95,11 @@ def resume_problems(saved: dict[str, Any], recipe: Recipe) -> list[str]:
     problems = []
     have, need = saved.get("lora"), want["lora"]
     if have is not None and need is not None:
-        for key in ("rank", "alpha", "rslora", "target_modules"):
-            if have.get(key) != need[key]:
-                problems.append(f"lora.{key}={need[key]} differs from the checkpoint's {have.get(key)}; set "
-                                f"lora.{key}={have.get(key)} to continue it")
+        for key in ("rank", "alpha", "rslora", "target_modules", "quantize_base", "quantize_block_size"):
+            saved_value = have.get(key, _BEFORE_QUANTIZATION.get(key))  # older manifests: an unquantized base
+            if saved_value != need[key]:
+                problems.append(f"lora.{key}={need[key]} differs from the checkpoint's {saved_value}; set "
+                                f"lora.{key}={saved_value} to continue it (the adapters were trained on that base)")
     # the frozen base (adapters) and the reference (preference objectives) are rebuilt from the recipe
     depends_on_base = want["model"] == "adapters" or want["reference"] is not None
     base = saved.get("base")

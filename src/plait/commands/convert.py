@@ -30,6 +30,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--merge-lora", action="store_true",
                    help="SRC is a LoRA adapter directory (PEFT layout, e.g. a LoRA run's final/): write its base "
                         "model with the adapter folded into the weights as a Hugging Face directory at DEST")
+    p.add_argument("--dequantize", action="store_true",
+                   help="with --merge-lora, for an adapter trained on a quantized base (QLoRA: its directory holds "
+                        "base_quantization.json): merge into that base as it was trained, quantized then "
+                        "dequantized to float32 (without it such an adapter is refused)")
     p.add_argument("--base", default=None, metavar="DIR",
                    help="with --merge-lora: the base model (default: the adapter's base_model_name_or_path)")
     p.add_argument("--info", action="store_true", help="only describe the plait checkpoint")
@@ -49,6 +53,8 @@ def run(args) -> int:
     from plait.checkpoint.store import latest_checkpoint
 
     src = Path(args.source)
+    if args.dequantize and not args.merge_lora:
+        return _fail("--dequantize applies with --merge-lora only (it merges a QLoRA adapter into its base as trained)")
     if args.merge_lora:
         return _merge_lora(src, args)
     if src.is_file() and src.suffix.lower() == ".gguf":
@@ -97,6 +103,7 @@ def _merge_lora(src: Path, args) -> int:
     from plait.mesh import single_process_mesh
     from plait.models.hf_io import save_hf_checkpoint
     from plait.outputs.ownership import require_target
+    from plait.quantize import QUANTIZATION_FILE, dequantize_base_, read_base_quantization
 
     if not (src / ADAPTER_CONFIG).is_file():
         return _fail(f"--merge-lora: {src} holds no {ADAPTER_CONFIG}; give a LoRA adapter directory (a LoRA run's "
@@ -105,11 +112,20 @@ def _merge_lora(src: Path, args) -> int:
         return _fail("give the output Hugging Face directory: plait convert ADAPTER_DIR DEST --merge-lora")
     dest = Path(args.dest)
     try:
+        record = read_base_quantization(src)
+        if record is not None and not args.dequantize:
+            return _fail(f"--merge-lora: {src} was trained on a {record.method}-quantized base ({QUANTIZATION_FILE}); "
+                         f"merged into the unquantized base it would not be the model that was trained. Add "
+                         f"--dequantize to merge into the base as trained (quantized, then dequantized to float32)")
+        if record is None and args.dequantize:
+            return _fail(f"--dequantize: {src} was trained on the base as read (no {QUANTIZATION_FILE}); there is "
+                         f"nothing to dequantize: leave --dequantize out")
         base = adapter_base(src, args.base)
         _check_dest(dest, [("the adapter", src), ("the base model", base)])
         require_target(dest, "hf-model", what="DEST", replace=args.overwrite,
                        replace_hint="allow replacing it (--overwrite)")
-        model, _ = load_scoring_model(src, base)
+        model, _ = load_scoring_model(src, base)  # quantized as the adapter's record says
+        dequantize_base_([model])
         merged = merge_lora_([model])
         save_hf_checkpoint(model, dest, single_process_mesh().info("tp"), replace=args.overwrite,
                            extra_files=[("model use files", lambda d: copy_model_use_files(d, src, base))])

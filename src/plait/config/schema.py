@@ -519,6 +519,16 @@ class LoraSection(Section):
                                                             "adapter_model.safetensors) to start the adapters from, "
                                                             "e.g. an earlier LoRA run's final/; its rank, alpha, "
                                                             "rslora and targets must match this section")
+    quantize_base: Literal["none", "nf4", "int8"] = Field(
+        default="none", description="QLoRA: store the frozen base projections of every decoder block quantized: "
+                                    "'nf4' (4-bit NormalFloat, double-quantized scales, ~0.27x of bf16), 'int8' "
+                                    "(~0.53x), in blocks along the hidden size that tensor parallelism never cuts; "
+                                    "computed in the precision preset's dtype. 'none' = the base as read",
+        json_schema_extra=applies_when("lora"))
+    quantize_block_size: Int = Field(default=64, ge=2, description="Values per quantization block along the hidden "
+                                                                    "size (QLoRA's 64); an even divisor of "
+                                                                    "model.hidden_size",
+                                     json_schema_extra=applies_when("lora"))
 
 
 class PreferenceSection(Section):

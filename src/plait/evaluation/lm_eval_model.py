@@ -46,6 +46,7 @@ from plait.evaluation.scoring import ScoreRequest, score_continuations, score_do
 from plait.heldout import scoring_model_dir
 from plait.inference import Sampling, StopRules, generate_tokens, model_context
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
+from plait.quantize import quantize_as_recorded
 from plait.materialize import load_from_hf
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.family import config_of
@@ -72,6 +73,7 @@ def load_eval_model(directory: str | os.PathLike, *, base: str | os.PathLike | N
     model = load_from_hf(base_path, mesh, dtype=dtype, device=device)
     apply_lora([model], read_peft_settings(path), seed=0)
     load_peft_adapter([model], path)
+    quantize_as_recorded([model], path)  # a QLoRA adapter runs on the base it was trained on
     return model, tokenizer_dir
 
 

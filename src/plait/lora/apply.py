@@ -129,6 +129,11 @@ def merge_lora_(modules: list[nn.Module]) -> int:
     Returns the number of merged projections.
     """
     merged = list(adapted(modules))
+    stored = [proj.name for proj, _ in merged if not isinstance(proj.module.weight, nn.Parameter)]
+    if stored:  # a quantized base (plait.quantize) holds codes: adding to its dense view would be lost
+        raise LoraApplyError(f"{stored[0]} is stored quantized (a frozen buffer, not a parameter); merging "
+                             f"into it would change nothing: dequantize the base first "
+                             f"(plait.quantize.dequantize_base_) to merge into the base as trained")
     for proj, adapter in merged:
         weight = proj.module.weight
         assert isinstance(weight, torch.Tensor), f"{proj.name} has no weight"

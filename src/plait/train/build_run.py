@@ -63,6 +63,7 @@ from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
 from plait.deferred import DeferredValues
 from plait.devices import detect_device, peak_flops
 from plait.lora import LoraSettings, apply_lora, load_peft_adapter
+from plait.quantize import QuantizeSummary, quantize_base_
 from plait.materialize import build_stages, build_stages_deferred, rng_tracker_of
 from plait.mesh import ParallelMesh
 from plait.models.decoder.config import DecoderConfig
@@ -275,6 +276,14 @@ def plugins_for(resolved: ResolvedRecipe, stages: list[nn.Module], mesh: Paralle
     return plugins
 
 
+def report_quantized_base(summary: QuantizeSummary, method: str, rank: int) -> None:
+    """Rank 0 says what the quantization of its base weights saved (the other ranks' are alike)."""
+    if rank == 0:
+        mib = 1024 ** 2
+        print(f"quantized base ({method}): {summary.projections} projections on rank 0, {summary.dense_bytes / mib:.1f} "
+              f"MiB as read -> {summary.stored_bytes / mib:.1f} MiB, {summary.of_bf16():.3f}x of bf16", flush=True)
+
+
 def final_export_for(state: RunState, checkpoints: RunCheckpoints) -> FinalExport:
     """A LoRA run exports its adapter; every other run the whole model."""
     if state.recipe.lora.rank is not None:
@@ -343,6 +352,9 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                                         target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
         if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
+        if lo.quantize_base != "none":  # QLoRA: each rank quantizes the frozen base weights it holds
+            report_quantized_base(quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size),
+                                  lo.quantize_base, rank)
     # MoE layers (the builder already kept this rank's experts and set up the token exchange when
     # ep > 1): the aux/z-loss weights, which carry the step's normalisation (no-op for dense models)
     configure_moe(stages, r.moe, config, microbatches=r.parallel.microbatches,

@@ -8,6 +8,7 @@ rank, and never gather a whole model on one rank under any layout.
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from plait.lora.peft_io import BASE_SUBDIR
 from plait.materialize import build_model
 from plait.mesh import single_process_mesh
 from plait.models.hf_io import write_local_model
+from plait.quantize import QUANTIZATION_FILE, BaseQuantization
 from plait.train.checkpointing import RunCheckpoints
 from plait.train.plugins import FinalExport
 from plait.train.run_state import RunState
@@ -100,10 +102,15 @@ class AdapterExport(FinalExport):
         final = Path(st.resolved.checkpoint_dir)
         base = r.model.hf_path if r.model.hf_path is not None else str((final / BASE_SUBDIR).absolute())
         writer = st.rank == 0
-        with st.optimizer.weights_gathered():  # ZeRO-3 keeps only the adapters' chunks between steps
+        lo = r.lora
+        with tempfile.TemporaryDirectory() as scratch, st.optimizer.weights_gathered():  # ZeRO-3: adapters' chunks
+            extra = run_model_use_files(st) if writer else None
+            if extra is not None and lo.quantize_base != "none":  # the base it learned on, beside the adapter
+                extra[QUANTIZATION_FILE] = BaseQuantization(lo.quantize_base, lo.quantize_block_size).write(
+                    Path(scratch))
             save_peft_adapter(st.stages, final, st.tp, base, pp=st.pp,
                               replace=True,  # checked before launch, as for the full model
-                              extra_files=run_model_use_files(st) if writer else None)
+                              extra_files=extra)
         if r.model.hf_path is None and writer:
             self._write_random_base(final / BASE_SUBDIR)
         if st.world > 1:

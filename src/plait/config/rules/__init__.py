@@ -1,6 +1,6 @@
 """The rules between a recipe's fields, one file per feature: the layout against the world size,
 the architecture, heads against TP, batch, pipeline, precision, activation checkpointing, paths,
-data and tokenizer, preference, GRPO, LoRA, context parallelism, MoE, compile, trackers, and keys that cannot
+data and tokenizer, preference, GRPO, LoRA and its quantized base, context parallelism, MoE, compile, trackers, and keys that cannot
 take effect.
 
 Every rule is a function ``rule(c: Checker) -> None`` (:mod:`plait.config.rules.checker`), and
@@ -26,6 +26,7 @@ from plait.config.rules.moe import check_moe
 from plait.config.rules.pipeline import check_pipeline
 from plait.config.rules.precision import check_zero_and_precision
 from plait.config.rules.preference import check_preference
+from plait.config.rules.quantize import check_quantize_base
 from plait.config.rules.trackers import check_trackers
 from plait.config.rules.training import check_activation_checkpointing, check_paths, check_schedule
 from plait.config.schema import Recipe
@@ -49,6 +50,7 @@ RULES: tuple[Rule, ...] = (
     check_data,
     check_lora,
     check_lora_targets,
+    check_quantize_base,
     check_context_parallel,
     check_moe,
     check_compile,

@@ -1,0 +1,54 @@
+"""QLoRA: a quantized base needs blocks that divide the hidden size, a family whose decoder blocks
+hold only projections plait can quantize, and the features it composes with."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from plait.activation_checkpointing import decoder_blocks
+from plait.config.rules.checker import Checker
+from plait.lora.apply import projections
+from plait.materialize import build_model
+from plait.mesh import single_process_mesh
+
+
+def check_quantize_base(c: Checker) -> None:
+    """``lora.quantize_base`` and ``lora.quantize_block_size`` against the model and the layout
+    (LoRA itself being on is the applicability rule's: without it the field is refused there)."""
+    lo, arch = c.r.lora, c.arch
+    if lo.rank is None or not c.ok("lora.quantize_base", "lora.quantize_block_size", "lora.rank"):
+        return
+    if lo.quantize_base == "none":
+        return
+    block = lo.quantize_block_size
+    if arch is not None and c.ok("model") and (block % 2 or arch.hidden_size % block):
+        c.add("lora.quantize_block_size", block, f"must be an even divisor of model.hidden_size={arch.hidden_size} "
+                                                 f"(blocks run along the hidden size); e.g. 64 or 32")
+    if arch is not None and c.ok("model"):
+        unsupported = _unquantizable_layers(arch)
+        if unsupported:
+            shown = ", ".join(unsupported[:3]) + (", ..." if len(unsupported) > 3 else "")
+            c.add("lora.quantize_base", lo.quantize_base,
+                  f"the {type(arch).family} model's decoder blocks hold weights that are not the dense "
+                  f"projections plait quantizes ({shown}); quantization supports llama, qwen3, mistral, "
+                  f"gemma3 and gpt_neox; use lora.quantize_base: none")
+    if c.ok("train.compile") and c.r.train.compile:
+        c.add("train.compile", True, f"does not compile a quantized base (lora.quantize_base={lo.quantize_base}); "
+                                     f"set train.compile: false or lora.quantize_base: none")
+    if c.ok("parallel.zero") and c.r.parallel.zero_level() == 3:
+        c.add("parallel.zero", c.r.parallel.zero, f"ZeRO-3 gathers full-precision base weights; with "
+                                                  f"lora.quantize_base={lo.quantize_base} use zero 1 or 2 (the "
+                                                  f"frozen base is not sharded then, but it is 4x smaller)")
+
+
+def _unquantizable_layers(arch) -> list[str]:
+    """Names of the matrices in the decoder blocks that are not block projections (router gates,
+    grouped experts, latent-attention compressions), read off the model built on the meta device."""
+    model = build_model(arch, single_process_mesh(), device="meta", init=False)
+    known = {id(p.module.weight) for p in projections([model])}
+    out: list[str] = []
+    for block_name, block in decoder_blocks(model):
+        for name, param in block.named_parameters():
+            if param.dim() >= 2 and id(param) not in known:
+                out.append(f"{block_name}.{name}")
+    return out

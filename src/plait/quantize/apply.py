@@ -1,0 +1,115 @@
+"""Store the frozen base projections of a model's decoder blocks quantized (QLoRA), in place.
+
+Works on whatever a rank holds (the unsharded model, its tensor-parallel twin, pipeline stages):
+each rank quantizes only the weights it holds, right after they were read.
+
+Tensor-parallel invariance. A weight is quantized in units that tensor parallelism never cuts:
+a column projection (q/k/v, gate/up, GPT-NeoX's query_key_value and dense_h_to_4h: output rows
+split over TP) by rows, a row projection (o/down, dense, dense_4h_to_h: input features split) by
+columns, each unit in blocks along the hidden size. A rank's slice is then a set of whole units
+of the full weight (padding units are zero, replicated K/V rows are equal), and its quantized
+values are exactly those of one process quantizing the full weight; the plain model quantizes
+by the same rule, by projection name, so TP=1 holds the same values as TP=2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.lora.apply import projections
+from plait.lora.settings import COLUMN_TARGETS, ROW_TARGETS
+from plait.quantize.blockwise import METHODS, Method, quantize_rows
+from plait.quantize.tensor import QuantizedWeight
+from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+#: the block length along the hidden size (QLoRA's 64)
+DEFAULT_BLOCK_SIZE = 64
+
+
+class QuantizeError(ValueError):
+    """A model whose base cannot be quantized as asked (the message names the module and the fix)."""
+
+
+@dataclass(frozen=True)
+class QuantizeSummary:
+    """What :func:`quantize_base_` did on this rank: projections, elements, bytes before and after."""
+
+    projections: int
+    elements: int
+    dense_bytes: int
+    stored_bytes: int
+
+    def of_bf16(self) -> float:
+        """The stored bytes as a fraction of the same weights in bf16 (QLoRA's figure of merit)."""
+        return self.stored_bytes / max(1, 2 * self.elements)
+
+
+def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizeSummary:
+    """Replace the weight of every projection of every decoder block of ``modules`` by a
+    :class:`QuantizedWeight` (biases stay as they are). The weights must already be frozen: the
+    quantized base has no gradient. Every projection is checked before any is changed."""
+    if method not in METHODS:
+        raise QuantizeError(f"quantization method {method!r} is not known; use one of {', '.join(METHODS)}")
+    found = list(projections(modules))
+    if not found:
+        raise QuantizeError("the model has no decoder-block projections to quantize")
+    for proj in found:
+        _check_quantizable(proj.name, proj.target, proj.module, block_size)
+    elements = dense = stored = 0
+    for proj in found:
+        weight = proj.module.weight
+        transposed = proj.target in ROW_TARGETS
+        rows = quantize_rows(weight.t() if transposed else weight, method, block_size)
+        quantized = QuantizedWeight(rows, transposed, weight.dtype)
+        elements += weight.numel()
+        dense += weight.numel() * weight.element_size()
+        stored += quantized.nbytes_stored()
+        del proj.module._parameters["weight"]
+        # not persistent: a QLoRA run saves only its adapters, and the base is re-read and
+        # quantized again on resume (the same values: quantization is deterministic)
+        proj.module.register_buffer("weight", quantized, persistent=False)
+    return QuantizeSummary(len(found), elements, dense, stored)
+
+
+def quantized_weights(modules: list[nn.Module]) -> list[tuple[str, QuantizedWeight]]:
+    """``(projection name, quantized weight)`` of every quantized projection of ``modules``."""
+    return [(proj.name, proj.module.weight) for proj in projections(modules)
+            if isinstance(proj.module.weight, QuantizedWeight)]
+
+
+@torch.no_grad()
+def dequantize_base_(modules: list[nn.Module]) -> int:
+    """Put the dequantized values back as ordinary (frozen) parameters; returns how many. A model
+    made so computes exactly what the quantized one did (merging an adapter into it is exact)."""
+    count = 0
+    for proj in projections(modules):
+        weight = proj.module.weight
+        if isinstance(weight, QuantizedWeight):
+            dense = weight.dense().contiguous()
+            del proj.module._buffers["weight"]
+            proj.module.weight = nn.Parameter(dense, requires_grad=False)
+            count += 1
+    return count
+
+
+def _check_quantizable(name: str, target: str, module: nn.Module, block_size: int) -> None:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, QuantizedWeight):
+        raise QuantizeError(f"{name} is already quantized; quantize_base_ was called twice on this model")
+    if not isinstance(module, nn.Linear | ColumnParallelLinear | RowParallelLinear) or not isinstance(weight, nn.Parameter):
+        raise QuantizeError(f"{name} is a {type(module).__name__}; quantization supports nn.Linear, "
+                            f"ColumnParallelLinear and RowParallelLinear projections only")
+    if weight.requires_grad:
+        raise QuantizeError(f"{name} trains (requires_grad); only a frozen base can be stored quantized: "
+                            f"apply LoRA first, which freezes it")
+    if target not in COLUMN_TARGETS + ROW_TARGETS:
+        raise QuantizeError(f"{name}: {target} is neither a column nor a row projection; plait does not know "
+                            f"which of its dimensions tensor parallelism splits")
+    along = int(weight.shape[0] if target in ROW_TARGETS else weight.shape[1])
+    if along % block_size or block_size % 2:
+        raise QuantizeError(f"{name}: its {along} features along the hidden size do not split into blocks of "
+                            f"{block_size} (an even number dividing the hidden size); set lora.quantize_block_size "
+                            f"to a divisor of {along}, such as 32 or 64")
