@@ -241,3 +241,40 @@ def test_bad_recipes_are_refused_naming_the_field():
     assert "parallel.zero" in _problems({"lora": {"rank": 4, "quantize_base": "int8"},
                                          "parallel": {"zero": 3, "dp": 2}}, 2)
     validate_recipe({"lora": {"rank": 4, "quantize_base": "nf4"}}, 2)  # the default model quantizes
+
+
+def _family_configs() -> dict:
+    from plait.models.gemma3 import Gemma3Config
+    from plait.models.gpt_neox import GPTNeoXConfig
+    return {
+        "gpt_neox": GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                  tie_word_embeddings=False),
+        "gemma3": Gemma3Config(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                               sliding_window=4, sliding_window_pattern=2, tie_word_embeddings=True),
+    }
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gemma3"])
+def test_other_dense_families_quantize_every_block_matrix(family):
+    """GPT-NeoX (fused query_key_value, plain MLP, biases) and Gemma 3: nothing in a block is left
+    unquantized, and the quantized model computes what its dequantized twin does."""
+    from plait.config.rules.quantize import _unquantizable_layers
+
+    config = _family_configs()[family]
+    assert _unquantizable_layers(config) == []
+    targets = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h") if family == "gpt_neox" else \
+        SETTINGS.target_modules
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=targets)
+    models = []
+    for _ in range(2):
+        model = build_model(config, single_process_mesh(), seed=3)
+        apply_lora([model], settings, seed=7)
+        _set_adapters([model], _adapters(model))
+        quantize_base_([model], "nf4", block_size=BLOCK)
+        models.append(model)
+    dequantize_base_([models[1]])
+    ids = _ids(config)
+    with torch.no_grad():
+        assert torch.equal(models[0](ids), models[1](ids))
