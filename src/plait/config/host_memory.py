@@ -25,6 +25,7 @@ import torch
 
 from plait.config.problems import Problem, Verbatim
 from plait.config.resolve import ResolvedRecipe
+from plait.plan.adapters import AdapterPlan
 from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import PRECISIONS, estimate_memory
 from plait.plan.pipeline_split import plan_partition
@@ -83,8 +84,12 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
     if p.pp * p.vpp > 1:
         split = plan_partition(config, p.pp * p.vpp, seq, method=p.partition, cost=p.partition_cost,
                                cuts=p.pipeline_cuts).stage_layers()
+    lo = r.lora
+    adapters = None if lo.rank is None else AdapterPlan(lo.rank, tuple(lo.target_modules), lo.quantize_base,
+                                                        lo.quantize_block_size)
     estimates = [estimate_memory(config, layout, precision=precision, micro_batch_size=r.data.micro_batch_size,
-                                 seq_len=seq, microbatches=p.microbatches, stage=s, stage_layers=split)
+                                 seq_len=seq, microbatches=p.microbatches, stage=s, stage_layers=split,
+                                 adapters=adapters)
                  for s in range(p.pp)]
     peaks = [e.total for e in estimates] if with_activations else [e.model_states for e in estimates]
     return peaks, precision

@@ -149,6 +149,7 @@ from plait.plan.block import (
     norm_parameter_count,
     qkv_weight_sizes,
 )
+from plait.plan.adapters import AdapterPlan, adapter_states
 from plait.plan.degrees import ParallelDegrees
 from plait.plan.moe import (
     MoEShape,
@@ -900,12 +901,14 @@ class MemoryBreakdown:
 
 def estimate_memory(config: DecoderConfig, layout: ParallelDegrees, *, precision: str = "fp32", micro_batch_size: int,
                     seq_len: int, microbatches: int, stage: int | None = None,
-                    stage_layers: list[list[int]] | None = None) -> MemoryBreakdown:
+                    stage_layers: list[list[int]] | None = None,
+                    adapters: AdapterPlan | None = None) -> MemoryBreakdown:
     """Peak bytes on one rank of ``layout`` for a training step (see the module doc for every term).
 
     ``stage``: the pipeline rank (``0 .. pp - 1``) to price; ``None`` prices every pipeline rank
     and returns the one with the largest ``total``. ``stage_layers`` overrides the pipeline split
-    (default: :func:`plait.plan.pipeline_split.plan_partition`, balanced by FLOPs).
+    (default: :func:`plait.plan.pipeline_split.plan_partition`, balanced by FLOPs). ``adapters``:
+    a LoRA run, only the adapters trained and the base stored as it says (:mod:`plait.plan.adapters`).
     """
     pb = precision_bytes(precision)
     for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len), ("microbatches", microbatches)):
@@ -917,15 +920,15 @@ def estimate_memory(config: DecoderConfig, layout: ParallelDegrees, *, precision
         raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * layout.cp}")
     local = seq_len // layout.cp  # context parallelism: the rank's share of every sequence
     if stage is None:
-        ranks = [_estimate_rank(config, layout, pb, micro_batch_size, local, microbatches, r, stage_layers)
+        ranks = [_estimate_rank(config, layout, pb, micro_batch_size, local, microbatches, r, stage_layers, adapters)
                  for r in range(layout.pp)]
         return max(ranks, key=lambda b: (b.total, -b.pp_rank))
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < layout.pp:
         raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{layout.pp - 1}")
-    return _estimate_rank(config, layout, pb, micro_batch_size, local, microbatches, stage, stage_layers)
+    return _estimate_rank(config, layout, pb, micro_batch_size, local, microbatches, stage, stage_layers, adapters)
 
 
-def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> MemoryBreakdown:
+def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers, adapters=None) -> MemoryBreakdown:
     sh = local_shapes(config, layout)
     chunks = rank_chunks(config, layout, S, pp_rank, stage_layers=stage_layers)
     counts = [chunk_parameter_count(config, sh, ch) for ch in chunks]
@@ -981,12 +984,26 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers) -> Memory
         root = P - sum(_layer_count(config, sh, layer) for ch in chunks for layer in ch.layers)
         parameters = (owned + root + min(P - root, 2 * block)) * pb.param
     optimizer, master = 2 * owned * pb.optimizer_state, (owned if zero else P) * pb.master
+    gradient_shard, count = owned * pb.grad if zero else 0, P
+    lora = None
+    if adapters is not None and level < 3:
+        layers = sum(len(ch.layers) for ch in chunks)
+        lora = adapter_states(config, block_of(config) if moe_shape(config) is None else None, sh, adapters,
+                              layers, P, pb.param)
+    if lora is not None:  # only the adapters train: gradients, moments and master copies are theirs alone
+        trained, parameters = lora
+        owned = -(-trained // dp) if zero else trained
+        gradients = gradients_at_peak = trained * pb.grad
+        gradient_shard = owned * pb.grad if zero else 0
+        optimizer, master, count = 2 * owned * pb.optimizer_state, (owned if zero else trained) * pb.master, \
+            P + trained
+        step_buffers = max(4 * owned if pb.grad < 4 else 0, owned * pb.param if level in (1, 2) else 0)
     host = 0
     if layout.offload:  # fp32 moments, master and owned-gradient copy in host memory (see the module doc)
         optimizer, master, host = 0, 0, 16 * owned
     return MemoryBreakdown(
-        layout=layout, precision=pb.name, pp_rank=pp_rank, parameter_count=P,
-        parameters=parameters, gradients=gradients, gradient_shard=owned * pb.grad if zero else 0,
+        layout=layout, precision=pb.name, pp_rank=pp_rank, parameter_count=count,
+        parameters=parameters, gradients=gradients, gradient_shard=gradient_shard,
         optimizer=optimizer, master_weights=master, host_bytes=host,
         activations=peak.activations, weight_copies=peak.weight_copies, logits=peak.logits,
         comm_buffers=peak.p2p + tp_gather + ring + exchange, workspace=peak.workspace, step_buffers=step_buffers,
