@@ -77,11 +77,17 @@ class QuantizedRows:
             values = self.codes.float().view(rows, blocks, self.block_size) * self.scales.unsqueeze(-1)
             return values.reshape(rows, length).to(dtype)
         assert self.factor is not None and self.mean is not None
-        levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=self.codes.device)
-        high, low = (self.codes >> 4).long(), (self.codes & 0b1111).long()
-        pairs = torch.stack([levels[high], levels[low]], dim=-1).view(rows, blocks, self.block_size)
+        pairs = _byte_pairs(self.codes.device)[self.codes.long()].view(rows, blocks, self.block_size)
         scales = self.scales.float() / self.factor + self.mean
         return (pairs * scales.unsqueeze(-1)).reshape(rows, length).to(dtype)
+
+
+def _byte_pairs(device: torch.device) -> torch.Tensor:
+    """``[256, 2]``: the two levels each code byte stands for (high nibble first), so that
+    dequantizing is one gather rather than two lookups and an interleave."""
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([levels[byte >> 4], levels[byte & 0b1111]], dim=-1)
 
 
 def quantize_rows(matrix: torch.Tensor, method: Method, block_size: int) -> QuantizedRows:
