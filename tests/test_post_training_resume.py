@@ -28,6 +28,9 @@ LORA = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,dow
 #: name -> (format/objective items, source key of the task files)
 MODES = {
     "lora-sft": (["data.format=sft", "train.objective=sft", *LORA], "sft_train"),
+    # QLoRA: the checkpoint holds the adapters; the resumed run quantizes the base again, to the same values
+    "qlora-sft": (["data.format=sft", "train.objective=sft", *LORA, "lora.quantize_base=nf4",
+                   "lora.quantize_block_size=16"], "sft_train"),
     "lora-dpo-adapters_off": (["data.format=preference", "train.objective=dpo", "preference.reference=adapters_off",
                                *LORA], "preference_train"),
     "lora-dpo-precompute": (["data.format=preference", "train.objective=dpo", "preference.reference=precompute",
@@ -146,7 +149,8 @@ def test_recipes_that_cannot_continue_a_lora_checkpoint_are_refused_before_launc
     base = _items(task, "lora-sft", out, []) + ["checkpoint.resume=auto"]
     cases = {"lora.rank=null": "set lora.rank=4", "lora.alpha=2.0": "set lora.alpha=8.0",
              "run.seed=7": "set run.seed=0", "lora.target_modules=[q_proj]": "lora.target_modules",
-             "model.hidden_size=128": "set model.hidden_size=64"}
+             "model.hidden_size=128": "set model.hidden_size=64",
+             "lora.quantize_base=nf4": "set lora.quantize_base=none"}
     for override, needle in cases.items():
         items = [i for i in base if not i.startswith("lora.")] if override == "lora.rank=null" else base
         assert main(["train", *items, override, "--nproc", "1"]) == 2, override

@@ -1,0 +1,99 @@
+"""A QLoRA adapter leaves the run with the record of its quantized base, and plait's readers use it.
+
+The adapter directory is PEFT's (PEFT reads it, ignoring ``base_quantization.json``); plait's
+scoring model (``plait eval``, ``plait generate``, lm-eval) quantizes the base again as recorded,
+so it computes exactly what the trained model computed. ``plait convert --merge-lora`` refuses
+such an adapter, since merged into the unquantized base it is another model, unless
+``--dequantize`` asks for the base as trained: then the merged model equals the QLoRA model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.heldout import load_scoring_model
+from plait.lora import LoraSettings, apply_lora, save_peft_adapter
+from plait.lora.apply import adapted
+from plait.materialize import build_model, load_from_hf
+from plait.mesh import single_process_mesh
+from plait.models.hf_io import save_hf_checkpoint
+from plait.models.llama.config import LlamaConfig
+from plait.quantize import QUANTIZATION_FILE, BaseQuantization, quantize_base_
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+SETTINGS = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    """``(base dir, adapter dir, the trained QLoRA model's logits, the same adapter on the unquantized base)``."""
+    root = tmp_path_factory.mktemp("qlora")
+    base = build_model(CONFIG, single_process_mesh(), seed=4)
+    save_hf_checkpoint(base, root / "base", single_process_mesh().info("tp"))
+    model = build_model(CONFIG, single_process_mesh(), seed=4)
+    apply_lora([model], SETTINGS, seed=1)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for _, adapter in adapted([model]):
+            adapter.A.copy_(0.3 * torch.randn(adapter.A.shape, generator=gen))
+            adapter.B.copy_(0.3 * torch.randn(adapter.B.shape, generator=gen))
+    unquantized = model(IDS).detach()
+    quantize_base_([model], "nf4", block_size=16)
+    with torch.no_grad():
+        logits = model(IDS)
+    record = BaseQuantization("nf4", 16).write(root)
+    save_peft_adapter([model], root / "adapter", single_process_mesh().info("tp"), str(root / "base"),
+                      extra_files={QUANTIZATION_FILE: record})
+    return root / "base", root / "adapter", logits, unquantized
+
+
+def test_scoring_model_quantizes_the_base_as_recorded(qlora):
+    base, adapter, logits, unquantized = qlora
+    model, _ = load_scoring_model(adapter)
+    with torch.no_grad():
+        assert torch.equal(model(IDS), logits)
+    assert (logits - unquantized).abs().max() > 1e-3  # the record matters
+    hf = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():  # PEFT reads the directory (onto the unquantized base it names)
+        theirs = peft.PeftModel.from_pretrained(hf, adapter)(IDS).logits
+    assert (theirs - unquantized).abs().max() < 1e-5
+
+
+def test_merge_is_refused_unless_dequantized_and_then_equals_the_qlora_model(qlora, tmp_path, capsys):
+    base, adapter, logits, _ = qlora
+    assert main(["convert", str(adapter), str(tmp_path / "merged"), "--merge-lora"]) == 2
+    err = capsys.readouterr().err
+    assert "nf4-quantized base" in err and "--dequantize" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "merged").exists()
+    assert main(["convert", str(adapter), str(tmp_path / "merged"), "--merge-lora", "--dequantize"]) == 0
+    capsys.readouterr()
+    with torch.no_grad():
+        merged = load_from_hf(tmp_path / "merged", single_process_mesh())(IDS)
+    assert (merged - logits).abs().max() < 1e-5
+    assert main(["convert", str(base), str(tmp_path / "x"), "--dequantize"]) == 2
+    assert "with --merge-lora only" in capsys.readouterr().err
+
+
+def test_dequantize_without_a_quantized_base_is_refused(qlora, tmp_path, capsys):
+    _, adapter, _, _ = qlora
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in adapter.iterdir():
+        if f.name != QUANTIZATION_FILE:
+            (plain / f.name).write_bytes(f.read_bytes())
+    assert main(["convert", str(plain), str(tmp_path / "m"), "--merge-lora", "--dequantize"]) == 2
+    assert "nothing to dequantize" in capsys.readouterr().err
+    (adapter / QUANTIZATION_FILE).rename(tmp_path / "saved.json")
+    try:
+        (adapter / QUANTIZATION_FILE).write_text('{"method": "fp4", "block_size": 16}')
+        with pytest.raises(ValueError, match="fp4"):
+            load_scoring_model(adapter)
+    finally:
+        (tmp_path / "saved.json").replace(adapter / QUANTIZATION_FILE)
