@@ -13,7 +13,8 @@ import pytest
 from trainer_runs import corpus_dir, max_relative, run_recipe
 
 STEPS = 20
-QLORA = ["lora.rank=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+QLORA = ["lora.rank=4", "lora.alpha=8.0",
+         "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
          "lora.quantize_base=nf4", "lora.quantize_block_size=16", "optimizer.lr=5e-3"]
 MODEL = ["model.hidden_size=64", "model.num_hidden_layers=4", "model.num_attention_heads=4",
          "model.num_key_value_heads=2", "model.intermediate_size=128", "data.seq_len=64", "data.micro_batch_size=2",

@@ -97,7 +97,12 @@ def test_quantized_weight_is_the_dense_weight_and_autograd_keeps_it_quantized():
         x = torch.randn(3, 5, 32, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_(True)
         saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+
+        def keep(t: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             y = F.linear(x, q)
         y_ref = F.linear(x_ref, dense)
         assert torch.equal(y, y_ref)

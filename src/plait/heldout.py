@@ -36,11 +36,11 @@ from plait.data.tokenizer import load_tokenizer_file
 from plait.inference import StopRules, generate_tokens
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
 from plait.lora.peft_io import BASE_SUBDIR
-from plait.quantize import quantize_as_recorded
 from plait.materialize import load_from_hf
 from plait.mesh import single_process_mesh
 from plait.models.family import config_of
 from plait.models.packaged import model_directory
+from plait.quantize import quantize_as_recorded
 
 ADAPTER_CONFIG = "adapter_config.json"
 

@@ -49,7 +49,8 @@ def contents_of(recipe: Recipe) -> dict[str, Any]:
     lo = recipe.lora
     lora = None if lo.rank is None else {"rank": lo.rank, "alpha": lo.alpha, "rslora": lo.rslora,
                                          "target_modules": sorted(lo.target_modules),
-                                         "quantize_base": lo.quantize_base, "quantize_block_size": lo.quantize_block_size}
+                                         "quantize_base": lo.quantize_base,
+                                         "quantize_block_size": lo.quantize_block_size}
     return {"model": "full" if lora is None else "adapters", "lora": lora, "base": base_of(recipe),
             "reference": recipe.preference.reference_mode(recipe.train.objective, lo.rank)}
 

@@ -46,10 +46,10 @@ from plait.evaluation.scoring import ScoreRequest, score_continuations, score_do
 from plait.heldout import scoring_model_dir
 from plait.inference import Sampling, StopRules, generate_tokens, model_context
 from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
-from plait.quantize import quantize_as_recorded
 from plait.materialize import load_from_hf
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.family import config_of
+from plait.quantize import quantize_as_recorded
 
 #: new tokens of a generation request that names no ``max_gen_toks`` (lm-eval's own default)
 DEFAULT_GEN_TOKENS = 256

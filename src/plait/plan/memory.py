@@ -139,6 +139,7 @@ from plait.models.decoder.shapes import BlockShape, LocalShapes
 from plait.models.registry import family_of
 from plait.pipeline.schedules import compute_order
 from plait.pipeline.tasks import Forward, WeightGrad
+from plait.plan.adapters import AdapterPlan, adapter_states
 from plait.plan.block import (
     attention_parameter_count,
     bias_parameter_count,
@@ -149,7 +150,6 @@ from plait.plan.block import (
     norm_parameter_count,
     qkv_weight_sizes,
 )
-from plait.plan.adapters import AdapterPlan, adapter_states
 from plait.plan.degrees import ParallelDegrees
 from plait.plan.moe import (
     MoEShape,

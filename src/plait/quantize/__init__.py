@@ -19,5 +19,5 @@ from plait.quantize.record import (
 from plait.quantize.tensor import QuantizedWeight
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "METHODS", "QUANTIZATION_FILE", "BaseQuantization", "QuantizationRecordError",
-           "quantize_as_recorded", "read_base_quantization", "QuantizeError", "QuantizeSummary", "QuantizedRows", "QuantizedWeight",
-           "dequantize_base_", "quantize_base_", "quantize_rows", "quantized_weights"]
+           "QuantizeError", "QuantizeSummary", "QuantizedRows", "QuantizedWeight", "dequantize_base_",
+           "quantize_as_recorded", "quantize_base_", "quantize_rows", "quantized_weights", "read_base_quantization"]

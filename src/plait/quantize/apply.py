@@ -47,7 +47,8 @@ class QuantizeSummary:
         return self.stored_bytes / max(1, 2 * self.elements)
 
 
-def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizeSummary:
+def quantize_base_(modules: list[nn.Module], method: Method, *,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizeSummary:
     """Replace the weight of every projection of every decoder block of ``modules`` by a
     :class:`QuantizedWeight` (biases stay as they are). The weights must already be frozen: the
     quantized base has no gradient. Every projection is checked before any is changed."""
@@ -61,6 +62,7 @@ def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int 
     elements = dense = stored = 0
     for proj in found:
         weight = proj.module.weight
+        assert isinstance(weight, nn.Parameter)  # checked above
         transposed = proj.target in ROW_TARGETS
         rows = quantize_rows(weight.t() if transposed else weight, method, block_size)
         quantized = QuantizedWeight(rows, transposed, weight.dtype)
@@ -99,7 +101,8 @@ def _check_quantizable(name: str, target: str, module: nn.Module, block_size: in
     weight = getattr(module, "weight", None)
     if isinstance(weight, QuantizedWeight):
         raise QuantizeError(f"{name} is already quantized; quantize_base_ was called twice on this model")
-    if not isinstance(module, nn.Linear | ColumnParallelLinear | RowParallelLinear) or not isinstance(weight, nn.Parameter):
+    linear = isinstance(module, nn.Linear | ColumnParallelLinear | RowParallelLinear)
+    if not linear or not isinstance(weight, nn.Parameter):
         raise QuantizeError(f"{name} is a {type(module).__name__}; quantization supports nn.Linear, "
                             f"ColumnParallelLinear and RowParallelLinear projections only")
     if weight.requires_grad:

@@ -44,7 +44,7 @@ class QuantizedWeight(torch.Tensor):
     def __init__(self, rows: QuantizedRows, stored_transposed: bool, dtype: torch.dtype) -> None:
         self.rows, self.stored_transposed = rows, stored_transposed
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight (a plain tensor of this tensor's shape and dtype)."""
@@ -65,7 +65,8 @@ class QuantizedWeight(torch.Tensor):
                 f"block_size={self.rows.block_size}, stored_transposed={self.stored_transposed})")
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         first = args[0] if args else None
         if isinstance(first, QuantizedWeight):

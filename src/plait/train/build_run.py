@@ -63,7 +63,6 @@ from plait.data_parallel.optimizer import DistributedOptimizer, OptimizerHyper
 from plait.deferred import DeferredValues
 from plait.devices import detect_device, peak_flops
 from plait.lora import LoraSettings, apply_lora, load_peft_adapter
-from plait.quantize import QuantizeSummary, quantize_base_
 from plait.materialize import build_stages, build_stages_deferred, rng_tracker_of
 from plait.mesh import ParallelMesh
 from plait.models.decoder.config import DecoderConfig
@@ -79,6 +78,7 @@ from plait.plan.pipeline_split import partition_for
 from plait.post_training.grpo_head import GRPOHead
 from plait.post_training.head import PreferenceHead
 from plait.precision import PrecisionPolicy, policy_for
+from plait.quantize import QuantizeSummary, quantize_base_
 from plait.train.agreement import RankAgreement, StopSignals
 from plait.train.checkpointing import RunCheckpoints, restore
 from plait.train.compile import compile_stages, use_compile_cache
@@ -280,8 +280,9 @@ def report_quantized_base(summary: QuantizeSummary, method: str, rank: int) -> N
     """Rank 0 says what the quantization of its base weights saved (the other ranks' are alike)."""
     if rank == 0:
         mib = 1024 ** 2
-        print(f"quantized base ({method}): {summary.projections} projections on rank 0, {summary.dense_bytes / mib:.1f} "
-              f"MiB as read -> {summary.stored_bytes / mib:.1f} MiB, {summary.of_bf16():.3f}x of bf16", flush=True)
+        print(f"quantized base ({method}): {summary.projections} projections on rank 0, "
+              f"{summary.dense_bytes / mib:.1f} MiB as read -> {summary.stored_bytes / mib:.1f} MiB, "
+              f"{summary.of_bf16():.3f}x of bf16", flush=True)
 
 
 def final_export_for(state: RunState, checkpoints: RunCheckpoints) -> FinalExport:

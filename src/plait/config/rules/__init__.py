@@ -1,6 +1,7 @@
 """The rules between a recipe's fields, one file per feature: the layout against the world size,
 the architecture, heads against TP, batch, pipeline, precision, activation checkpointing, paths,
-data and tokenizer, preference, GRPO, LoRA and its quantized base, context parallelism, MoE, compile, trackers, and keys that cannot
+data and tokenizer, preference, GRPO, LoRA and its quantized base,
+context parallelism, MoE, compile, trackers, and keys that cannot
 take effect.
 
 Every rule is a function ``rule(c: Checker) -> None`` (:mod:`plait.config.rules.checker`), and

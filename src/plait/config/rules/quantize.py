@@ -3,8 +3,6 @@ hold only projections plait can quantize, and the features it composes with."""
 
 from __future__ import annotations
 
-from torch import nn
-
 from plait.activation_checkpointing import decoder_blocks
 from plait.config.rules.checker import Checker
 from plait.lora.apply import projections
