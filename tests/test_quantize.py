@@ -283,3 +283,33 @@ def test_other_dense_families_quantize_every_block_matrix(family):
     ids = _ids(config)
     with torch.no_grad():
         assert torch.equal(models[0](ids), models[1](ids))
+
+
+# ------------------------------------------------------------------------------ the streamed build
+@pytest.mark.parametrize("source", ["init", "hf"])
+def test_the_streamed_build_quantizes_the_values_of_the_whole_build(source, tmp_path):
+    """A QLoRA run builds its stages with placeholders and reads each projection only when it is
+    quantized (plait.deferred): the quantized values and every other weight equal those of the
+    whole build, from the seeded initialisation and from a Hugging Face directory, at PP=2's stages."""
+    from plait.materialize import build_stages, build_stages_deferred
+    from plait.models.hf_io import save_hf_checkpoint
+
+    config = CONFIGS["heads6"]
+    hf = None
+    if source == "hf":
+        hf = tmp_path / "hf"
+        save_hf_checkpoint(build_model(config, single_process_mesh(), seed=21), hf, single_process_mesh().info("tp"))
+    layers = [[0], [1]]
+    whole = build_stages(config, single_process_mesh(), layers, seed=11, hf_path=hf)
+    streamed, values = build_stages_deferred(config, single_process_mesh(), layers, seed=11, hf_path=hf)
+    for stages, vals in ((whole, None), (streamed, values)):
+        apply_lora(stages, SETTINGS, seed=7)
+        quantize_base_(stages, "nf4", block_size=BLOCK, values=vals)
+    assert not values.left_in(streamed)
+    want = {n: w.dense() for n, w in quantized_weights(whole)}
+    got = {n: w.dense() for n, w in quantized_weights(streamed)}
+    assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    for a, b in zip(whole, streamed, strict=True):
+        other = dict(b.named_parameters())
+        for name, p in a.named_parameters():
+            assert torch.equal(p, other[name]), name

@@ -14,11 +14,13 @@ by the same rule, by projection name, so TP=1 holds the same values as TP=2.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from plait.deferred import DeferredValues, is_placeholder
 from plait.lora.apply import projections
 from plait.lora.settings import COLUMN_TARGETS, ROW_TARGETS
 from plait.quantize.blockwise import METHODS, Method, quantize_rows
@@ -47,11 +49,17 @@ class QuantizeSummary:
         return self.stored_bytes / max(1, 2 * self.elements)
 
 
-def quantize_base_(modules: list[nn.Module], method: Method, *,
-                   block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizeSummary:
+def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                   values: DeferredValues | None = None) -> QuantizeSummary:
     """Replace the weight of every projection of every decoder block of ``modules`` by a
     :class:`QuantizedWeight` (biases stay as they are). The weights must already be frozen: the
-    quantized base has no gradient. Every projection is checked before any is changed."""
+    quantized base has no gradient. Every projection is checked before any is changed.
+
+    ``values``: the stages were built with placeholders (:mod:`plait.deferred`); each projection's
+    values are then read (or initialised) one projection at a time and quantized at once, and the
+    other placeholders (embeddings, norms, biases, the head) are filled whole, so the build never
+    holds more than one dense projection beyond the quantized base. The values are bitwise those
+    of the normal build."""
     if method not in METHODS:
         raise QuantizeError(f"quantization method {method!r} is not known; use one of {', '.join(METHODS)}")
     found = list(projections(modules))
@@ -59,21 +67,44 @@ def quantize_base_(modules: list[nn.Module], method: Method, *,
         raise QuantizeError("the model has no decoder-block projections to quantize")
     for proj in found:
         _check_quantizable(proj.name, proj.target, proj.module, block_size)
-    elements = dense = stored = 0
-    for proj in found:
-        weight = proj.module.weight
-        assert isinstance(weight, nn.Parameter)  # checked above
-        transposed = proj.target in ROW_TARGETS
-        rows = quantize_rows(weight.t() if transposed else weight, method, block_size)
-        quantized = QuantizedWeight(rows, transposed, weight.dtype)
-        elements += weight.numel()
-        dense += weight.numel() * weight.element_size()
-        stored += quantized.nbytes_stored()
-        del proj.module._parameters["weight"]
-        # not persistent: a QLoRA run saves only its adapters, and the base is re-read and
-        # quantized again on resume (the same values: quantization is deterministic)
-        proj.module.register_buffer("weight", quantized, persistent=False)
-    return QuantizeSummary(len(found), elements, dense, stored)
+    elements = dense_bytes = stored = 0
+    with values if values is not None else contextlib.nullcontext():  # the files open once
+        for proj in found:
+            weight = proj.module.weight
+            assert isinstance(weight, nn.Parameter)  # checked above
+            transposed = proj.target in ROW_TARGETS
+            dense = _value_of(weight, values)
+            rows = quantize_rows(dense.t() if transposed else dense, method, block_size)
+            del dense
+            quantized = QuantizedWeight(rows, transposed, weight.dtype)
+            elements += weight.numel()
+            dense_bytes += weight.numel() * weight.element_size()
+            stored += quantized.nbytes_stored()
+            del proj.module._parameters["weight"]
+            # not persistent: a QLoRA run saves only its adapters, and the base is re-read and
+            # quantized again on resume (the same values: quantization is deterministic)
+            proj.module.register_buffer("weight", quantized, persistent=False)
+        if values is not None:
+            fill_placeholders_(modules, values)
+    return QuantizeSummary(len(found), elements, dense_bytes, stored)
+
+
+@torch.no_grad()
+def fill_placeholders_(modules: list[nn.Module], values: DeferredValues) -> None:
+    """Give every placeholder parameter left in ``modules`` its values, whole (tied ones once)."""
+    with values:
+        for module in modules:
+            for p in module.parameters():
+                if values.holds(p) and is_placeholder(p):
+                    p.data = _value_of(p, values)
+
+
+def _value_of(weight: torch.Tensor, values: DeferredValues | None) -> torch.Tensor:
+    """The dense value of ``weight``: itself, or, for a placeholder, its values in its dtype."""
+    if values is None or not values.holds(weight) or not is_placeholder(weight):
+        return weight
+    with values:
+        return values.flat_range(weight, 0, weight.numel()).view(weight.shape).to(weight.dtype)
 
 
 def quantized_weights(modules: list[nn.Module]) -> list[tuple[str, QuantizedWeight]]:

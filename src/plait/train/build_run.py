@@ -135,9 +135,12 @@ def build_trained_stages(resolved: ResolvedRecipe, mesh: ParallelMesh, config: D
                          device: torch.device) -> tuple[list[nn.Module], DeferredValues | None]:
     """The stages the run trains. Under ZeRO-3 without LoRA (every weight trained, hence sharded)
     they hold placeholders, and the optimizer computes or reads only the ranges this rank keeps
-    (see :mod:`plait.deferred`); otherwise they are built whole (:func:`build_stages_for`)."""
+    (see :mod:`plait.deferred`); with a quantized LoRA base they hold placeholders too, which the
+    quantization fills one projection at a time (:func:`plait.quantize.quantize_base_`);
+    otherwise they are built whole (:func:`build_stages_for`)."""
     r = resolved.recipe
-    if r.parallel.zero_level() != 3 or r.lora.rank is not None:
+    quantized = r.lora.rank is not None and r.lora.quantize_base != "none"  # read projection by projection
+    if not quantized and (r.parallel.zero_level() != 3 or r.lora.rank is not None):
         return build_stages_for(resolved, mesh, config, vocab_size, device), None
     return build_stages_deferred(config, mesh, stage_layers(resolved, config, vocab_size), seed=r.run.seed,
                                  device=device, sequence_parallel=r.parallel.sequence_parallel,
@@ -353,9 +356,10 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                                         target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
         if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
-        if lo.quantize_base != "none":  # QLoRA: each rank quantizes the frozen base weights it holds
-            report_quantized_base(quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size),
-                                  lo.quantize_base, rank)
+        if lo.quantize_base != "none":  # QLoRA: each rank reads and quantizes its base, a projection at a time
+            summary = quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size, values=values)
+            values = None  # every placeholder is filled: the optimizer builds as for a whole model
+            report_quantized_base(summary, lo.quantize_base, rank)
     # MoE layers (the builder already kept this rank's experts and set up the token exchange when
     # ep > 1): the aux/z-loss weights, which carry the step's normalisation (no-op for dense models)
     configure_moe(stages, r.moe, config, microbatches=r.parallel.microbatches,
