@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 Method = Literal["nf4", "int8"]
 METHODS: tuple[str, ...] = ("nf4", "int8")
@@ -77,7 +78,8 @@ class QuantizedRows:
             values = self.codes.float().view(rows, blocks, self.block_size) * self.scales.unsqueeze(-1)
             return values.reshape(rows, length).to(dtype)
         assert self.factor is not None and self.mean is not None
-        pairs = _byte_pairs(self.codes.device)[self.codes.long()].view(rows, blocks, self.block_size)
+        # a lookup of each code byte's two levels (``embedding``: several times faster than indexing)
+        pairs = F.embedding(self.codes.long(), _byte_pairs(self.codes.device)).view(rows, blocks, self.block_size)
         scales = self.scales.float() / self.factor + self.mean
         return (pairs * scales.unsqueeze(-1)).reshape(rows, length).to(dtype)
 
