@@ -74,3 +74,23 @@ def test_nf4_base_weights_are_under_three_tenths_of_bf16():
                               microbatches=1, adapters=plan)
         assert est.parameters == nf4
         assert nf4 < bf16
+
+
+def test_plait_plan_prices_a_qlora_recipe_on_a_hugging_face_model(tmp_path, capsys):
+    """``plait plan`` reads a ``model.hf_path`` recipe as written (it used to fill in every model
+    field and then refuse them as contradicting the checkpoint), prices the adapters and the
+    quantized base, and leaves out ZeRO-3, which a quantized base does not compose with."""
+    from plait.cli import main
+    from plait.mesh import single_process_mesh
+    from plait.models.hf_io import save_hf_checkpoint
+
+    small = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_hf_checkpoint(build_model(small, single_process_mesh(), seed=0), tmp_path / "hf",
+                       single_process_mesh().info("tp"))
+    recipe = tmp_path / "qlora.yaml"
+    recipe.write_text(f"model:\n  hf_path: {tmp_path / 'hf'}\ndata:\n  seq_len: 128\n"
+                      f"  tokenizer: {tmp_path / 'hf'}/tokenizer.json\nlora:\n  rank: 8\n  quantize_base: nf4\n")
+    assert main(["plan", str(recipe), "--world", "4", "--device", "h100", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and "zero3" not in out, out

@@ -131,12 +131,13 @@ def cpu_rank_resources(spec, ranks_per_host: int, precision: str) -> tuple[int |
 def load_plan_inputs(recipe_path: str, overrides: list[str]):
     """``(recipe, llama config)``: the recipe type-checked and its model validated. The parallel
     section is not checked (the planner chooses it)."""
-    from plait.config import load_recipe, validate_recipe
+    from plait.config import load_recipe, recipe_data, validate_recipe
 
     recipe = load_recipe(recipe_path, overrides)
-    data = recipe.model_dump()
+    # what the recipe wrote, not every field filled in: a model.hf_path recipe names no architecture
+    data = recipe_data(recipe_path, overrides)
     data["parallel"] = {}
-    data["data"]["global_batch_size"] = None
+    data.setdefault("data", {})["global_batch_size"] = None
     data["precision"] = {}  # --precision may plan another preset than the recipe's
     resolved = validate_recipe(data, 1, check_paths=False)
     return recipe, resolved.model_config()
@@ -299,6 +300,7 @@ def render_plan(plan, config, recipe_name: str, top: int, unfit: int = 3, every:
 
 def run(args) -> int:
     from plait.config import RecipeError
+    from plait.config.host_memory import adapter_plan
     from plait.models.errors import ModelConfigError
     from plait.plan.search import PlanError, SearchOptions, rank_layouts, resolve_device
 
@@ -330,7 +332,7 @@ def run(args) -> int:
         plan = rank_layouts(config, args.world, spec, devices_per_node=per_node, peak=peak,
                             micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
                             microbatches=args.microbatches, global_batch_size=global_batch, precision=precision,
-                            memory_bytes=memory, headroom=args.headroom,
+                            memory_bytes=memory, headroom=args.headroom, adapters=adapter_plan(recipe),
                             options=SearchOptions(kv_placement=recipe.parallel.kv_placement, partition=method,
                                                   partition_cost=recipe.parallel.partition_cost,
                                                   try_zero1=not args.no_zero1,

@@ -25,6 +25,7 @@ import torch
 
 from plait.config.problems import Problem, Verbatim
 from plait.config.resolve import ResolvedRecipe
+from plait.config.schema import Recipe
 from plait.plan.adapters import AdapterPlan
 from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import PRECISIONS, estimate_memory
@@ -67,6 +68,14 @@ def recipe_layout(resolved: ResolvedRecipe) -> ParallelDegrees:
                            schedule=p.schedule, cp=p.cp, ep=p.ep, offload=p.offload_optimizer)
 
 
+def adapter_plan(recipe: Recipe) -> AdapterPlan | None:
+    """The recipe's LoRA section as the planner prices it (``None``: every weight trains)."""
+    lo = recipe.lora
+    if lo.rank is None:
+        return None
+    return AdapterPlan(lo.rank, tuple(lo.target_modules), lo.quantize_base, lo.quantize_block_size)
+
+
 def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = False) -> tuple[list[int], str]:
     """``(model-state bytes of one process of each pipeline rank, precision priced)``; with
     ``with_activations``, the planner's peak of the step instead (activations, logits and
@@ -84,9 +93,7 @@ def state_bytes_per_stage(resolved: ResolvedRecipe, *, with_activations: bool = 
     if p.pp * p.vpp > 1:
         split = plan_partition(config, p.pp * p.vpp, seq, method=p.partition, cost=p.partition_cost,
                                cuts=p.pipeline_cuts).stage_layers()
-    lo = r.lora
-    adapters = None if lo.rank is None else AdapterPlan(lo.rank, tuple(lo.target_modules), lo.quantize_base,
-                                                        lo.quantize_block_size)
+    adapters = adapter_plan(r)
     estimates = [estimate_memory(config, layout, precision=precision, micro_batch_size=r.data.micro_batch_size,
                                  seq_len=seq, microbatches=p.microbatches, stage=s, stage_layers=split,
                                  adapters=adapters)

@@ -54,6 +54,7 @@ from plait.models.decoder.config import DecoderConfig
 from plait.models.registry import family_of
 from plait.pipeline.partition import partition_model, unit_costs
 from plait.pipeline.schedules import INTERLEAVED_SCHEDULES, ScheduleError, validate_schedule
+from plait.plan.adapters import AdapterPlan
 from plait.plan.degrees import ParallelDegrees
 from plait.plan.memory import MemoryBreakdown, estimate_memory, precision_bytes
 from plait.plan.moe import MoEShape, moe_shape
@@ -411,13 +412,16 @@ def rank_layouts(config: DecoderConfig, world: int, device: DeviceSpec | str, *,
                  micro_batch_size: int = 1, seq_len: int, microbatches: int | None = None,
                  global_batch_size: int | None = None, precision: str = "autocast", memory_bytes: int | None = None,
                  headroom: float = DEFAULT_HEADROOM,
-                 options: SearchOptions | None = None, require_fit: bool = True, peak: float | None = None) -> Plan:
+                 options: SearchOptions | None = None, require_fit: bool = True, peak: float | None = None,
+                 adapters: AdapterPlan | None = None) -> Plan:
     """Price every layout of :func:`enumerate_layouts` and recommend the fastest that fits.
 
     ``device``: a table name (``"h100"``) or a :class:`~plait.devices.DeviceSpec`;
     ``memory_bytes`` overrides its memory and ``peak`` its peak FLOP/s per device for the precision's
     matmul dtype (e.g. a CPU rank that gets a share of the host's cores). Each candidate's memory is
-    the peak over its pipeline ranks (``estimate_memory(..., stage=None)``). Raises
+    the peak over its pipeline ranks (``estimate_memory(..., stage=None)``); ``adapters``: a LoRA
+    run (only the adapters train; a quantized base is priced as stored, and ZeRO-3, which a
+    quantized base does not compose with, is left out). Raises
     :class:`PlanError` for an unknown device, a world without layouts, and (with ``require_fit``)
     a budget no layout fits, naming the smallest device memory that would fit one.
     """
@@ -444,6 +448,8 @@ def rank_layouts(config: DecoderConfig, world: int, device: DeviceSpec | str, *,
     for layout, m in pairs:
         if layout.offload and (precision == "bf16-pure" or (not spec.host_link_bw and spec.name != "cpu")):
             continue  # no fp32 master to offload, or no host link to price it over
+        if adapters is not None and adapters.quantize_base != "none" and layout.zero == 3:
+            continue  # refused by the recipe rules (plait.config.rules.quantize)
         n = layout.pp * layout.vpp
         if n not in splits:
             try:
@@ -452,7 +458,7 @@ def rank_layouts(config: DecoderConfig, world: int, device: DeviceSpec | str, *,
                 raise PlanError(f"pipeline split into {n} stages: {e}") from None
         try:
             mem = estimate_memory(config, layout, precision=precision, micro_batch_size=micro_batch_size,
-                                  seq_len=seq_len, microbatches=m, stage_layers=splits[n])
+                                  seq_len=seq_len, microbatches=m, stage_layers=splits[n], adapters=adapters)
             t = estimate_step_time(config, layout, spec, precision=precision, micro_batch_size=micro_batch_size,
                                    seq_len=seq_len, microbatches=m, stage_layers=splits[n],
                                    devices_per_node=devices_per_node, peak=peak)
