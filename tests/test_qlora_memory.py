@@ -79,7 +79,7 @@ def test_nf4_base_weights_are_under_three_tenths_of_bf16():
 def test_plait_plan_prices_a_qlora_recipe_on_a_hugging_face_model(tmp_path, capsys):
     """``plait plan`` reads a ``model.hf_path`` recipe as written (it used to fill in every model
     field and then refuse them as contradicting the checkpoint), prices the adapters and the
-    quantized base, and leaves out ZeRO-3, which a quantized base does not compose with."""
+    quantized base."""
     from plait.cli import main
     from plait.mesh import single_process_mesh
     from plait.models.hf_io import save_hf_checkpoint
@@ -93,4 +93,4 @@ def test_plait_plan_prices_a_qlora_recipe_on_a_hugging_face_model(tmp_path, caps
                       f"  tokenizer: {tmp_path / 'hf'}/tokenizer.json\nlora:\n  rank: 8\n  quantize_base: nf4\n")
     assert main(["plan", str(recipe), "--world", "4", "--device", "h100", "--all"]) == 0
     out = capsys.readouterr().out
-    assert "recommended:" in out and "zero3" not in out, out
+    assert "recommended:" in out, out

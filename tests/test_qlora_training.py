@@ -50,3 +50,12 @@ def test_the_quantized_base_changes_the_losses(corpus, one_process, tmp_path):
     plain = run_recipe(corpus, tmp_path, MODEL + QLORA[:-3] + ["optimizer.lr=5e-3"], 1, STEPS)[0]["losses"]
     assert max_relative(plain, one_process) > 1e-4, "quantization had no effect"
     assert max_relative(plain, one_process) < 0.05, "the quantized base is far from the base"
+
+
+def test_zero3_with_a_quantized_base_equals_zero1(corpus, tmp_path):
+    """ZeRO-3 shards the embeddings, norms, head and adapters; the quantized base stays whole on
+    each rank (a warning says so), and the losses are ZeRO-1's."""
+    dp2 = ["parallel.dp=2", "data.micro_batch_size=1", "train.steps=6"]
+    zero1 = _losses(run_recipe(corpus, tmp_path / "z1", MODEL + QLORA + dp2 + ["parallel.zero=1"], 2, 6))
+    zero3 = _losses(run_recipe(corpus, tmp_path / "z3", MODEL + QLORA + dp2 + ["parallel.zero=3"], 2, 6))
+    assert max_relative(zero3, zero1) < 1e-5, (zero3, zero1)

@@ -243,8 +243,9 @@ def test_bad_recipes_are_refused_naming_the_field():
                       "model": {"family": "mixtral"}})
     assert "lora.quantize_base" in text and "mixtral" in text and "experts" in text, text
     assert "train.compile" in _problems({"lora": {"rank": 4, "quantize_base": "nf4"}, "train": {"compile": True}})
-    assert "parallel.zero" in _problems({"lora": {"rank": 4, "quantize_base": "int8"},
-                                         "parallel": {"zero": 3, "dp": 2}}, 2)
+    resolved = validate_recipe({"lora": {"rank": 4, "quantize_base": "int8"}, "parallel": {"zero": 3, "dp": 2,
+                                                                                          "tp": 1}}, 2)
+    assert any("stay whole on every data-parallel rank" in w for w in resolved.warnings), resolved.warnings
     validate_recipe({"lora": {"rank": 4, "quantize_base": "nf4"}}, 2)  # the default model quantizes
 
 

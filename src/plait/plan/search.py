@@ -420,8 +420,8 @@ def rank_layouts(config: DecoderConfig, world: int, device: DeviceSpec | str, *,
     ``memory_bytes`` overrides its memory and ``peak`` its peak FLOP/s per device for the precision's
     matmul dtype (e.g. a CPU rank that gets a share of the host's cores). Each candidate's memory is
     the peak over its pipeline ranks (``estimate_memory(..., stage=None)``); ``adapters``: a LoRA
-    run (only the adapters train; a quantized base is priced as stored, and ZeRO-3, which a
-    quantized base does not compose with, is left out). Raises
+    run (only the adapters train; a quantized base is priced as stored; under ZeRO-3 the
+    full-training price, an upper bound, see :mod:`plait.plan.adapters`). Raises
     :class:`PlanError` for an unknown device, a world without layouts, and (with ``require_fit``)
     a budget no layout fits, naming the smallest device memory that would fit one.
     """
@@ -448,8 +448,6 @@ def rank_layouts(config: DecoderConfig, world: int, device: DeviceSpec | str, *,
     for layout, m in pairs:
         if layout.offload and (precision == "bf16-pure" or (not spec.host_link_bw and spec.name != "cpu")):
             continue  # no fp32 master to offload, or no host link to price it over
-        if adapters is not None and adapters.quantize_base != "none" and layout.zero == 3:
-            continue  # refused by the recipe rules (plait.config.rules.quantize)
         n = layout.pp * layout.vpp
         if n not in splits:
             try:

@@ -1,5 +1,6 @@
 """QLoRA: a quantized base needs blocks that divide the hidden size, a family whose decoder blocks
-hold only projections plait can quantize, and the features it composes with."""
+hold only projections plait can quantize, and the features it composes with (not compiled
+blocks; under ZeRO-3 the quantized base is not sharded, which a warning says)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ def check_quantize_base(c: Checker) -> None:
     if c.ok("train.compile") and c.r.train.compile:
         c.add("train.compile", True, f"does not compile a quantized base (lora.quantize_base={lo.quantize_base}); "
                                      f"set train.compile: false or lora.quantize_base: none")
-    if c.ok("parallel.zero") and c.r.parallel.zero_level() == 3:
-        c.add("parallel.zero", c.r.parallel.zero, f"ZeRO-3 gathers full-precision base weights; with "
-                                                  f"lora.quantize_base={lo.quantize_base} use zero 1 or 2 (the "
-                                                  f"frozen base is not sharded then, but it is 4x smaller)")
+    if c.ok("parallel.zero") and c.r.parallel.zero_level() == 3 and (c.dp or 1) > 1:
+        c.warnings.append(f"parallel.zero: 3 — with lora.quantize_base={lo.quantize_base} the quantized base "
+                          f"projections stay whole on every data-parallel rank (ZeRO-3 shards the embeddings, "
+                          f"norms, head and adapters, not the quantized weights)")
 
 
 def _unquantizable_layers(arch) -> list[str]:
