@@ -20,7 +20,7 @@ from plait.materialize import build_model, load_from_hf
 from plait.mesh import single_process_mesh
 from plait.models.hf_io import save_hf_checkpoint
 from plait.models.llama.config import LlamaConfig
-from plait.quantize import QUANTIZATION_FILE, BaseQuantization, quantize_base_
+from plait.quantize import QUANTIZATION_FILE, BaseQuantization, quantize_base_, quantized_weights
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -97,3 +97,49 @@ def test_dequantize_without_a_quantized_base_is_refused(qlora, tmp_path, capsys)
             load_scoring_model(adapter)
     finally:
         (tmp_path / "saved.json").replace(adapter / QUANTIZATION_FILE)
+
+
+def test_a_bf16_run_quantizes_the_bf16_base_it_exports(tmp_path):
+    """Under a bf16 preset the run quantizes its base rounded to bf16 (the base it would hold, and
+    the one it exports), and records it: the reader rounds the same way, so an fp32 base directory
+    and its bf16 export both give the trained codes."""
+    model = build_model(CONFIG, single_process_mesh(), seed=4)
+    save_hf_checkpoint(model, tmp_path / "fp32", single_process_mesh().info("tp"))
+    apply_lora([model], SETTINGS, seed=1)
+    quantize_base_([model], "nf4", block_size=16, round_to=torch.bfloat16)
+    trained = {n: w.dense() for n, w in quantized_weights([model])}
+    record = BaseQuantization("nf4", 16, "bfloat16").write(tmp_path)
+    save_peft_adapter([model], tmp_path / "adapter", single_process_mesh().info("tp"), str(tmp_path / "fp32"),
+                      extra_files={QUANTIZATION_FILE: record})
+    bf16 = build_model(CONFIG, single_process_mesh(), seed=4, dtype=torch.bfloat16)
+    save_hf_checkpoint(bf16, tmp_path / "bf16", single_process_mesh().info("tp"))
+    for base in ("fp32", "bf16"):
+        loaded, _ = load_scoring_model(tmp_path / "adapter", tmp_path / base)
+        got = {n: w.dense() for n, w in quantized_weights([loaded])}
+        assert all(torch.equal(got[n], trained[n]) for n in trained), base
+    plain = build_model(CONFIG, single_process_mesh(), seed=4)
+    apply_lora([plain], SETTINGS, seed=1)
+    quantize_base_([plain], "nf4", block_size=16)
+    assert any(not torch.equal(w.dense(), trained[n]) for n, w in quantized_weights([plain]))  # rounding matters
+
+
+def test_init_from_a_qlora_adapter_on_another_base_warns(qlora):
+    from plait.config import validate_recipe
+
+    _, adapter, _, _ = qlora
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": list(SETTINGS.target_modules), "init_from": str(adapter)}
+    same = validate_recipe({"lora": {**lora, "quantize_base": "nf4", "quantize_block_size": 16}}, 2)
+    assert not any("init_from" in w for w in same.warnings), same.warnings
+    other = validate_recipe({"lora": lora}, 2)
+    assert any("trained on a nf4 base (blocks of 16)" in w for w in other.warnings), other.warnings
+
+
+def test_merge_casts_to_dtype(qlora, tmp_path, capsys):
+    from safetensors import safe_open
+
+    _, adapter, _, _ = qlora
+    assert main(["convert", str(adapter), str(tmp_path / "m"), "--merge-lora", "--dequantize", "--dtype",
+                 "bfloat16"]) == 0
+    capsys.readouterr()
+    with safe_open(str(next((tmp_path / "m").glob("*.safetensors"))), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}

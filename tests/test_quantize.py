@@ -235,6 +235,8 @@ def _problems(items: dict, world: int = 1) -> str:
 
 def test_bad_recipes_are_refused_naming_the_field():
     assert "lora.quantize_base" in _problems({"lora": {"quantize_base": "nf4"}})  # no LoRA
+    text = _problems({"lora": {"rank": 4, "quantize_block_size": 32}})  # not quantized: the size does nothing
+    assert "lora.quantize_block_size" in text and "lora.quantize_base is 'none'" in text, text
     assert "lora.quantize_base" in _problems({"lora": {"rank": 4, "quantize_base": "fp4"}})
     text = _problems({"lora": {"rank": 4, "quantize_base": "nf4", "quantize_block_size": 48},
                       "model": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}})

@@ -23,7 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("dest", nargs="?", help="output: a Hugging Face directory (from plait), or the directory that "
                                            "receives step-00000000 (from Hugging Face)")
     p.add_argument("--to", choices=("hf", "plait"), help="direction (default: guessed from the source)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights (to hf only)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="cast the weights (to hf and with --merge-lora)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a model directory (or a step-0 checkpoint) that plait wrote earlier at DEST; "
                         "a directory plait did not write is never replaced")
@@ -127,6 +128,10 @@ def _merge_lora(src: Path, args) -> int:
         model, _ = load_scoring_model(src, base)  # quantized as the adapter's record says
         dequantize_base_([model])
         merged = merge_lora_([model])
+        if args.dtype is not None:  # the merged weights are float32; --dtype casts them as for a checkpoint
+            import torch
+
+            model.to(getattr(torch, args.dtype))
         save_hf_checkpoint(model, dest, single_process_mesh().info("tp"), replace=args.overwrite,
                            extra_files=[("model use files", lambda d: copy_model_use_files(d, src, base))])
     except ValueError as e:

@@ -49,6 +49,12 @@ def _lora(r) -> str | None:
     return None if r.lora.rank is not None else "lora.rank is null (LoRA off: every weight trains)"
 
 
+def _quantized(r) -> str | None:
+    if r.lora.rank is None:
+        return "lora.rank is null (LoRA off: there is no frozen base to quantize)"
+    return None if r.lora.quantize_base != "none" else "lora.quantize_base is 'none' (the base is not quantized)"
+
+
 def _bpe(r) -> str | None:
     return None if r.data.tokenizer == "bpe" else (f"data.tokenizer is {r.data.tokenizer!r} (a tokenizer file "
                                                    f"has its own vocabulary size)")
@@ -92,6 +98,7 @@ CONDITIONS: dict[str, tuple[str, Condition]] = {
     "sft": ("data.format is 'sft'", _sft),
     "text": ("data.format is 'text'", _text),
     "lora": ("lora.rank is set", _lora),
+    "quantized": ("lora.rank is set and lora.quantize_base is not 'none'", _quantized),
     "bpe": ("data.tokenizer is 'bpe' (a BPE trained on the source)", _bpe),
     "pipeline": ("parallel.pp > 1", _pipeline),
     "context_parallel": ("parallel.cp > 1", _context_parallel),

@@ -528,7 +528,7 @@ class LoraSection(Section):
     quantize_block_size: Int = Field(default=64, ge=2, description="Values per quantization block along the hidden "
                                                                     "size (QLoRA's 64); an even divisor of "
                                                                     "model.hidden_size",
-                                     json_schema_extra=applies_when("lora"))
+                                     json_schema_extra=applies_when("quantized"))
 
 
 class PreferenceSection(Section):

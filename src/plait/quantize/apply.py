@@ -50,7 +50,7 @@ class QuantizeSummary:
 
 
 def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                   values: DeferredValues | None = None) -> QuantizeSummary:
+                   values: DeferredValues | None = None, round_to: torch.dtype | None = None) -> QuantizeSummary:
     """Replace the weight of every projection of every decoder block of ``modules`` by a
     :class:`QuantizedWeight` (biases stay as they are). The weights must already be frozen: the
     quantized base has no gradient. Every projection is checked before any is changed.
@@ -59,7 +59,10 @@ def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int 
     values are then read (or initialised) one projection at a time and quantized at once, and the
     other placeholders (embeddings, norms, biases, the head) are filled whole, so the build never
     holds more than one dense projection beyond the quantized base. The values are bitwise those
-    of the normal build."""
+    of the normal build.
+
+    ``round_to``: the values are rounded to this dtype first (a bf16 preset's parameter dtype: the
+    base it would hold unquantized); ``None`` quantizes them as they are."""
     if method not in METHODS:
         raise QuantizeError(f"quantization method {method!r} is not known; use one of {', '.join(METHODS)}")
     found = list(projections(modules))
@@ -74,6 +77,8 @@ def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int 
             assert isinstance(weight, nn.Parameter)  # checked above
             transposed = proj.target in ROW_TARGETS
             dense = _value_of(weight, values)
+            if round_to is not None:
+                dense = dense.to(round_to)
             rows = quantize_rows(dense.t() if transposed else dense, method, block_size)
             del dense
             quantized = QuantizedWeight(rows, transposed, weight.dtype)

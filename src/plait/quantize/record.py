@@ -14,9 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from plait.quantize.apply import quantize_base_
+from plait.quantize.apply import QuantizeError, quantize_base_
 from plait.quantize.blockwise import METHODS
 
 QUANTIZATION_FILE = "base_quantization.json"
@@ -26,15 +27,27 @@ class QuantizationRecordError(ValueError):
     """An unreadable ``base_quantization.json`` (the message names the file and the problem)."""
 
 
+#: the dtypes a base may be rounded to before it is quantized (the precision preset's parameter dtype)
+ROUNDED_TO = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class BaseQuantization:
-    """How the base was stored: ``method`` (nf4 or int8) in blocks of ``block_size`` along the hidden size."""
+    """How the base was stored: ``method`` (nf4 or int8) in blocks of ``block_size`` along the hidden
+    size, from its values rounded to ``rounded_to`` (the run's parameter dtype: a bf16 preset
+    quantizes the bf16 base it would otherwise hold, which is also the dtype its exported base has)."""
 
     method: str
     block_size: int
+    rounded_to: str = "float32"
+
+    @property
+    def round_to(self) -> torch.dtype:
+        return ROUNDED_TO[self.rounded_to]
 
     def to_json(self) -> str:
-        return json.dumps({"method": self.method, "block_size": self.block_size, "quantized_by": "plait",
+        return json.dumps({"method": self.method, "block_size": self.block_size, "rounded_to": self.rounded_to,
+                           "quantized_by": "plait",
                            "layout": "per row of column projections, per column of row projections; "
                                      "blocks along the hidden size; nf4 scales double-quantized per row"},
                           indent=2) + "\n"
@@ -52,14 +65,17 @@ def read_base_quantization(adapter_dir: str | Path) -> BaseQuantization | None:
         return None
     try:
         data = json.loads(path.read_text())
-        method, block = data["method"], data["block_size"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise QuantizationRecordError(f"{path} is not a readable base-quantization record ({e}); "
-                                      f"restore it from the run's final/ directory") from e
-    if method not in METHODS or isinstance(block, bool) or not isinstance(block, int) or block < 2:
-        raise QuantizationRecordError(f"{path}: method={method!r}, block_size={block!r} is not a quantization "
-                                      f"plait made (methods: {', '.join(METHODS)}; an even block size)")
-    return BaseQuantization(method, block)
+        method, block, rounded = data["method"], data["block_size"], data.get("rounded_to", "float32")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise QuantizationRecordError(f"{path} is not a readable base-quantization record ({e!r}); plait train "
+                                      f"writes it beside a QLoRA adapter: write it again from the run's recipe "
+                                      f"(its lora.quantize_base and lora.quantize_block_size)") from e
+    if method not in METHODS or isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2 \
+            or rounded not in ROUNDED_TO:
+        raise QuantizationRecordError(f"{path}: method={method!r}, block_size={block!r}, rounded_to={rounded!r} is "
+                                      f"not a quantization plait makes (methods: {', '.join(METHODS)}; an even "
+                                      f"block size; rounded_to one of {', '.join(ROUNDED_TO)})")
+    return BaseQuantization(method, block, rounded)
 
 
 def quantize_as_recorded(modules: list[nn.Module], adapter_dir: str | Path) -> BaseQuantization | None:
@@ -67,5 +83,10 @@ def quantize_as_recorded(modules: list[nn.Module], adapter_dir: str | Path) -> B
     adapter is evaluated on the base it was trained on; returns the record (``None``: nothing done)."""
     record = read_base_quantization(adapter_dir)
     if record is not None:
-        quantize_base_(modules, record.method, block_size=record.block_size)  # type: ignore[arg-type]
+        try:
+            quantize_base_(modules, record.method, block_size=record.block_size,  # type: ignore[arg-type]
+                           round_to=record.round_to)
+        except QuantizeError as e:  # the record does not fit this base: name the record, not a recipe field
+            raise QuantizationRecordError(f"{Path(adapter_dir) / QUANTIZATION_FILE} does not fit the adapter's base "
+                                          f"model: {e}") from None
     return record

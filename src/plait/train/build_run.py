@@ -357,7 +357,8 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
         if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
         if lo.quantize_base != "none":  # QLoRA: each rank reads and quantizes its base, a projection at a time
-            summary = quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size, values=values)
+            summary = quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size, values=values,
+                                     round_to=policy.param_dtype)  # the base a bf16 preset would hold
             values = None  # every placeholder is filled: the optimizer builds as for a whole model
             report_quantized_base(summary, lo.quantize_base, rank)
     # MoE layers (the builder already kept this rank's experts and set up the token exchange when

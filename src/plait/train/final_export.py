@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from plait.checkpoint.convert import plait_to_hf
@@ -106,8 +107,9 @@ class AdapterExport(FinalExport):
         with tempfile.TemporaryDirectory() as scratch, st.optimizer.weights_gathered():  # ZeRO-3: adapters' chunks
             extra = run_model_use_files(st) if writer else None
             if extra is not None and lo.quantize_base != "none":  # the base it learned on, beside the adapter
-                extra[QUANTIZATION_FILE] = BaseQuantization(lo.quantize_base, lo.quantize_block_size).write(
-                    Path(scratch))
+                rounded = "bfloat16" if st.policy.param_dtype == torch.bfloat16 else "float32"
+                extra[QUANTIZATION_FILE] = BaseQuantization(lo.quantize_base, lo.quantize_block_size,
+                                                            rounded).write(Path(scratch))
             save_peft_adapter(st.stages, final, st.tp, base, pp=st.pp,
                               replace=True,  # checked before launch, as for the full model
                               extra_files=extra)

@@ -11,6 +11,7 @@ from plait.lora.apply import projections
 from plait.lora.settings import TARGETS
 from plait.materialize import build_model
 from plait.mesh import single_process_mesh
+from plait.quantize import QuantizationRecordError, read_base_quantization
 
 
 def check_lora(c: Checker) -> None:
@@ -29,6 +30,7 @@ def check_lora(c: Checker) -> None:
     except (PeftAdapterError, OSError) as e:
         c.add("lora.init_from", lo.init_from, f"is not a readable PEFT adapter directory ({e})")
         return
+    _warn_other_base(c, Path(lo.init_from).expanduser())
     mine = (lo.rank, float(lo.alpha), lo.rslora, sorted(lo.target_modules))
     theirs = (found.rank, float(found.alpha), found.rslora, sorted(found.target_modules))
     if mine != theirs:
@@ -51,3 +53,20 @@ def check_lora_targets(c: Checker) -> None:
         c.add("lora.target_modules", list(lo.target_modules),
               f"the {type(arch).family} model has no {', '.join(absent)} projection in any decoder block, so "
               f"{'it' if len(absent) == 1 else 'they'} would adapt nothing; its projections: {present}")
+
+
+def _warn_other_base(c: Checker, adapter: Path) -> None:
+    """A warning when ``lora.init_from`` was trained on a base stored otherwise than this run stores it
+    (quantized or not, another method or block size): the adapter then continues on another base."""
+    lo = c.r.lora
+    try:
+        record = read_base_quantization(adapter)
+    except QuantizationRecordError as e:
+        c.add("lora.init_from", lo.init_from, str(e))
+        return
+    theirs = "the base as read" if record is None else f"a {record.method} base (blocks of {record.block_size})"
+    mine = "the base as read" if lo.quantize_base == "none" else \
+        f"a {lo.quantize_base} base (blocks of {lo.quantize_block_size})"
+    if theirs != mine:
+        c.warnings.append(f"lora.init_from: {lo.init_from} — was trained on {theirs}, and this run trains on "
+                          f"{mine} (lora.quantize_base): the adapter starts on another base than it learned on")
