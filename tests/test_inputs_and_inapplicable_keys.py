@@ -70,6 +70,8 @@ def _other_value(section_name: str, name: str) -> str:
     if isinstance(default, bool):
         return str(not default).lower()
     if isinstance(default, int):
+        if name == "quantize_block_size":  # an even divisor of the hidden size
+            return str(default // 2)
         return str(default + (3 if name == "num_workers" else 300))
     if isinstance(default, float):
         return str(0.25 if default == 0 else default / 2 if default < 1 else default + 1.0)
