@@ -31,15 +31,16 @@ from plait.mesh import single_process_mesh
 from plait.models.hf_io import save_hf_checkpoint
 
 #: a recipe where each condition fails, and one where it holds (on top of the schema's defaults)
-FAILS = {"rows": [], "sft": [], "lora": [], "quantized": ["lora.rank=4"], "bpe": ["data.tokenizer=TOKENIZER"], "pipeline": [],
+FAILS = {"rows": [], "sft": [], "lora": [], "quantized": ["lora.rank=4"], "bpe": ["data.tokenizer=TOKENIZER"],
+         "pipeline": [],
          "context_parallel": [], "tensor_parallel": [], "zero3": [], "sharded": [],
          "final_model": ["checkpoint.save_final=false"], "sample": ["train.sample_tokens=0"],
          "text": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"]}
 HOLDS = {"rows": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
          "sft": ["data.format=sft", "train.objective=sft", "data.source=ROWS", "data.tokenizer=TOKENIZER"],
-         "lora": ["lora.rank=4"], "quantized": ["lora.rank=4", "lora.quantize_base=nf4"], "bpe": [], "pipeline": ["parallel.pp=2", "parallel.tp=1",
-                                                          "parallel.sequence_parallel=false",
-                                                          "parallel.microbatches=2"],
+         "lora": ["lora.rank=4"], "quantized": ["lora.rank=4", "lora.quantize_base=nf4"],
+         "bpe": [], "pipeline": ["parallel.pp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
+                                 "parallel.microbatches=2"],
          "context_parallel": ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false"],
          "tensor_parallel": ["parallel.tp=2"], "final_model": [], "sample": [], "zero3": ["parallel.zero=3"],
          "sharded": ["parallel.zero=1"], "text": []}

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
+from lora_models import CONFIGS, SETTINGS, set_adapters
 from plait.lora import (
     LoraApplyError,
     LoraSettings,
@@ -49,15 +50,6 @@ peft = pytest.importorskip("peft")
 
 TOL = 1e-5
 BASE_SEED, LORA_SEED = 11, 7
-SETTINGS = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"))
-COMMON = dict(vocab_size=64, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
-              rms_norm_eps=1e-5, head_dim=8, tie_word_embeddings=False)
-CONFIGS = {
-    "mqa": LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, **COMMON),  # m=2 at TP=2
-    "gqa": LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, **COMMON),  # m=2 at TP=4
-    "heads6": LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, **COMMON),  # padding at TP=4
-}
 
 
 def _ids(config: LlamaConfig) -> torch.Tensor:
@@ -78,14 +70,6 @@ def _random_adapters(model: torch.nn.Module, seed: int) -> dict[str, torch.Tenso
         out[f"{proj.name}.lora.A"] = 0.2 * torch.randn(adapter.full_a_shape, generator=gen)
         out[f"{proj.name}.lora.B"] = 0.2 * torch.randn(adapter.full_b_shape, generator=gen)
     return out
-
-
-@torch.no_grad()
-def _set_adapters(modules: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
-    for proj, adapter in adapted(modules):
-        for which, param, spec in (("A", adapter.A, adapter.a_spec), ("B", adapter.B, adapter.b_spec)):
-            value = full[f"{proj.name}.lora.{which}"]
-            param.copy_(spec.shard(value) if spec is not None else value)
 
 
 def _plain_model(config: LlamaConfig) -> LlamaForCausalLM:
@@ -110,7 +94,7 @@ def reference(tmp_path_factory) -> dict[str, dict]:
         apply_lora([model], SETTINGS, seed=LORA_SEED)
         init = {n: p.detach().clone() for n, p in lora_parameters([model])}
         adapters = _random_adapters(model, seed=100 + i)
-        _set_adapters([model], adapters)
+        set_adapters([model], adapters)
         ids = _ids(config)
         with torch.no_grad():
             logits = model(ids)
@@ -169,7 +153,7 @@ def test_tp1_parallel_layers_match_the_plain_model(reference):
     assert apply_lora([model], SETTINGS, seed=LORA_SEED) == 14
     for name, p in lora_parameters([model]):
         assert torch.equal(p, ref["init"][name]), name
-    _set_adapters([model], ref["adapters"])
+    set_adapters([model], ref["adapters"])
     loss, grads = _lora_grads(model, ref["ids"])
     assert abs(loss.item() - ref["loss"].item()) <= TOL
     for name, g in grads.items():
@@ -213,7 +197,7 @@ def test_merge_equals_the_adapted_model(reference):
     ref = reference["mqa"]
     model = _plain_model(ref["config"])
     apply_lora([model], SETTINGS, seed=LORA_SEED)
-    _set_adapters([model], ref["adapters"])
+    set_adapters([model], ref["adapters"])
     assert merge_lora_([model]) == 14
     assert not lora_parameters([model]) and all("lora" not in n for n, _ in model.named_parameters())
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
@@ -227,7 +211,7 @@ def test_bf16_base_with_fp32_adapters_and_dropout_streams():
     apply_lora([model], LoraSettings(rank=2, dropout=0.5), seed=1)
     adapter = model.model.layers[0].self_attn.q_proj.lora
     assert adapter.A.dtype == torch.float32 and model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
-    _set_adapters([model], _random_adapters(model, seed=3))
+    set_adapters([model], _random_adapters(model, seed=3))
     ids = _ids(config)
     assert model(ids).dtype == torch.bfloat16
     # dropout: off in eval mode, from the global generator in training mode (reproducible by seed)
@@ -259,7 +243,7 @@ def test_peft_adapter_round_trip_and_refusals(reference, tmp_path):
     ref = reference["mqa"]
     model = _plain_model(ref["config"])
     apply_lora([model], SETTINGS, seed=LORA_SEED)
-    _set_adapters([model], ref["adapters"])
+    set_adapters([model], ref["adapters"])
     save_peft_adapter([model], tmp_path / "a", single_process_mesh().info("tp"), "tiny-base")
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["base_model_name_or_path"] == "tiny-base"
@@ -292,7 +276,7 @@ def _worker(rank: int, world: int, jobs: list[tuple]) -> dict:
             continue
         apply_lora([model], SETTINGS, seed=LORA_SEED)
         init = {n: (p.detach().clone(), shard_specs(model).get(n)) for n, p in lora_parameters([model])}
-        _set_adapters([model], adapters)
+        set_adapters([model], adapters)
         if task == "save":
             save_peft_adapter([model], path, mesh.info("tp"), "tiny-base")
             out[key] = True

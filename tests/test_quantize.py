@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
+from lora_models import CONFIGS, SETTINGS, set_adapters
 from plait.config import RecipeError, validate_recipe
 from plait.lora import LoraSettings, apply_lora, lora_parameters, merge_lora_
 from plait.lora.apply import LoraApplyError, adapted
@@ -39,14 +40,6 @@ torchao_quantization = pytest.importorskip("torchao.quantization")
 
 TOL = 1e-5
 BLOCK = 16
-SETTINGS = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"))
-COMMON = dict(vocab_size=64, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
-              rms_norm_eps=1e-5, head_dim=8, tie_word_embeddings=False)
-CONFIGS = {
-    "mqa": LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, **COMMON),  # m=2 at TP=2
-    "heads6": LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, **COMMON),  # padding at TP=4
-}
 
 
 # ------------------------------------------------------------------------------ the values
@@ -121,7 +114,7 @@ def test_quantized_weight_is_the_dense_weight_and_autograd_keeps_it_quantized():
 def _plain_lora_model(config: LlamaConfig, seed: int = 11) -> torch.nn.Module:
     model = build_model(config, single_process_mesh(), seed=seed)
     apply_lora([model], SETTINGS, seed=7)
-    _set_adapters([model], _adapters(model))
+    set_adapters([model], _adapters(model))
     return model
 
 
@@ -129,14 +122,6 @@ def _adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     return {f"{proj.name}.lora.{k}": 0.2 * torch.randn(shape, generator=gen) for proj, adapter in adapted([model])
             for k, shape in (("A", adapter.full_a_shape), ("B", adapter.full_b_shape))}
-
-
-@torch.no_grad()
-def _set_adapters(modules: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
-    for proj, adapter in adapted(modules):
-        for which, param, spec in (("A", adapter.A, adapter.a_spec), ("B", adapter.B, adapter.b_spec)):
-            value = full[f"{proj.name}.lora.{which}"]
-            param.copy_(spec.shard(value) if spec is not None else value)
 
 
 def _ids(config: LlamaConfig) -> torch.Tensor:
@@ -177,7 +162,7 @@ def _tp_worker(rank: int, world: int, jobs: list[tuple]) -> dict:
         mesh = ParallelMesh(world, rank, tp=world, kv_replication=kv_replication_for(config, world))
         model = build_model(config, mesh, seed=11, sequence_parallel=sp)
         apply_lora([model], SETTINGS, seed=7)
-        _set_adapters([model], adapters)
+        set_adapters([model], adapters)
         quantize_base_([model], "nf4", block_size=BLOCK)
         ids = _ids(config)
         with torch.no_grad():
@@ -279,7 +264,7 @@ def test_other_dense_families_quantize_every_block_matrix(family):
     for _ in range(2):
         model = build_model(config, single_process_mesh(), seed=3)
         apply_lora([model], settings, seed=7)
-        _set_adapters([model], _adapters(model))
+        set_adapters([model], _adapters(model))
         quantize_base_([model], "nf4", block_size=BLOCK)
         models.append(model)
     dequantize_base_([models[1]])
