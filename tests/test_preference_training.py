@@ -209,3 +209,13 @@ def test_bad_preference_recipes_are_refused_before_launch(task, items, field):
     with pytest.raises(RecipeError) as err:
         check_recipe(None, base + items)
     assert field in err.value.fields, str(err.value)
+
+
+def test_qlora_dpo_frozen_reference_is_the_quantized_base(task, tmp_path):
+    """With a quantized base the frozen reference is quantized the same way, so it is the policy
+    with its adapters off: step 0 is exactly log 2 and the losses equal adapters_off's."""
+    qlora = LORA + SINGLE + ["lora.quantize_base=nf4", "lora.quantize_block_size=16"]
+    frozen = _run(task, tmp_path / "frozen", "dpo", qlora + ["preference.reference=frozen"], 1)[0]
+    off = _run(task, tmp_path / "off", "dpo", qlora + ["preference.reference=adapters_off"], 1)[0]
+    assert frozen["losses"][0] == pytest.approx(math.log(2), rel=1e-6)
+    assert max_relative(frozen["losses"], off["losses"]) < 1e-6, (frozen["losses"], off["losses"])

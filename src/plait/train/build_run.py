@@ -383,6 +383,9 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
         if reference_mode == "frozen":  # the initial model, built the same way
             reference_stages = freeze(build_stages_for(resolved, mesh, config, train_data.vocab_size, device),
                                       policy.param_dtype)
+            if lo.rank is not None and lo.quantize_base != "none":  # the policy's base, quantized the same way
+                quantize_base_(reference_stages, lo.quantize_base, block_size=lo.quantize_block_size,
+                               round_to=policy.param_dtype)
         reference_pass = reference_pass_for(resolved, head, mesh, policy, config.hidden_size,
                                             lambda: policy.compute_context(device), reference_stages)
     split = None

@@ -38,9 +38,12 @@ from plait.train.run_state import RunState
 def reference_identity(r: Recipe) -> dict[str, Any]:
     """What determines the reference log-probabilities besides the rows: the model section (its
     architecture, or ``hf_path`` with its weight files' sizes and modification times), the run seed
-    (random initialisation is a function of seed and parameter name) and the precision section."""
+    (random initialisation is a function of seed and parameter name), the precision section, and
+    how a LoRA base is quantized (the policy with its adapters off scores the pairs)."""
     identity: dict[str, Any] = {"model": r.model.model_dump(mode="json"), "seed": r.run.seed,
                                 "precision": r.precision.model_dump(mode="json")}
+    if r.lora.rank is not None and r.lora.quantize_base != "none":  # the scoring base is the quantized one
+        identity["quantize_base"] = [r.lora.quantize_base, r.lora.quantize_block_size]
     if r.model.hf_path is not None:
         root = Path(r.model.hf_path).expanduser().resolve()
         identity["hf_path"] = str(root)
