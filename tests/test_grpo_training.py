@@ -86,3 +86,17 @@ def test_grpo_composes_with_lora_kl_zero1_checkpointing_and_pp(task, tmp_path, n
     # tiny gradient's rounding into a whole step, so its norm-relative error is larger (1.2e-5 seen)
     for key, error in errors.items():
         assert error < (1e-4 if key.endswith("lora.B") else 1e-5), (key, error)
+
+
+def test_grpo_with_a_quantized_base_under_tp_and_checkpointing_equals_one_process(task, tmp_path):
+    """QLoRA GRPO: the rollouts decode with the KV cache through the quantized base, the KL is to
+    the policy with its adapters off, and full activation checkpointing recomputes through the
+    quantized weights; TP=2 with SP equals one process."""
+    common = ["lora.rank=4", "lora.alpha=8", "optimizer.lr=5e-3", "grpo.kl_coef=0.05", "lora.quantize_base=nf4",
+              "lora.quantize_block_size=16", "train.activation_checkpointing=full"]
+    single = _run(task, tmp_path / "one", ["data.micro_batch_size=4", "parallel.microbatches=2", *common], 1)[0]
+    assert all(n > 0 for n in single["norms"]), single["norms"]
+    layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "data.micro_batch_size=4",
+              "parallel.microbatches=2"]
+    for r in _run(task, tmp_path / "tp2", [*layout, *common], 2):
+        assert max_relative(r["norms"], single["norms"]) < 1e-5, (r["norms"], single["norms"])
