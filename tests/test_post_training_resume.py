@@ -186,16 +186,22 @@ def _logits_worker(rank, world, recipe_yaml, prepared, ids):
         return StagesCausalLM(trainer.state.stages, trainer.state.mesh)(ids)
 
 
-def test_a_lora_run_on_a_random_base_writes_that_base_into_its_adapter(task, tmp_path):
+@pytest.mark.parametrize("mode", ["lora-sft", "qlora-sft"])
+def test_a_lora_run_on_a_random_base_writes_that_base_into_its_adapter(task, tmp_path, mode):
+    """The adapter, its base and (QLoRA) the record of the base's quantization: the scoring model
+    read from the directory computes what the trained run computes."""
     from plait.heldout import load_scoring_model
 
     out = tmp_path / "run"
-    items = _items(task, "lora-sft", out, []) + ["checkpoint.save_every=6"]
+    items = _items(task, mode, out, []) + ["checkpoint.save_every=6"]
     assert main(["train", *items, "--nproc", "1"]) == 0
     final = out / "final"
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((final / "base").absolute())
     assert (final / "base" / "config.json").is_file() and (final / "base" / "tokenizer.json").is_file()
+    if mode == "qlora-sft":
+        record = json.loads((final / "base_quantization.json").read_text())
+        assert (record["method"], record["block_size"], record["rounded_to"]) == ("nf4", 16, "float32")
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
     model, _ = load_scoring_model(final)
     with torch.no_grad():

@@ -143,3 +143,23 @@ def test_merge_casts_to_dtype(qlora, tmp_path, capsys):
     capsys.readouterr()
     with safe_open(str(next((tmp_path / "m").glob("*.safetensors"))), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+def test_lm_eval_model_in_bf16_holds_the_trained_codes(qlora, tmp_path):
+    """lm-eval's model in bf16 quantizes the base from its fp32 values as recorded (not from a bf16
+    copy), then dequantizes into bf16: the codes are the trained ones."""
+    import shutil
+
+    from plait.evaluation.lm_eval_model import load_eval_model
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(qlora[1], adapter)
+    (adapter / "tokenizer.json").write_text("{}")  # lm-eval's model wants one; it is not read here
+    fp32, _ = load_scoring_model(adapter)
+    want = dict(quantized_weights([fp32]))
+    bf16, _ = load_eval_model(adapter, dtype=torch.bfloat16)
+    got = dict(quantized_weights([bf16]))
+    assert want.keys() == got.keys()
+    for name, w in got.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(w.rows.codes, want[name].rows.codes), name
+        assert torch.equal(w.rows.scales, want[name].rows.scales), name

@@ -111,6 +111,34 @@ def test_quantized_weight_is_the_dense_weight_and_autograd_keeps_it_quantized():
         assert isinstance(q.detach(), QuantizedWeight)
 
 
+def test_quantized_weight_moves_copies_and_refuses_writes():
+    """Moving it (``.to(device)``, ``module.to``), cloning and deep-copying keep it quantized; an
+    integer dtype gets the dense values; an in-place write (which would land in a dense temporary
+    and be lost) is refused."""
+    import copy
+
+    from plait.quantize.tensor import QuantizedWeightWriteError
+
+    q = QuantizedWeight(quantize_rows(torch.randn(8, 64), "nf4", 16), False, torch.float32)
+    for moved in (q.to("meta"), q.to("cpu", copy=True), q.clone(), copy.deepcopy(q)):
+        assert isinstance(moved, QuantizedWeight), type(moved)
+    assert torch.equal(copy.deepcopy(q).dense(), q.dense())
+    assert type(q.to(torch.int8)) is torch.Tensor
+    module = torch.nn.Linear(64, 8)
+    del module._parameters["weight"]
+    module.register_buffer("weight", q, persistent=False)
+    assert isinstance(module.to("meta").weight, QuantizedWeight)
+    dense = q.dense()
+    for write in (lambda: q.add_(1.0), lambda: q.copy_(torch.zeros(8, 64)), lambda: torch.nn.init.normal_(q),
+                  lambda: q.zero_()):
+        with pytest.raises(QuantizedWeightWriteError, match="dequantize the base first"):
+            write()
+    assert torch.equal(q.dense(), dense)
+    target = torch.zeros(8, 64)
+    target.copy_(q)  # reading it into another tensor is fine
+    assert torch.equal(target, dense)
+
+
 def _plain_lora_model(config: LlamaConfig, seed: int = 11) -> torch.nn.Module:
     model = build_model(config, single_process_mesh(), seed=seed)
     apply_lora([model], SETTINGS, seed=7)

@@ -49,7 +49,7 @@ from plait.lora import apply_lora, load_peft_adapter, read_peft_settings
 from plait.materialize import load_from_hf
 from plait.mesh import ParallelMesh, single_process_mesh
 from plait.models.family import config_of
-from plait.quantize import quantize_as_recorded
+from plait.quantize import cast_base_, quantize_as_recorded, read_base_quantization
 
 #: new tokens of a generation request that names no ``max_gen_toks`` (lm-eval's own default)
 DEFAULT_GEN_TOKENS = 256
@@ -70,10 +70,14 @@ def load_eval_model(directory: str | os.PathLike, *, base: str | os.PathLike | N
     path, base_path, tokenizer_dir = scoring_model_dir(directory, base, need_tokenizer=True)
     if base_path is None:
         return load_from_hf(path, mesh, dtype=dtype, device=device), tokenizer_dir
-    model = load_from_hf(base_path, mesh, dtype=dtype, device=device)
+    quantized = read_base_quantization(path) is not None
+    # a QLoRA base is quantized from its fp32 values (rounded as recorded), then cast to ``dtype``
+    model = load_from_hf(base_path, mesh, dtype=torch.float32 if quantized else dtype, device=device)
     apply_lora([model], read_peft_settings(path), seed=0)
     load_peft_adapter([model], path)
-    quantize_as_recorded([model], path)  # a QLoRA adapter runs on the base it was trained on
+    if quantized:
+        quantize_as_recorded([model], path)  # a QLoRA adapter runs on the base it was trained on
+        cast_base_([model], dtype)
     return model, tokenizer_dir
 
 

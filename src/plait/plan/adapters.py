@@ -10,8 +10,12 @@ mean); int8 takes ``length`` bytes and ``length / block`` fp32 scales. Embedding
 and the head stay in the parameter dtype. ``tests/test_qlora_memory.py`` checks the prices against
 the bytes the built model holds, at TP=1 and TP=2.
 
-Dense families only, below ZeRO-3: for an MoE or latent-attention family, or ZeRO-3 (which
-shards the frozen base too), the planner keeps the full-training price, an upper bound.
+The frozen weights are priced in fp32, as a run holds them (it builds in fp32, and the optimizer
+moves only what it trains into the preset's parameter dtype); the adapters in the parameter dtype.
+Under ZeRO-3 the adapters and the dense frozen weights are sharded over the data-parallel ranks
+and the quantized projections are not (the blocks gathered at a time are left out: a lower
+bound). Dense families only: for an MoE or latent-attention family the planner keeps the
+full-training price.
 Activations are priced as for full training (the adapters' rank-``r`` intermediates are small;
 the quantized base's dequantized weights exist only inside one matmul).
 """
@@ -95,13 +99,23 @@ def projection_elements(block: BlockShape, sh: LocalShapes) -> int:
 
 
 
-def adapter_states(config, block: BlockShape | None, sh: LocalShapes, plan: AdapterPlan, layers: int, P: int,
-                   param_bytes: int) -> tuple[int, int] | None:
+#: bytes per value of the frozen base as a run holds it: it is built in fp32, and the optimizer
+#: moves only what it trains into the precision preset's parameter dtype
+FROZEN_BYTES = 4
+
+
+def adapter_states(block: BlockShape | None, sh: LocalShapes, plan: AdapterPlan, layers: int, P: int,
+                   param_bytes: int, *, shards: int = 1) -> tuple[int, int] | None:
     """``(trained elements, parameter bytes)`` of a rank holding ``layers`` decoder layers and ``P``
-    base parameters, or ``None`` where the planner keeps the full-training price (see the module doc)."""
+    base parameters, the adapters in ``param_bytes`` per value, or ``None`` where the planner keeps
+    the full-training price (see the module doc). ``shards``: ZeRO-3's data-parallel degree, over
+    which the trained weights and the dense frozen ones are sharded (the quantized ones are not);
+    the blocks gathered at a time are left out, so the figure is a lower bound there."""
     if block is None or block.latent is not None:
         return None
     trained = layers * adapter_elements(block, sh, plan)
-    frozen = (P - layers * projection_elements(block, sh)) * param_bytes \
-        + layers * frozen_base_bytes(block, sh, plan, param_bytes)
-    return trained, frozen + trained * param_bytes
+    dense_frozen = (P - layers * projection_elements(block, sh)) * FROZEN_BYTES
+    projections = layers * frozen_base_bytes(block, sh, plan, FROZEN_BYTES)
+    if plan.quantize_base == "none":  # the projections are dense frozen weights too
+        dense_frozen, projections = dense_frozen + projections, 0
+    return trained, -(-dense_frozen // shards) + projections + -(-trained * param_bytes // shards)

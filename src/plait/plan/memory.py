@@ -928,7 +928,9 @@ def estimate_memory(config: DecoderConfig, layout: ParallelDegrees, *, precision
     return _estimate_rank(config, layout, pb, micro_batch_size, local, microbatches, stage, stage_layers, adapters)
 
 
-def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers, adapters=None) -> MemoryBreakdown:
+def _estimate_rank(config: DecoderConfig, layout: ParallelDegrees, pb: PrecisionBytes, B: int, S: int, m: int,
+                   pp_rank: int, stage_layers: list[list[int]] | None,
+                   adapters: AdapterPlan | None = None) -> MemoryBreakdown:
     sh = local_shapes(config, layout)
     chunks = rank_chunks(config, layout, S, pp_rank, stage_layers=stage_layers)
     counts = [chunk_parameter_count(config, sh, ch) for ch in chunks]
@@ -986,10 +988,10 @@ def _estimate_rank(config, layout, pb, B, S, m, pp_rank, stage_layers, adapters=
     optimizer, master = 2 * owned * pb.optimizer_state, (owned if zero else P) * pb.master
     gradient_shard, count = owned * pb.grad if zero else 0, P
     lora = None
-    if adapters is not None and level < 3:
+    if adapters is not None:
         layers = sum(len(ch.layers) for ch in chunks)
-        lora = adapter_states(config, block_of(config) if moe_shape(config) is None else None, sh, adapters,
-                              layers, P, pb.param)
+        lora = adapter_states(block_of(config) if moe_shape(config) is None else None, sh, adapters,
+                              layers, P, pb.param, shards=dp if level == 3 else 1)
     if lora is not None:  # only the adapters train: gradients, moments and master copies are theirs alone
         trained, parameters = lora
         owned = -(-trained // dp) if zero else trained

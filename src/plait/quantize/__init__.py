@@ -4,6 +4,7 @@ from plait.quantize.apply import (
     DEFAULT_BLOCK_SIZE,
     QuantizeError,
     QuantizeSummary,
+    cast_base_,
     dequantize_base_,
     quantize_base_,
     quantized_weights,
@@ -19,5 +20,5 @@ from plait.quantize.record import (
 from plait.quantize.tensor import QuantizedWeight
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "METHODS", "QUANTIZATION_FILE", "BaseQuantization", "QuantizationRecordError",
-           "QuantizeError", "QuantizeSummary", "QuantizedRows", "QuantizedWeight", "dequantize_base_",
+           "QuantizeError", "QuantizeSummary", "QuantizedRows", "QuantizedWeight", "cast_base_", "dequantize_base_",
            "quantize_as_recorded", "quantize_base_", "quantize_rows", "quantized_weights", "read_base_quantization"]

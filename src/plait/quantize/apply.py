@@ -150,5 +150,26 @@ def _check_quantizable(name: str, target: str, module: nn.Module, block_size: in
     along = int(weight.shape[0] if target in ROW_TARGETS else weight.shape[1])
     if along % block_size or block_size % 2:
         raise QuantizeError(f"{name}: its {along} features along the hidden size do not split into blocks of "
-                            f"{block_size} (an even number dividing the hidden size); set lora.quantize_block_size "
-                            f"to a divisor of {along}, such as 32 or 64")
+                            f"{block_size} (an even number dividing the hidden size); use "
+                            f"{suggested_block_size(along)}")
+
+
+def suggested_block_size(hidden: int) -> str:
+    """The even divisors of ``hidden`` closest to QLoRA's 64, for a message (largest first)."""
+    sizes = [b for b in range(64, 1, -2) if hidden % b == 0][:2]
+    return " or ".join(str(b) for b in sizes) if sizes else f"none: {hidden} has no even divisor up to 64"
+
+
+@torch.no_grad()
+def cast_base_(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Cast every frozen parameter and quantized weight of ``modules`` to ``dtype`` (the adapters and
+    anything else that trains keep their dtype); a quantized weight keeps its codes and dequantizes
+    into ``dtype`` from then on."""
+    for module in modules:
+        for sub in module.modules():
+            for p in sub._parameters.values():
+                if p is not None and not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            for key, b in sub._buffers.items():
+                if isinstance(b, QuantizedWeight):
+                    sub._buffers[key] = b.to(dtype)

@@ -64,6 +64,13 @@ class QuantizedRows:
         """The bytes this matrix occupies (codes, scales and the per-row factors)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def clone(self) -> QuantizedRows:
+        """A copy with its own storage."""
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.clone()
+        return QuantizedRows(self.method, self.block_size, self.codes.clone(), self.scales.clone(),
+                             copy(self.factor), copy(self.mean))
+
     def to(self, device: torch.device) -> QuantizedRows:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
@@ -78,10 +85,17 @@ class QuantizedRows:
             values = self.codes.float().view(rows, blocks, self.block_size) * self.scales.unsqueeze(-1)
             return values.reshape(rows, length).to(dtype)
         assert self.factor is not None and self.mean is not None
-        # a lookup of each code byte's two levels (``embedding``: several times faster than indexing)
-        pairs = F.embedding(self.codes.long(), _byte_pairs(self.codes.device)).view(rows, blocks, self.block_size)
-        scales = self.scales.float() / self.factor + self.mean
-        return (pairs * scales.unsqueeze(-1)).reshape(rows, length).to(dtype)
+        # row chunks into the output: the fp32 temporaries stay a few MB whatever the weight's size
+        out = torch.empty(rows, length, dtype=dtype, device=self.codes.device)
+        table = _byte_pairs(self.codes.device)
+        step = max(1, _ELEMENTS_PER_CHUNK // max(1, length))
+        for start in range(0, rows, step):
+            end = min(rows, start + step)
+            # a lookup of each code byte's two levels (``embedding``: several times faster than indexing)
+            pairs = F.embedding(self.codes[start:end].int(), table).view(end - start, blocks, self.block_size)
+            scales = self.scales[start:end].float() / self.factor[start:end] + self.mean[start:end]
+            out[start:end] = pairs.mul_(scales.unsqueeze(-1)).view(end - start, length)
+        return out
 
 
 def _byte_pairs(device: torch.device) -> torch.Tensor:

@@ -5,7 +5,9 @@ weight's logical shape and compute dtype. Layers use it exactly like the dense w
 ``F.linear``, the fused column-parallel matmul, ``.to(bf16)`` under a precision preset. Every
 operator but the few handled here receives the dequantized values, computed at the moment of use.
 The handled ones keep it quantized: ``detach`` and ``alias``; ``t`` / ``transpose``, which flip a
-flag; ``_to_copy``, which changes the dtype it dequantizes to or moves its storage. Autograd
+flag; ``_to_copy``, which changes the (floating) dtype it dequantizes to or moves its storage;
+``clone`` and ``deepcopy``, which copy the codes. An operator that would write into it is refused
+(the write would go to a dense temporary and be lost). Autograd
 therefore saves the quantized weight, not a dense copy, for the input gradient of a matmul (the
 frozen base has no gradient of its own), and the dense values exist only inside one operator.
 
@@ -76,12 +78,49 @@ class QuantizedWeight(torch.Tensor):
                 return first._with(flip=True)
             if func is aten.transpose.int and {d % 2 for d in args[1:3]} == {0, 1}:
                 return first._with(flip=True)
-            if func is aten._to_copy.default and set(kwargs) <= {"dtype", "device", "non_blocking"}:
+            if func is aten._to_copy.default and _keeps_quantized(kwargs):
                 device = kwargs.get("device")
                 rows = first.rows.to(device) if device is not None and device != first.device else None
                 return first._with(rows=rows, dtype=kwargs.get("dtype"))
+            if func is aten.clone.default:
+                return first._with(rows=first.rows.clone())
+        _refuse_writes(func, args, kwargs)
 
         def unwrap(x: Any) -> Any:
             return x.dense() if isinstance(x, QuantizedWeight) else x
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+    def __deepcopy__(self, memo: dict) -> QuantizedWeight:
+        return self._with(rows=self.rows.clone())
+
+
+def _keeps_quantized(kwargs: dict) -> bool:
+    """Whether a ``_to_copy`` only changes the floating dtype or the device (``.to(bf16)``,
+    ``.to("cuda")``, ``module.to(...)``): then the copy stays quantized; anything else (an integer
+    dtype, another layout or memory format, pinned memory) gets the dense values."""
+    dtype = kwargs.get("dtype")
+    return ((dtype is None or dtype.is_floating_point)
+            and kwargs.get("layout") in (None, torch.strided)
+            and kwargs.get("memory_format") in (None, torch.preserve_format)
+            and not kwargs.get("pin_memory"))
+
+
+def _refuse_writes(func: Any, args: tuple, kwargs: dict) -> None:
+    """An operator that writes into a :class:`QuantizedWeight` (``add_``, ``copy_``, an initialiser)
+    would write into a dense temporary and be lost: refuse it instead."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, QuantizedWeight):
+            raise QuantizedWeightWriteError(
+                f"{func} would write into a quantized weight, and the write would be lost (it holds codes, "
+                f"not values); dequantize the base first (plait.quantize.dequantize_base_)")
+
+
+class QuantizedWeightWriteError(RuntimeError):
+    """An in-place operator applied to a :class:`QuantizedWeight`."""

@@ -147,6 +147,24 @@ def build_trained_stages(resolved: ResolvedRecipe, mesh: ParallelMesh, config: D
                                  hf_path=r.model.hf_path)
 
 
+def build_reference_stages(resolved: ResolvedRecipe, mesh: ParallelMesh, config: DecoderConfig, vocab_size: int,
+                           device: torch.device, round_to: torch.dtype) -> list[nn.Module]:
+    """A frozen copy of the initial model (a preference or GRPO ``frozen`` reference). With a
+    quantized LoRA base it is quantized the same way, and built as the policy is (placeholders,
+    one projection read and quantized at a time), so it is the policy with its adapters off."""
+    lo = resolved.recipe.lora
+    if lo.rank is None or lo.quantize_base == "none":
+        return build_stages_for(resolved, mesh, config, vocab_size, device)
+    r = resolved.recipe
+    stages, values = build_stages_deferred(config, mesh, stage_layers(resolved, config, vocab_size), seed=r.run.seed,
+                                           device=device, sequence_parallel=r.parallel.sequence_parallel,
+                                           hf_path=r.model.hf_path)
+    for stage in stages:
+        stage.requires_grad_(False)
+    quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size, values=values, round_to=round_to)
+    return stages
+
+
 def build_optimizer(resolved: ResolvedRecipe, modules: list[nn.Module], mesh: ParallelMesh,
                     policy: PrecisionPolicy, values: DeferredValues | None = None) -> DistributedOptimizer:
     """The rank's :class:`DistributedOptimizer` for the recipe (filling placeholders from ``values``)."""
@@ -381,11 +399,8 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
     if head is not None and reference_mode is not None:
         reference_stages = None
         if reference_mode == "frozen":  # the initial model, built the same way
-            reference_stages = freeze(build_stages_for(resolved, mesh, config, train_data.vocab_size, device),
-                                      policy.param_dtype)
-            if lo.rank is not None and lo.quantize_base != "none":  # the policy's base, quantized the same way
-                quantize_base_(reference_stages, lo.quantize_base, block_size=lo.quantize_block_size,
-                               round_to=policy.param_dtype)
+            reference_stages = freeze(build_reference_stages(resolved, mesh, config, train_data.vocab_size, device,
+                                                             policy.param_dtype), policy.param_dtype)
         reference_pass = reference_pass_for(resolved, head, mesh, policy, config.hidden_size,
                                             lambda: policy.compute_context(device), reference_stages)
     split = None

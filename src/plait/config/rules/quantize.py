@@ -9,6 +9,8 @@ from plait.config.rules.checker import Checker
 from plait.lora.apply import projections
 from plait.materialize import build_model
 from plait.mesh import single_process_mesh
+from plait.models.decoder.config import DecoderConfig
+from plait.quantize.apply import suggested_block_size
 
 
 def check_quantize_base(c: Checker) -> None:
@@ -22,7 +24,8 @@ def check_quantize_base(c: Checker) -> None:
     block = lo.quantize_block_size
     if arch is not None and c.ok("model") and (block % 2 or arch.hidden_size % block):
         c.add("lora.quantize_block_size", block, f"must be an even divisor of model.hidden_size={arch.hidden_size} "
-                                                 f"(blocks run along the hidden size); e.g. 64 or 32")
+                                                 f"(blocks run along the hidden size); use "
+                                                 f"{suggested_block_size(arch.hidden_size)}")
     if arch is not None and c.ok("model"):
         unsupported = _unquantizable_layers(arch)
         if unsupported:
@@ -40,7 +43,7 @@ def check_quantize_base(c: Checker) -> None:
                           f"norms, head and adapters, not the quantized weights)")
 
 
-def _unquantizable_layers(arch) -> list[str]:
+def _unquantizable_layers(arch: DecoderConfig) -> list[str]:
     """Names of the matrices in the decoder blocks that are not block projections (router gates,
     grouped experts, latent-attention compressions), read off the model built on the meta device."""
     model = build_model(arch, single_process_mesh(), device="meta", init=False)
