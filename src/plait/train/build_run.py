@@ -16,7 +16,8 @@ Order of construction (fixed, commented where it matters):
    with ``ep > 1``, only its experts, with the token exchange set up),
    from the layout-invariant initialisation or from ``model.hf_path``; their per-TP-rank
    dropout stream reseeded from the run seed; under ZeRO-3 without LoRA the weights are only
-   placeholders until step 5 (:mod:`plait.deferred`);
+   placeholders until step 5 (:mod:`plait.deferred`); then LoRA, and with ``lora.quantize_base``
+   the base quantized projection by projection from placeholders (:mod:`plait.quantize`);
 4. activation checkpointing (after the TP swap and the pipeline split, on the swapped modules), then
    ``train.compile`` (:mod:`plait.train.compile`: compiled units around the checkpointed modules);
 5. the optimizer, which takes ownership of the weights (flat buffers) and gradients, and under
