@@ -131,7 +131,7 @@ def test_init_from_a_qlora_adapter_on_another_base_warns(qlora):
     same = validate_recipe({"lora": {**lora, "quantize_base": "nf4", "quantize_block_size": 16}}, 2)
     assert not any("init_from" in w for w in same.warnings), same.warnings
     other = validate_recipe({"lora": lora}, 2)
-    assert any("trained on a nf4 base (blocks of 16)" in w for w in other.warnings), other.warnings
+    assert any("trained on an nf4 base (blocks of 16)" in w for w in other.warnings), other.warnings
 
 
 def test_merge_casts_to_dtype(qlora, tmp_path, capsys):

@@ -115,7 +115,7 @@ def _merge_lora(src: Path, args) -> int:
     try:
         record = read_base_quantization(src)
         if record is not None and not args.dequantize:
-            return _fail(f"--merge-lora: {src} was trained on a {record.method}-quantized base ({QUANTIZATION_FILE}); "
+            return _fail(f"--merge-lora: {src} was trained on an {record.method}-quantized base ({QUANTIZATION_FILE}); "
                          f"merged into the unquantized base it would not be the model that was trained. Add "
                          f"--dequantize to merge into the base as trained (quantized, then dequantized to float32)")
         if record is None and args.dequantize:

@@ -64,9 +64,9 @@ def _warn_other_base(c: Checker, adapter: Path) -> None:
     except QuantizationRecordError as e:
         c.add("lora.init_from", lo.init_from, str(e))
         return
-    theirs = "the base as read" if record is None else f"a {record.method} base (blocks of {record.block_size})"
+    theirs = "the base as read" if record is None else f"an {record.method} base (blocks of {record.block_size})"
     mine = "the base as read" if lo.quantize_base == "none" else \
-        f"a {lo.quantize_base} base (blocks of {lo.quantize_block_size})"
+        f"an {lo.quantize_base} base (blocks of {lo.quantize_block_size})"
     if theirs != mine:
         c.warnings.append(f"lora.init_from: {lo.init_from} — was trained on {theirs}, and this run trains on "
                           f"{mine} (lora.quantize_base): the adapter starts on another base than it learned on")
