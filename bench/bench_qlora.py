@@ -60,7 +60,7 @@ def rank_bytes(config: LlamaConfig, tp: int, method: str, dtype: torch.dtype) ->
         weights = [m.weight for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in TARGETS]
         projections = sum(w.numel() * w.element_size() for w in weights)
         if method != "none":
-            quantize_base_([model], method, block_size=64)  # type: ignore[arg-type]
+            quantize_base_([model], method, block_size=64)
             projections = sum(w.nbytes_stored() for _, w in quantized_weights([model]))
         dense = sum(p.numel() * p.element_size() for p in model.parameters())
         return projections, dense + sum(w.nbytes_stored() for _, w in quantized_weights([model]))
@@ -76,7 +76,7 @@ def plait_step(config: LlamaConfig, method: str, dtype: torch.dtype, ids: torch.
             if name.endswith(".B"):
                 p.normal_(0.0, 1e-3)
     if method != "none":
-        quantize_base_([model], method, block_size=64)  # type: ignore[arg-type]
+        quantize_base_([model], method, block_size=64)
     opt = adamw([[p for _, p in lora_parameters([model])]], foreach=False)
     return _stepper(lambda: model(ids, ids), opt)
 

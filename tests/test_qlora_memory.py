@@ -40,7 +40,7 @@ def _built_bytes(tp: int, quantize: str, dtype: torch.dtype) -> tuple[int, int]:
         # the optimizer keeps trained weights in the parameter dtype (its flat buffer), adapters included
         apply_lora([model], LoraSettings(rank=16, alpha=32.0, target_modules=TARGETS), seed=0, dtype=dtype)
         if quantize != "none":
-            quantize_base_([model], quantize, block_size=64, round_to=dtype)  # type: ignore[arg-type]
+            quantize_base_([model], quantize, block_size=64, round_to=dtype)
         dense = sum(p.numel() * p.element_size() for p in model.parameters())
         stored = sum(w.nbytes_stored() for _, w in quantized_weights([model]))
         return dense + stored, sum(p.numel() for _, p in lora_parameters([model]))

@@ -76,7 +76,7 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="do not split into blocks of 64"):
         quantize_rows(torch.randn(4, 96), "nf4", 64)
     with pytest.raises(ValueError, match="unknown quantization method"):
-        quantize_rows(torch.randn(4, 64), "fp4", 64)  # type: ignore[arg-type]
+        quantize_rows(torch.randn(4, 64), "fp4", 64)
 
 
 # ------------------------------------------------------------------------------ the tensor

@@ -52,7 +52,7 @@ def _lora(r) -> str | None:
 def _quantized(r) -> str | None:
     if r.lora.rank is None:
         return "lora.rank is null (LoRA off: there is no frozen base to quantize)"
-    return None if r.lora.quantize_base != "none" else "lora.quantize_base is 'none' (the base is not quantized)"
+    return None if r.lora.quantized else "lora.quantize_base is 'none' (the base is not quantized)"
 
 
 def _bpe(r) -> str | None:

@@ -531,6 +531,11 @@ class LoraSection(Section):
                                      json_schema_extra=applies_when("quantized"))
 
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the run holds its frozen base quantized (LoRA on and ``quantize_base`` not 'none')."""
+        return self.rank is not None and self.quantize_base != "none"
+
 class PreferenceSection(Section):
     beta: Float = Field(default=0.1, gt=0, description="DPO/IPO: KL strength (IPO's tau); ORPO: weight of the "
                                                         "odds-ratio term (lambda); SimPO: reward scale (2.0-2.5)")

@@ -23,7 +23,7 @@ from torch import nn
 from plait.deferred import DeferredValues, is_placeholder
 from plait.lora.apply import projections
 from plait.lora.settings import COLUMN_TARGETS, ROW_TARGETS
-from plait.quantize.blockwise import METHODS, Method, quantize_rows
+from plait.quantize.blockwise import METHODS, quantize_rows
 from plait.quantize.tensor import QuantizedWeight
 from plait.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -49,7 +49,7 @@ class QuantizeSummary:
         return self.stored_bytes / max(1, 2 * self.elements)
 
 
-def quantize_base_(modules: list[nn.Module], method: Method, *, block_size: int = DEFAULT_BLOCK_SIZE,
+def quantize_base_(modules: list[nn.Module], method: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
                    values: DeferredValues | None = None, round_to: torch.dtype | None = None) -> QuantizeSummary:
     """Replace the weight of every projection of every decoder block of ``modules`` by a
     :class:`QuantizedWeight` (biases stay as they are). The weights must already be frozen: the

@@ -18,6 +18,7 @@ A row of zeros (head padding, never trained) quantizes to zeros instead of torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,18 +65,18 @@ class QuantizedRows:
         """The bytes this matrix occupies (codes, scales and the per-row factors)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedRows:
+        def each(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+        return QuantizedRows(self.method, self.block_size, fn(self.codes), fn(self.scales), each(self.factor),
+                             each(self.mean))
+
     def clone(self) -> QuantizedRows:
         """A copy with its own storage."""
-        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.clone()
-        return QuantizedRows(self.method, self.block_size, self.codes.clone(), self.scales.clone(),
-                             copy(self.factor), copy(self.mean))
+        return self._map(torch.clone)
 
     def to(self, device: torch.device) -> QuantizedRows:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-        return QuantizedRows(self.method, self.block_size, self.codes.to(device), self.scales.to(device),
-                             move(self.factor), move(self.mean))
+        return self._map(lambda t: t.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[rows, length]`` values the codes stand for (computed in fp32, returned in ``dtype``)."""
@@ -106,7 +107,7 @@ def _byte_pairs(device: torch.device) -> torch.Tensor:
     return torch.stack([levels[byte >> 4], levels[byte & 0b1111]], dim=-1)
 
 
-def quantize_rows(matrix: torch.Tensor, method: Method, block_size: int) -> QuantizedRows:
+def quantize_rows(matrix: torch.Tensor, method: str, block_size: int) -> QuantizedRows:
     """Quantize ``matrix`` (``[rows, length]``, ``length`` a multiple of ``block_size``) row by row.
 
     The arithmetic runs in fp32 whatever ``matrix``'s dtype, so a weight read in bf16 or fp32

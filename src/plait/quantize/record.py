@@ -84,7 +84,7 @@ def quantize_as_recorded(modules: list[nn.Module], adapter_dir: str | Path) -> B
     record = read_base_quantization(adapter_dir)
     if record is not None:
         try:
-            quantize_base_(modules, record.method, block_size=record.block_size,  # type: ignore[arg-type]
+            quantize_base_(modules, record.method, block_size=record.block_size,
                            round_to=record.round_to)
         except QuantizeError as e:  # the record does not fit this base: name the record, not a recipe field
             raise QuantizationRecordError(f"{Path(adapter_dir) / QUANTIZATION_FILE} does not fit the adapter's base "

@@ -140,9 +140,15 @@ def build_trained_stages(resolved: ResolvedRecipe, mesh: ParallelMesh, config: D
     quantization fills one projection at a time (:func:`plait.quantize.quantize_base_`);
     otherwise they are built whole (:func:`build_stages_for`)."""
     r = resolved.recipe
-    quantized = r.lora.rank is not None and r.lora.quantize_base != "none"  # read projection by projection
-    if not quantized and (r.parallel.zero_level() != 3 or r.lora.rank is not None):
+    if not r.lora.quantized and (r.parallel.zero_level() != 3 or r.lora.rank is not None):
         return build_stages_for(resolved, mesh, config, vocab_size, device), None
+    return build_placeholder_stages(resolved, mesh, config, vocab_size, device)
+
+
+def build_placeholder_stages(resolved: ResolvedRecipe, mesh: ParallelMesh, config: DecoderConfig, vocab_size: int,
+                             device: torch.device) -> tuple[list[nn.Module], DeferredValues]:
+    """This rank's stages holding placeholders, and where their values come from (:mod:`plait.deferred`)."""
+    r = resolved.recipe
     return build_stages_deferred(config, mesh, stage_layers(resolved, config, vocab_size), seed=r.run.seed,
                                  device=device, sequence_parallel=r.parallel.sequence_parallel,
                                  hf_path=r.model.hf_path)
@@ -154,12 +160,9 @@ def build_reference_stages(resolved: ResolvedRecipe, mesh: ParallelMesh, config:
     quantized LoRA base it is quantized the same way, and built as the policy is (placeholders,
     one projection read and quantized at a time), so it is the policy with its adapters off."""
     lo = resolved.recipe.lora
-    if lo.rank is None or lo.quantize_base == "none":
+    if not lo.quantized:
         return build_stages_for(resolved, mesh, config, vocab_size, device)
-    r = resolved.recipe
-    stages, values = build_stages_deferred(config, mesh, stage_layers(resolved, config, vocab_size), seed=r.run.seed,
-                                           device=device, sequence_parallel=r.parallel.sequence_parallel,
-                                           hf_path=r.model.hf_path)
+    stages, values = build_placeholder_stages(resolved, mesh, config, vocab_size, device)
     for stage in stages:
         stage.requires_grad_(False)
     quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size, values=values, round_to=round_to)
@@ -375,7 +378,7 @@ def build_run(resolved: ResolvedRecipe, prepared_dir: str | Path, rank: int, wor
                                         target_modules=tuple(lo.target_modules), rslora=lo.rslora), seed=r.run.seed)
         if lo.init_from is not None:  # continue from an adapter: each rank reads only its slices
             load_peft_adapter(stages, Path(lo.init_from).expanduser())
-        if lo.quantize_base != "none":  # QLoRA: each rank reads and quantizes its base, a projection at a time
+        if lo.quantized:  # QLoRA: each rank reads and quantizes its base, a projection at a time
             summary = quantize_base_(stages, lo.quantize_base, block_size=lo.quantize_block_size, values=values,
                                      round_to=policy.param_dtype)  # the base a bf16 preset would hold
             values = None  # every placeholder is filled: the optimizer builds as for a whole model

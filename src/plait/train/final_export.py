@@ -106,7 +106,7 @@ class AdapterExport(FinalExport):
         lo = r.lora
         with tempfile.TemporaryDirectory() as scratch, st.optimizer.weights_gathered():  # ZeRO-3: adapters' chunks
             extra = run_model_use_files(st) if writer else None
-            if extra is not None and lo.quantize_base != "none":  # the base it learned on, beside the adapter
+            if extra is not None and lo.quantized:  # the base it learned on, beside the adapter
                 rounded = "bfloat16" if st.policy.param_dtype == torch.bfloat16 else "float32"
                 extra[QUANTIZATION_FILE] = BaseQuantization(lo.quantize_base, lo.quantize_block_size,
                                                             rounded).write(Path(scratch))

@@ -42,7 +42,7 @@ def reference_identity(r: Recipe) -> dict[str, Any]:
     how a LoRA base is quantized (the policy with its adapters off scores the pairs)."""
     identity: dict[str, Any] = {"model": r.model.model_dump(mode="json"), "seed": r.run.seed,
                                 "precision": r.precision.model_dump(mode="json")}
-    if r.lora.rank is not None and r.lora.quantize_base != "none":  # the scoring base is the quantized one
+    if r.lora.quantized:  # the scoring base is the quantized one
         identity["quantize_base"] = [r.lora.quantize_base, r.lora.quantize_block_size]
     if r.model.hf_path is not None:
         root = Path(r.model.hf_path).expanduser().resolve()
